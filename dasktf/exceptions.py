@@ -1,0 +1,31 @@
+"""The errors dasktf raises, so that callers can tell a failed run from a bad call.
+
+Bad arguments raise the built-in ``ValueError`` / ``TypeError``; everything that goes
+wrong once training has started derives from :class:`DasktfError`.
+"""
+
+from __future__ import annotations
+
+
+class DasktfError(RuntimeError):
+    """Base class of the errors raised while a run is under way."""
+
+
+class SchedulerUnreachableError(DasktfError, OSError):
+    """No Dask scheduler answered at the given address within the timeout."""
+
+
+class WorkerLostError(DasktfError):
+    """A worker that held a replica left the cluster during a run."""
+
+    def __init__(self, message: str, workers: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.workers = list(workers or [])
+
+
+class ReplicaError(DasktfError):
+    """Building a replica, or a step on one, failed on its worker."""
+
+
+class StepTimeoutError(DasktfError, TimeoutError):
+    """A step did not finish within ``dasktf.step-timeout``."""

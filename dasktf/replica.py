@@ -1,0 +1,352 @@
+"""The model replica that lives on a worker for the whole run.
+
+A :class:`Replica` owns a Keras model built from a :class:`~dasktf.models.ModelSpec`,
+its own copy of the optimizer, its data shard and two compiled functions: one
+computes the gradient of a local batch as a single flat float32 buffer (already
+multiplied by the batch size, so partial sums add up), the other applies a summed
+gradient. Every replica applies the same sums in the same order, so all hold the
+same weights without ever broadcasting them.
+
+Worker-side entry points are plain module functions (``step_task``,
+``end_epoch_task``, ...) so that their Dask task names read well on the dashboard;
+they find the replica in a per-process registry keyed by run and worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from dasktf.data import Shard
+from dasktf.models import ModelSpec
+
+logger = logging.getLogger(__name__)
+
+_REPLICAS: dict[tuple[str, str], Replica] = {}
+
+
+@dataclass(frozen=True)
+class ReplicaConfig:
+    """Everything a worker needs to build its replica; small and picklable."""
+
+    model: ModelSpec
+    optimizer: dict[str, Any]  # keras.optimizers.serialize(...) output
+    loss: Any
+    metrics: list[Any] | None
+    seed: int
+    eval_batch_size: int = 256
+
+
+@dataclass
+class GradientSum:
+    """A sum of per-example gradients (``count`` examples) as one flat buffer.
+
+    ``total`` is ``None`` when no example contributed (a worker whose share of a
+    short last batch is empty), which costs no transfer.
+    """
+
+    total: np.ndarray | None
+    count: int
+    loss_sum: float
+    compute_seconds: float = 0.0
+
+    @property
+    def loss(self) -> float:
+        return self.loss_sum / self.count if self.count else float("nan")
+
+
+def sum_gradients(*parts: GradientSum) -> GradientSum:
+    """The reduction of the sync step graph: add gradient sums."""
+    totals = [p.total for p in parts if p.total is not None]
+    total = None
+    if totals:
+        total = totals[0].copy()
+        for t in totals[1:]:
+            total += t
+    return GradientSum(
+        total,
+        sum(p.count for p in parts),
+        sum(p.loss_sum for p in parts),
+        max(p.compute_seconds for p in parts),
+    )
+
+
+@dataclass
+class EpochReport:
+    """What a replica hands back at the end of an epoch."""
+
+    worker: str
+    train_states: list[np.ndarray]
+    val_states: list[np.ndarray] | None
+    weights: list[np.ndarray] | None = None
+    step_seconds: list[float] = field(default_factory=list)
+
+
+class Replica:
+    """A worker-resident model replica with its shard and compiled step functions."""
+
+    def __init__(
+        self,
+        config: ReplicaConfig,
+        index: int,
+        shard: Shard,
+        schedule: np.ndarray,
+        weights: list[np.ndarray],
+        val_shard: Shard | None = None,
+        shuffle: bool = True,
+    ) -> None:
+        import keras
+        import tensorflow as tf
+
+        self.index = index
+        self.shard = shard
+        self.val_shard = val_shard
+        self.schedule = np.asarray(schedule)
+        self.offsets = np.concatenate([[0], np.cumsum(self.schedule)])
+        self.shuffle = shuffle
+        self.seed = config.seed
+        self.eval_batch_size = config.eval_batch_size
+        keras.utils.set_random_seed(config.seed + index)
+
+        model = config.model.build()
+        model.compile(
+            optimizer=keras.optimizers.deserialize(config.optimizer),
+            loss=config.loss,
+            metrics=_metrics(config.metrics),
+        )
+        model.set_weights(weights)
+        self.model = model
+        self.variables = list(model.trainable_variables)
+        self.sizes = [int(np.prod(v.shape)) for v in self.variables]
+        self.shapes = [tuple(v.shape) for v in self.variables]
+        model.optimizer.build(self.variables)
+        build_metrics(model, shard.x[:1], shard.y[:1])
+        self._loss_tracker = next(m for m in model.metrics if m.name == "loss")
+
+        spec = [
+            tf.TensorSpec((None, *shard.x.shape[1:]), tf.as_dtype(shard.x.dtype)),
+            tf.TensorSpec((None, *shard.y.shape[1:]), tf.as_dtype(shard.y.dtype)),
+        ]
+        self._gradient_fn = tf.function(self._gradient, input_signature=spec)
+        self._apply_fn = tf.function(self._apply)
+        self._epoch = -1
+        self._order = np.arange(len(shard))
+        self.step_seconds: list[float] = []
+        from dasktf.events import MetricsBuffer
+
+        self.events = MetricsBuffer()
+        self.run_id = ""
+
+    # -- compiled bodies ------------------------------------------------------
+    def _gradient(self, x: Any, y: Any) -> tuple[Any, Any]:
+        import tensorflow as tf
+
+        with tf.GradientTape() as tape:
+            y_pred = self.model(x, training=True)
+            loss = self.model.compute_loss(x=x, y=y, y_pred=y_pred, training=True)
+        grads = tape.gradient(loss, self.variables)
+        n = tf.shape(x)[0]
+        self._loss_tracker.update_state(loss, sample_weight=n)
+        self.model.compute_metrics(x, y, y_pred, sample_weight=None)
+        flat = tf.concat(
+            [
+                tf.reshape(tf.zeros_like(v) if g is None else tf.cast(g, v.dtype), [-1])
+                for g, v in zip(grads, self.variables)
+            ],
+            axis=0,
+        )
+        return flat * tf.cast(n, flat.dtype), loss * tf.cast(n, loss.dtype)
+
+    def _apply(self, total: Any, count: Any) -> None:
+        import tensorflow as tf
+
+        mean = total / tf.cast(count, total.dtype)
+        grads = [
+            tf.reshape(part, shape)
+            for part, shape in zip(tf.split(mean, self.sizes), self.shapes)
+        ]
+        self.model.optimizer.apply_gradients(zip(grads, self.variables))
+
+    # -- what the tasks call --------------------------------------------------
+    def apply(self, summed: GradientSum | None) -> None:
+        if summed is not None and summed.count:
+            assert summed.total is not None
+            self._apply_fn(summed.total, summed.count)
+
+    def batch(self, epoch: int, step: int) -> tuple[np.ndarray, np.ndarray]:
+        if epoch != self._epoch:
+            self._epoch = epoch
+            if self.shuffle:
+                rng = np.random.default_rng([self.seed, epoch, self.index])
+                self._order = rng.permutation(len(self.shard))
+        rows = self._order[self.offsets[step] : self.offsets[step + 1]]
+        return self.shard.x[rows], self.shard.y[rows]
+
+    def gradient(self, epoch: int, step: int) -> GradientSum:
+        x, y = self.batch(epoch, step)
+        if len(x) == 0:
+            return GradientSum(None, 0, 0.0)
+        flat, loss_sum = self._gradient_fn(x, y)
+        return GradientSum(flat.numpy(), len(x), float(loss_sum))
+
+    def record_step(
+        self, epoch: int, step: int, previous: GradientSum | None, out: GradientSum
+    ) -> None:
+        """Queue this step's record; the global loss of the step before rides along
+        (the summed gradient this replica just applied carries it)."""
+        record: dict[str, Any] = {
+            "run": self.run_id,
+            "kind": "step",
+            "epoch": epoch,
+            "step": step,
+            "worker": self.index,
+            "batch_size": out.count,
+            "local_loss": out.loss if out.count else None,
+            "compute_s": out.compute_seconds,
+            "wall_time": time.time(),
+        }
+        if previous is not None and previous.count:
+            record["loss"] = previous.loss
+            record["loss_step"] = step - 1
+        self.events.add(record)
+
+    def metric_states(self) -> list[np.ndarray]:
+        return [np.asarray(v.numpy()) for m in self.model.metrics for v in m.variables]
+
+    def evaluate(self) -> list[np.ndarray] | None:
+        if self.val_shard is None or len(self.val_shard) == 0:
+            return None
+        self.model.evaluate(
+            self.val_shard.x,
+            self.val_shard.y,
+            batch_size=self.eval_batch_size,
+            verbose=0,
+        )
+        return self.metric_states()
+
+
+def _metrics(metrics: list[Any] | None) -> list[Any] | None:
+    import keras
+
+    if metrics is None:
+        return None
+    return [keras.metrics.deserialize(m) if isinstance(m, dict) else m for m in metrics]
+
+
+def build_metrics(model: Any, x: np.ndarray, y: np.ndarray) -> None:
+    """Create the compiled loss and metric variables (Keras builds them lazily)."""
+    y_pred = model(x, training=False)
+    model.compute_loss(x=x, y=y, y_pred=y_pred, training=False)
+    model.compute_metrics(x, y, y_pred, sample_weight=None)
+    model.reset_metrics()
+
+
+def merge_metric_states(model: Any, states: list[list[np.ndarray]]) -> dict[str, float]:
+    """Sum the replicas' metric variables into ``model``'s metrics and read them.
+
+    Keras metrics keep additive states (totals and counts, confusion matrices), so
+    the sum of the replicas' states is the state one process would have reached on
+    the union of their data: exact, not an average of averages.
+    """
+    variables = [v for m in model.metrics for v in m.variables]
+    for i, v in enumerate(variables):
+        v.assign(np.sum([s[i] for s in states], axis=0))
+    result = {k: float(np.asarray(v)) for k, v in model.get_metrics_result().items()}
+    model.reset_metrics()
+    return result
+
+
+# -- task functions (run on the workers) ------------------------------------
+def _key(run_id: str) -> tuple[str, str]:
+    from distributed import get_worker
+
+    return run_id, get_worker().address
+
+
+def get_replica(run_id: str) -> Replica:
+    try:
+        return _REPLICAS[_key(run_id)]
+    except KeyError:
+        from dasktf.exceptions import ReplicaError
+
+        raise ReplicaError(
+            f"No replica of run {run_id} on this worker: it was lost or never built "
+            "(a worker restarted mid-run?)."
+        ) from None
+
+
+def create_replica_task(
+    run_id: str,
+    expected_address: str,
+    config: ReplicaConfig,
+    index: int,
+    shard: Shard,
+    schedule: np.ndarray,
+    weights: list[np.ndarray],
+    val_shard: Shard | None,
+    shuffle: bool,
+) -> dict[str, Any]:
+    from distributed import get_worker
+
+    address = get_worker().address
+    if address != expected_address:
+        raise ValueError(
+            f"Replica {index} was meant for {expected_address} but ran on {address}; "
+            "the task was moved, which dasktf never asks for."
+        )
+    replica = Replica(config, index, shard, schedule, weights, val_shard, shuffle)
+    replica.run_id = run_id
+    _REPLICAS[(run_id, address)] = replica
+    import tensorflow as tf
+
+    return {
+        "worker": address,
+        "devices": [d.name for d in tf.config.get_visible_devices()],
+        "intra_op_threads": tf.config.threading.get_intra_op_parallelism_threads(),
+        "shard_size": len(shard),
+    }
+
+
+def step_task(
+    run_id: str, epoch: int, step: int, previous: GradientSum | None
+) -> GradientSum:
+    """One fused sync step on one worker: apply the last summed gradient, then
+    compute the gradient of this step's local batch."""
+    start = time.perf_counter()
+    replica = get_replica(run_id)
+    replica.apply(previous)
+    out = replica.gradient(epoch, step)
+    out.compute_seconds = time.perf_counter() - start
+    replica.step_seconds.append(out.compute_seconds)
+    replica.record_step(epoch, step, previous, out)
+    return out
+
+
+def end_epoch_task(
+    run_id: str, previous: GradientSum | None, with_weights: bool
+) -> EpochReport:
+    """Apply the epoch's last gradient, then report metrics (and weights if asked)."""
+    from distributed import get_worker
+
+    replica = get_replica(run_id)
+    replica.apply(previous)
+    replica.events.flush()
+    train = replica.metric_states()
+    replica.model.reset_metrics()
+    val = replica.evaluate()
+    replica.model.reset_metrics()
+    seconds, replica.step_seconds = replica.step_seconds, []
+    weights = [np.asarray(w) for w in replica.model.get_weights()] if with_weights else None
+    return EpochReport(get_worker().address, train, val, weights, seconds)
+
+
+def release_replicas(run_id: str, dask_worker: Any = None) -> int:
+    """Drop this process's replicas of ``run_id`` (run through ``Client.run``)."""
+    keys = [k for k in _REPLICAS if k[0] == run_id]
+    for k in keys:
+        del _REPLICAS[k]
+    return len(keys)

@@ -1,0 +1,179 @@
+"""The synchronous step engine: one Dask task graph per training step.
+
+Per step ``k`` the graph is::
+
+    step(k, w0) ─┐
+    step(k, w1) ─┼─► sum ─► step(k+1, w0), step(k+1, w1), ...
+    step(k, w2) ─┘
+
+``step`` runs pinned on the worker that holds the shard and replica: it applies the
+previous step's summed gradient, then computes this step's gradient (one fused task,
+one flat buffer). ``sum`` is a tree of ``dasktf.reduction-fan-in``-ary additions. So a
+step costs two dependent task hops and two buffer moves (workers → sum → workers);
+with one worker the sum is skipped and a step is one hop. Gradients go worker to
+worker, never through the client, and the client submits
+``dasktf.submit-ahead`` steps before it waits for the oldest.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from distributed import wait
+
+from dasktf import config
+from dasktf.cluster import alive_workers
+from dasktf.exceptions import ReplicaError, StepTimeoutError, WorkerLostError
+from dasktf.replica import EpochReport, end_epoch_task, step_task, sum_gradients
+
+if TYPE_CHECKING:
+    from distributed import Client, Future
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RunContext:
+    """What the engines share about a run: who, where, how many steps."""
+
+    client: Client
+    run_id: str
+    workers: list[str]
+    steps_per_epoch: int
+
+
+def wait_for(ctx: RunContext, futures: list[Future], what: str) -> None:
+    """Wait for ``futures`` without ever hanging on a dead peer.
+
+    Checks every ``dasktf.poll-interval`` that the run's workers are alive and fails
+    after ``dasktf.step-timeout``, naming the workers that have not answered.
+    """
+    poll = config.get_seconds("poll-interval")
+    deadline = time.monotonic() + config.get_seconds("step-timeout")
+    pending = list(futures)
+    while True:
+        try:
+            wait(pending, timeout=poll, return_when="FIRST_COMPLETED")
+        except TimeoutError:
+            pass
+        errored = [f for f in pending if f.status == "error"]
+        if errored:
+            raise_task_error(errored[0], what)
+        pending = [f for f in pending if f.status != "finished"]
+        if not pending:
+            return
+        check_alive(ctx, what)
+        if time.monotonic() > deadline:
+            raise StepTimeoutError(
+                f"{what} did not finish within dasktf.step-timeout "
+                f"({config.get_seconds('step-timeout'):g}s); workers {ctx.workers} "
+                "were alive but did not answer. Check their logs for a stuck task, "
+                "or raise the timeout with DASK_DASKTF__STEP_TIMEOUT."
+            )
+
+
+def check_alive(ctx: RunContext, what: str) -> None:
+    alive = set(alive_workers(ctx.client))
+    lost = [w for w in ctx.workers if w not in alive]
+    if lost:
+        raise WorkerLostError(
+            f"Worker(s) {lost} left the cluster during {what}. The surviving replicas "
+            "are intact; restart the worker(s) or train with fewer workers.",
+            lost,
+        )
+
+
+def raise_task_error(future: Future, what: str) -> None:
+    exc = future.exception()
+    tb = future.traceback()
+    import traceback
+
+    detail = "".join(traceback.format_tb(tb)) if tb is not None else ""
+    raise ReplicaError(
+        f"{what} failed on a worker: {type(exc).__name__}: {exc}\n"
+        f"Worker traceback:\n{detail}"
+    ) from exc
+
+
+class SyncEngine:
+    """Runs epochs of synchronous data-parallel steps as Dask task graphs."""
+
+    mode = "sync"
+
+    def __init__(self, ctx: RunContext) -> None:
+        self.ctx = ctx
+        self.fan_in = max(2, int(config.get("reduction-fan-in")))
+        self.ahead = max(1, int(config.get("submit-ahead")))
+
+    def _reduce(self, parts: list[Future], epoch: int, step: int) -> Future:
+        client, level, depth = self.ctx.client, parts, 0
+        while len(level) > 1:
+            level = [
+                client.submit(
+                    sum_gradients,
+                    *level[j : j + self.fan_in],
+                    key=f"dasktf-sum-{self.ctx.run_id}-{epoch}-{step}-{depth}-{j}",
+                )
+                for j in range(0, len(level), self.fan_in)
+            ]
+            depth += 1
+        return level[0]
+
+    def submit_step(self, epoch: int, step: int, previous: Future | None) -> Future:
+        parts = [
+            self.ctx.client.submit(
+                step_task,
+                self.ctx.run_id,
+                epoch,
+                step,
+                previous,
+                key=f"dasktf-step-{self.ctx.run_id}-{epoch}-{step}-{i}",
+                # The replica and shard live on this worker alone: never move the task.
+                workers=[w],
+                allow_other_workers=False,
+            )
+            for i, w in enumerate(self.ctx.workers)
+        ]
+        return self._reduce(parts, epoch, step)
+
+    def run_epoch(
+        self, epoch: int, on_step: Callable[[int], None] | None = None
+    ) -> list[EpochReport]:
+        """Train one epoch; return every replica's report (metric states, weights)."""
+        window: deque[tuple[int, Future]] = deque()
+        previous: Future | None = None
+        for step in range(self.ctx.steps_per_epoch):
+            previous = self.submit_step(epoch, step, previous)
+            window.append((step, previous))
+            while len(window) > self.ahead:
+                self._retire(window.popleft(), epoch, on_step)
+        while window:
+            self._retire(window.popleft(), epoch, on_step)
+        ends = [
+            self.ctx.client.submit(
+                end_epoch_task,
+                self.ctx.run_id,
+                previous,
+                i == 0,
+                key=f"dasktf-end-epoch-{self.ctx.run_id}-{epoch}-{i}",
+                workers=[w],
+                allow_other_workers=False,
+            )
+            for i, w in enumerate(self.ctx.workers)
+        ]
+        wait_for(self.ctx, ends, f"the end of epoch {epoch + 1}")
+        return self.ctx.client.gather(ends)  # type: ignore[no-any-return]
+
+    def _retire(
+        self, item: tuple[int, Future], epoch: int, on_step: Callable[[int], None] | None
+    ) -> None:
+        step, future = item
+        wait_for(self.ctx, [future], f"step {step + 1} of epoch {epoch + 1}")
+        if on_step is not None:
+            on_step(step)
+

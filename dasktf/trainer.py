@@ -1,0 +1,590 @@
+"""The public training API: :func:`fit` and :class:`Trainer`.
+
+``Trainer.fit`` validates its arguments on the client, resolves the cluster once,
+places the data shards, builds one replica per worker, then drives a step engine
+(:mod:`dasktf.sync`) epoch by epoch, merging the replicas' metrics and calling Keras
+callbacks on the client.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import inspect
+import logging
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import numpy as np
+
+from dasktf import config
+from dasktf.callbacks import History, ProgressBar
+from dasktf.cluster import TensorFlowSetup, choose_workers, cluster_client, default_tf_threads
+from dasktf.data import PlacedData, ShardStats, check_labels, make_source, place_validation
+from dasktf.events import TOPIC, unpack
+from dasktf.models import ModelLike, ModelSpec, model_spec
+from dasktf.replica import (
+    ReplicaConfig,
+    build_metrics,
+    create_replica_task,
+    merge_metric_states,
+    release_replicas,
+)
+from dasktf.sync import RunContext, SyncEngine, wait_for
+
+if TYPE_CHECKING:
+    from distributed import Client
+
+logger = logging.getLogger(__name__)
+
+MODES = ("sync",)
+_SPARSE_LOSSES = ("sparse_categorical_crossentropy", "SparseCategoricalCrossentropy")
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _explain_unknown_options(func: F) -> F:
+    """Turn Python's bare 'unexpected keyword' into a message listing the options."""
+    allowed = [
+        p.name
+        for p in inspect.signature(func).parameters.values()
+        if p.kind is p.KEYWORD_ONLY or p.kind is p.POSITIONAL_OR_KEYWORD
+    ]
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        unknown = [k for k in kwargs if k not in allowed]
+        if unknown:
+            hints = {k: difflib.get_close_matches(k, allowed, n=1) for k in unknown}
+            said = ", ".join(
+                f"{k!r}" + (f" (did you mean {h[0]!r}?)" if h else "") for k, h in hints.items()
+            )
+            raise TypeError(
+                f"{func.__qualname__}() got unknown option(s) {said}; "
+                f"allowed: {', '.join(a for a in allowed if a != 'self')}."
+            )
+        return func(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _positive_int(name: str, value: Any, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be a positive integer; got {value!r}.")
+
+
+def _resolve_optimizer(optimizer: Any, learning_rate: float | None) -> dict[str, Any]:
+    import keras
+
+    if isinstance(optimizer, str):
+        try:
+            opt = keras.optimizers.get(optimizer)
+        except ValueError:
+            names = ["adam", "adamw", "sgd", "rmsprop", "adagrad", "adadelta", "nadam", "lion"]
+            raise ValueError(
+                f"Unknown optimizer {optimizer!r}; use a Keras optimizer name "
+                f"({', '.join(names)}, ...) or a keras.optimizers.Optimizer instance."
+            ) from None
+    elif isinstance(optimizer, keras.optimizers.Optimizer):
+        opt = optimizer.__class__.from_config(optimizer.get_config())
+    else:
+        raise TypeError(
+            "optimizer must be a name or a keras.optimizers.Optimizer; "
+            f"got {type(optimizer).__name__}."
+        )
+    if learning_rate is not None:
+        if not learning_rate > 0:
+            raise ValueError(f"learning_rate must be positive; got {learning_rate!r}.")
+        opt.learning_rate = learning_rate
+    return keras.optimizers.serialize(opt)  # type: ignore[no-any-return]
+
+
+def _resolve_loss(loss: Any, model: Any, stats: ShardStats) -> Any:
+    import keras
+
+    if loss is None:
+        loss = getattr(model, "loss", None) if getattr(model, "compiled", False) else None
+    if loss is None:
+        outputs = model.outputs[0].shape[-1] if getattr(model, "outputs", None) else 1
+        loss = "sparse_categorical_crossentropy" if stats.y_integral and outputs > 1 else "mse"
+        logger.info("No loss given; using %s", loss)
+    if isinstance(loss, str):
+        try:
+            keras.losses.get(loss)
+        except ValueError:
+            raise ValueError(
+                f"Unknown loss {loss!r}; use a Keras loss name (e.g. "
+                "sparse_categorical_crossentropy, categorical_crossentropy, mse, mae) "
+                "or a keras.losses.Loss instance."
+            ) from None
+    return loss
+
+
+def _resolve_metrics(metrics: Sequence[Any] | None) -> list[Any] | None:
+    import keras
+
+    if metrics is None:
+        return None
+    if isinstance(metrics, str):
+        metrics = [metrics]
+    out: list[Any] = []
+    for m in metrics:
+        if isinstance(m, keras.metrics.Metric):
+            out.append(keras.metrics.serialize(m))
+        elif isinstance(m, str) or callable(m):
+            out.append(m)
+        else:
+            raise TypeError(f"metrics must be names, Metric instances or callables; got {m!r}.")
+    return out
+
+
+def _is_sparse(loss: Any) -> bool:
+    name = loss if isinstance(loss, str) else type(loss).__name__
+    return name in _SPARSE_LOSSES
+
+
+class Trainer:
+    """Data-parallel training of a Keras model on a Dask cluster.
+
+    Each worker of the cluster holds a data shard and a model replica; every training
+    step is a Dask task graph (see :mod:`dasktf.sync`). A trainer keeps its cluster
+    between ``fit`` calls; call :meth:`close` (or use it as a context manager) to
+    release a cluster it started. A client you pass is never closed.
+
+    Parameters
+    ----------
+    model
+        A ``keras.Model`` (its current weights are the starting point), a callable
+        returning one, a built-in name (``"mnist-mlp"``, ``"cnn"``, ``"exp-mlp"``) or
+        an importable ``"module:function"``. Factories may take ``input_shape`` and
+        ``num_outputs`` keyword arguments, which dasktf fills from the data.
+    client
+        A ``distributed.Client`` to train on. If ``None`` and ``scheduler`` is
+        ``None``, an embedded ``LocalCluster`` of ``n_workers`` processes is started.
+    scheduler
+        Address of an existing scheduler to connect to instead.
+    n_workers
+        Replicas to train with: the first ``n_workers`` workers of the cluster (all
+        of them by default; 2 for an embedded cluster).
+    mode
+        ``"sync"``: every step averages all workers' gradients.
+    optimizer, learning_rate
+        A Keras optimizer name or instance; every replica holds its own copy.
+    loss, metrics
+        As in ``keras.Model.compile``; the loss defaults to sparse categorical
+        cross-entropy for integer labels and MSE otherwise.
+    seed
+        Seeds the initial weights, the per-epoch shuffles and dropout.
+    threads_per_worker
+        TensorFlow intra-op threads per worker (default: cores // workers).
+    security
+        A ``distributed.security.Security`` (TLS) for clusters dasktf connects to or
+        starts.
+
+    Examples
+    --------
+    >>> from distributed import Client
+    >>> import dasktf
+    >>> with Client(n_workers=2) as client:  # doctest: +SKIP
+    ...     trainer = dasktf.Trainer("mnist-mlp", client=client, optimizer="adam")
+    ...     history = trainer.fit(x, y, epochs=3, batch_size=256)
+    ...     trainer.evaluate(x_test, y_test)
+    """
+
+    @_explain_unknown_options
+    def __init__(
+        self,
+        model: ModelLike,
+        *,
+        client: Client | None = None,
+        scheduler: str | None = None,
+        n_workers: int | None = None,
+        mode: str = "sync",
+        optimizer: Any = "sgd",
+        learning_rate: float | None = None,
+        loss: Any = None,
+        metrics: Sequence[Any] | None = None,
+        seed: int | None = None,
+        threads_per_worker: int | None = None,
+        security: Any = None,
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}; got {mode!r}.")
+        _positive_int("n_workers", n_workers, allow_none=True)
+        _positive_int("threads_per_worker", threads_per_worker, allow_none=True)
+        if client is not None and scheduler is not None:
+            raise ValueError("Give either client or scheduler, not both.")
+        self._model_arg = model
+        self.mode = mode
+        self.n_workers = n_workers
+        self._optimizer = _resolve_optimizer(optimizer, learning_rate)
+        self._loss_arg = loss
+        self._metrics = _resolve_metrics(metrics)
+        self.seed = int(np.random.SeedSequence().entropy % 2**31) if seed is None else int(seed)
+        self.threads_per_worker = threads_per_worker
+        self._cluster_cm = cluster_client(
+            client, scheduler, n_workers, threads_per_worker, security
+        )
+        self._client: Client | None = None
+        self.model: Any = None
+        self.history: History | None = None
+
+    # -- cluster lifecycle ------------------------------------------------------
+    @property
+    def client(self) -> Client:
+        """The Dask client (the embedded cluster starts on first use)."""
+        if self._client is None:
+            self._client, self._owned = self._cluster_cm.__enter__()
+        return self._client
+
+    def close(self) -> None:
+        """Close the cluster this trainer started (a client you passed stays open)."""
+        if self._client is not None:
+            self._cluster_cm.__exit__(None, None, None)
+            self._client = None
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- training ---------------------------------------------------------------
+    @_explain_unknown_options
+    def fit(
+        self,
+        x: Any,
+        y: Any = None,
+        *,
+        epochs: int = 1,
+        batch_size: int = 128,
+        validation_data: tuple[Any, Any] | None = None,
+        shuffle: bool = True,
+        callbacks: Sequence[Any] | None = None,
+        verbose: int = 1,
+    ) -> History:
+        """Train for ``epochs`` epochs; return a Keras-style :class:`History`.
+
+        Parameters
+        ----------
+        x, y
+            NumPy arrays, Dask arrays (chunks stay on the workers holding them), or
+            ``x`` a shard loader ``load(shard_index, num_shards) -> (x, y)`` run on
+            each worker (``y`` then ``None``).
+        batch_size
+            The *global* batch: each step averages the gradients of ``batch_size``
+            examples spread over the workers.
+        validation_data
+            ``(x_val, y_val)`` evaluated on the workers at every epoch end.
+        shuffle
+            Reshuffle every shard at every epoch (seeded). With ``shuffle=False`` and
+            array inputs the global batches are exactly Keras' (``x[k*B:(k+1)*B]``).
+        callbacks
+            ``keras.callbacks.Callback`` instances, run on the client.
+        verbose
+            0 silent, 1 a progress bar and a line per epoch, 2 a line per epoch.
+
+        Raises
+        ------
+        ValueError, TypeError
+            Bad arguments or data (shapes, NaN, labels out of range, ...).
+        dasktf.exceptions.DasktfError
+            A worker was lost, a replica failed or a step timed out.
+        """
+        _positive_int("epochs", epochs)
+        _positive_int("batch_size", batch_size)
+        if verbose not in (0, 1, 2):
+            raise ValueError(f"verbose must be 0, 1 or 2; got {verbose!r}.")
+        source = make_source(x, y)
+        if validation_data is not None and (
+            not isinstance(validation_data, (tuple, list)) or len(validation_data) != 2
+        ):
+            raise ValueError("validation_data must be a tuple (x_val, y_val).")
+        started = time.perf_counter()
+        client = self.client
+        workers = choose_workers(client, self.n_workers)
+        if self.threads_per_worker is not None or not getattr(self, "_owned", False):
+            threads = self.threads_per_worker or default_tf_threads(len(workers))
+            client.register_plugin(TensorFlowSetup(threads))
+        placed = source.place(client, workers, batch_size)
+        run = _Run(self, client, workers, placed, batch_size, shuffle)
+        try:
+            run.build(validation_data)
+            history = run.train(epochs, callbacks, verbose)
+        finally:
+            run.release()
+        history.wall_seconds = time.perf_counter() - started
+        self.history = history
+        return history
+
+    def evaluate(
+        self, x: Any, y: Any, *, batch_size: int = 256, verbose: int = 0
+    ) -> dict[str, float]:
+        """Evaluate the trained model on the client; returns ``{"loss": ..., ...}``."""
+        if self.model is None:
+            raise RuntimeError("Call fit() before evaluate().")
+        return self.model.evaluate(  # type: ignore[no-any-return]
+            np.asarray(x), np.asarray(y), batch_size=batch_size, verbose=verbose,
+            return_dict=True,
+        )
+
+
+class _Run:
+    """One ``fit`` call: the replicas, the engine, the epoch loop and the clean-up."""
+
+    def __init__(
+        self,
+        trainer: Trainer,
+        client: Client,
+        workers: list[str],
+        placed: PlacedData,
+        batch_size: int,
+        shuffle: bool,
+    ) -> None:
+        self.trainer = trainer
+        self.client = client
+        self.workers = workers
+        self.placed = placed
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.run_id = uuid.uuid4().hex[:10]
+        self.ctx = RunContext(client, self.run_id, workers, placed.steps_per_epoch)
+        self.replica_info: list[dict[str, Any]] = []
+        self._latest_loss: float | None = None
+        self._futures: list[Any] = []
+
+    # -- set-up -------------------------------------------------------------------
+    def _reference_model(self) -> tuple[Any, ModelSpec]:
+        """Build (or take) the client-side model and its recipe; check the shapes."""
+        import keras
+
+        t = self.trainer
+        stats = self.placed.stats[0]
+        if t.model is not None:  # a second fit() continues from the trained weights
+            model, spec = t.model, model_spec(t.model, stats.x_shape, None)
+        elif isinstance(t._model_arg, keras.Model):
+            model, spec = t._model_arg, model_spec(t._model_arg, stats.x_shape, None)
+        else:
+            keras.utils.set_random_seed(t.seed)
+            num_outputs = (
+                int(max(s.y_max for s in self.placed.stats)) + 1
+                if stats.y_integral and not stats.y_shape
+                else int(np.prod(stats.y_shape or (1,)))
+            )
+            spec = model_spec(t._model_arg, stats.x_shape, num_outputs)
+            model = spec.build()
+        probe = np.zeros((2, *stats.x_shape), dtype=stats.x_dtype)
+        try:
+            model(probe)
+        except Exception as exc:  # noqa: BLE001 - any failure here means a mismatch
+            raise ValueError(
+                f"The model does not accept inputs of shape {(None, *stats.x_shape)} "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0]}). Check x's shape "
+                "against the model's input."
+            ) from exc
+        return model, spec
+
+    def build(self, validation_data: tuple[Any, Any] | None) -> None:
+        import keras
+
+        t = self.trainer
+        model, spec = self._reference_model()
+        loss = _resolve_loss(t._loss_arg, model, self.placed.stats[0])
+        if _is_sparse(loss):
+            check_labels(self.placed.stats, int(model.outputs[0].shape[-1]))
+        model.compile(
+            optimizer=keras.optimizers.deserialize(t._optimizer),
+            loss=loss,
+            metrics=_metrics_objects(t._metrics),
+        )
+        stats = self.placed.stats[0]
+        probe_x = np.zeros((1, *stats.x_shape), dtype=stats.x_dtype)
+        probe_y = np.zeros((1, *stats.y_shape), dtype=stats.y_dtype)
+        build_metrics(model, probe_x, probe_y)
+        self.model = model
+        t.model = model
+        cfg = ReplicaConfig(spec, t._optimizer, loss, t._metrics, t.seed)
+        val = (
+            place_validation(self.client, *validation_data, self.workers)
+            if validation_data is not None
+            else [None] * len(self.workers)
+        )
+        weights = self.client.scatter([np.asarray(w) for w in model.get_weights()], broadcast=True)
+        futures = [
+            self.client.submit(
+                create_replica_task,
+                self.run_id,
+                w,
+                cfg,
+                i,
+                self.placed.shards[i],
+                self.placed.schedule[:, i],
+                weights,
+                val[i],
+                self.shuffle,
+                key=f"dasktf-replica-{self.run_id}-{i}",
+                workers=[w],
+                allow_other_workers=False,
+            )
+            for i, w in enumerate(self.workers)
+        ]
+        self._futures = futures
+        with _config_override("step-timeout", config.get("replica-timeout")):
+            wait_for(self.ctx, futures, "building the replicas")
+        self.replica_info = self.client.gather(futures)
+
+    # -- the epoch loop -----------------------------------------------------------------
+    def train(self, epochs: int, callbacks: Sequence[Any] | None, verbose: int) -> History:
+        import keras
+
+        history = History()
+        history.run_id, history.workers = self.run_id, list(self.workers)
+        history.replica_info = self.replica_info
+        cbs = list(callbacks or [])
+        if verbose:
+            cbs.append(ProgressBar(self.batch_size) if verbose == 1 else _LinePrinter())
+        cb = keras.callbacks.CallbackList(
+            cbs + [history], add_history=False, add_progbar=False, model=self.model,
+            epochs=epochs, steps=self.ctx.steps_per_epoch, verbose=verbose,
+        )
+        engine = SyncEngine(self.ctx)
+        self.client.subscribe_topic(TOPIC, self._on_event)
+        self.model.stop_training = False
+        cb.on_train_begin()
+        try:
+            for epoch in range(epochs):
+                cb.on_epoch_begin(epoch)
+                start = time.perf_counter()
+                reports = engine.run_epoch(
+                    epoch,
+                    lambda step: cb.on_train_batch_end(step, {"loss": self._latest_loss}),
+                )
+                seconds = time.perf_counter() - start
+                logs = self._epoch_logs(reports, seconds)
+                self.model.set_weights(reports[0].weights)
+                cb.on_epoch_end(epoch, logs)
+                if self.model.stop_training:
+                    break
+        finally:
+            self.client.unsubscribe_topic(TOPIC)
+        cb.on_train_end()
+        history.set_model(self.model)
+        return history
+
+    def _epoch_logs(self, reports: list[Any], seconds: float) -> dict[str, float]:
+        logs = merge_metric_states(self.model, [r.train_states for r in reports])
+        if reports[0].val_states is not None:
+            val = merge_metric_states(self.model, [r.val_states for r in reports])
+            logs.update({f"val_{k}": v for k, v in val.items()})
+        logs["examples_per_sec"] = self.placed.n_samples / seconds
+        logs["epoch_seconds"] = seconds
+        return logs
+
+    def _on_event(self, event: Any) -> None:
+        for record in unpack(event):
+            if record.get("run") == self.run_id and record.get("loss") is not None:
+                self._latest_loss = float(record["loss"])
+
+    def release(self) -> None:
+        """Free the replicas and shards on the workers, whatever happened."""
+        try:
+            self.client.run(release_replicas, self.run_id, workers=self.workers, on_error="ignore")
+        except Exception:  # noqa: BLE001 - clean-up must not mask the real error
+            logger.debug("releasing replicas of %s failed", self.run_id, exc_info=True)
+        self._futures = []
+        self.placed.shards = []
+
+
+class _LinePrinter(ProgressBar):
+    def __init__(self) -> None:
+        super().__init__(batch_size=0)
+
+    def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        pass
+
+
+def _metrics_objects(metrics: list[Any] | None) -> list[Any] | None:
+    import keras
+
+    if metrics is None:
+        return None
+    return [keras.metrics.deserialize(m) if isinstance(m, dict) else m for m in metrics]
+
+
+class _config_override:
+    def __init__(self, key: str, value: Any) -> None:
+        import dask
+
+        self._cm = dask.config.set({f"dasktf.{key}": value})
+
+    def __enter__(self) -> None:
+        self._cm.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        self._cm.__exit__(*exc)
+
+
+@_explain_unknown_options
+def fit(
+    model: ModelLike,
+    x: Any,
+    y: Any = None,
+    *,
+    client: Client | None = None,
+    scheduler: str | None = None,
+    n_workers: int | None = None,
+    mode: str = "sync",
+    epochs: int = 1,
+    batch_size: int = 128,
+    optimizer: Any = "sgd",
+    learning_rate: float | None = None,
+    loss: Any = None,
+    metrics: Sequence[Any] | None = None,
+    validation_data: tuple[Any, Any] | None = None,
+    shuffle: bool = True,
+    seed: int | None = None,
+    callbacks: Sequence[Any] | None = None,
+    verbose: int = 1,
+    threads_per_worker: int | None = None,
+    security: Any = None,
+) -> History:
+    """Train ``model`` data-parallel on a Dask cluster; return its :class:`History`.
+
+    The one-call form of :class:`Trainer` (see there for every parameter). The
+    trained model is ``history.model``. An embedded cluster started for the call is
+    closed when it returns; a ``client`` you pass stays open.
+
+    Examples
+    --------
+    >>> history = dasktf.fit("mnist-mlp", x, y, n_workers=3, epochs=2,  # doctest: +SKIP
+    ...                      optimizer="adam", metrics=["accuracy"])
+    >>> history.history["loss"]  # doctest: +SKIP
+    """
+    with Trainer(
+        model,
+        client=client,
+        scheduler=scheduler,
+        n_workers=n_workers,
+        mode=mode,
+        optimizer=optimizer,
+        learning_rate=learning_rate,
+        loss=loss,
+        metrics=metrics,
+        seed=seed,
+        threads_per_worker=threads_per_worker,
+        security=security,
+    ) as trainer:
+        return trainer.fit(
+            x,
+            y,
+            epochs=epochs,
+            batch_size=batch_size,
+            validation_data=validation_data,
+            shuffle=shuffle,
+            callbacks=callbacks,
+            verbose=verbose,
+        )
