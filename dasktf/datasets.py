@@ -85,7 +85,7 @@ def _digits(seed: int) -> Dataset:
     x_train, y_train, x_test, y_test = _split(x, y, test_fraction=0.2, seed=seed)
     return Dataset(
         "digits", x_train, y_train, x_test, y_test, "classification",
-        dict(_CLASSIFIER_DEFAULTS, epochs=5),
+        dict(_CLASSIFIER_DEFAULTS, learning_rate=2e-2, epochs=5),
     )
 
 

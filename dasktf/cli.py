@@ -1,0 +1,172 @@
+"""The ``dasktf`` command line: ``dasktf fit`` and friends.
+
+A thin layer over the Python API: it parses options, loads the data set, calls
+:class:`dasktf.Trainer`, prints the report, and maps failures to exit codes:
+0 success, 2 bad arguments (an unknown model, data set or option value), 1 a
+training failure (a lost worker, an unreachable scheduler, a failing replica),
+always with a one-line reason on stderr.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from typing import Any
+
+import click
+
+from dasktf.datasets import DATASETS
+from dasktf.models import BUILTIN_MODELS
+
+CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+
+
+class _BadArgument(click.UsageError):
+    """Exit code 2 with click's usual 'Error: ...' line."""
+
+
+@click.group(context_settings=CONTEXT)
+@click.version_option(package_name="dasktf")
+def main() -> None:
+    """Data-parallel TensorFlow/Keras training on a Dask cluster."""
+
+
+@main.command(context_settings=CONTEXT)
+@click.option("--workers", "-w", "n_workers", type=click.IntRange(min=1), default=None,
+              help="Workers (replicas) to train on. Default: 2 for the embedded cluster, "
+              "all workers of an existing one.")
+@click.option("--model", "-m", default="mnist-mlp", show_default=True,
+              help=f"A built-in model ({', '.join(BUILTIN_MODELS)}) or an importable "
+              "'module:function' returning a Keras model.")
+@click.option("--data", "-d", default="digits", show_default=True,
+              help=f"A built-in data set ({', '.join(DATASETS)}) or an .npz file with "
+              "x_train/y_train (and x_test/y_test) arrays.")
+@click.option("--mode", type=click.Choice(["sync"]), default="sync", show_default=True,
+              help="sync: every step averages the gradients of all workers.")
+@click.option("--epochs", "-e", type=click.IntRange(min=1), default=None,
+              help="Passes over the data. Default: the data set's own (digits: 5).")
+@click.option("--batch-size", "-b", type=click.IntRange(min=1), default=None,
+              help="Global batch size, split over the workers. Default: the data set's.")
+@click.option("--optimizer", default=None,
+              help="A Keras optimizer name (adam, sgd, rmsprop, ...). Default: the data set's.")
+@click.option("--lr", "learning_rate", type=click.FloatRange(min=0, min_open=True),
+              default=None, help="Learning rate. Default: the data set's.")
+@click.option("--seed", type=int, default=0, show_default=True,
+              help="Seed of the initial weights and the shuffles.")
+@click.option("--scheduler", default=None, metavar="ADDRESS",
+              help="Train on an existing Dask cluster (e.g. tcp://10.0.0.5:8786) instead "
+              "of starting a local one.")
+@click.option("--threads-per-worker", type=click.IntRange(min=1), default=None,
+              help="TensorFlow threads per worker. Default: cores // workers.")
+@click.option("--no-validation", is_flag=True, help="Skip evaluating the test split each epoch.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar; one line per epoch.")
+def fit(**opts: Any) -> None:
+    """Train a model data-parallel and report test accuracy.
+
+    \b
+    Examples:
+      dasktf fit --workers 3
+      dasktf fit --model cnn --data mnist --epochs 2 --batch-size 512
+      dasktf fit --scheduler tcp://127.0.0.1:8786 --model mypkg.models:build
+    """
+    _configure_logging()
+    _run_or_exit(lambda: _fit(**opts))
+
+
+def _fit(
+    n_workers: int | None, model: str, data: str, mode: str, epochs: int | None,
+    batch_size: int | None, optimizer: str | None, learning_rate: float | None,
+    seed: int, scheduler: str | None, threads_per_worker: int | None,
+    no_validation: bool, quiet: bool,
+) -> None:
+    import dasktf
+
+    try:
+        dataset = dasktf.load_dataset(data, seed=seed)
+    except ValueError as exc:
+        raise _BadArgument(str(exc)) from exc
+    d = dataset.defaults
+    classification = dataset.task == "classification"
+    epochs = epochs or d.get("epochs", 1)
+    batch_size = batch_size or d.get("batch_size", 128)
+    start = time.perf_counter()
+    trainer = dasktf.Trainer(
+        model,
+        scheduler=scheduler,
+        n_workers=n_workers if n_workers or scheduler else 2,
+        mode=mode,
+        optimizer=optimizer or d.get("optimizer", "adam"),
+        learning_rate=learning_rate or d.get("learning_rate"),
+        metrics=["accuracy"] if classification else None,
+        seed=seed,
+        threads_per_worker=threads_per_worker,
+    )
+    with trainer:
+        click.echo(
+            f"dasktf fit: model {model}, data {dataset.name} "
+            f"({len(dataset.x_train):,} train / {len(dataset.x_test):,} test), mode {mode}, "
+            f"global batch {batch_size}, {epochs} epoch(s)"
+        )
+        history = trainer.fit(
+            dataset.x_train,
+            dataset.y_train,
+            epochs=epochs,
+            batch_size=batch_size,
+            validation_data=None if no_validation else (dataset.x_test, dataset.y_test),
+            verbose=2 if quiet else 1,
+        )
+        click.echo(f"workers: {', '.join(history.workers)}")
+        result = trainer.evaluate(dataset.x_test, dataset.y_test)
+    wall = time.perf_counter() - start
+    train_seconds = sum(history.history["epoch_seconds"])
+    examples = len(dataset.x_train) * len(history.history["loss"])
+    summary = [f"test loss {result['loss']:.4f}"]
+    if "accuracy" in result:
+        summary.append(f"test accuracy {result['accuracy']:.4f}")
+    summary += [f"wall time {wall:.1f}s", f"{examples / train_seconds:,.0f} examples/s"]
+    click.echo("done: " + "  ".join(summary))
+
+
+def _run_or_exit(fn: Any) -> None:
+    """Run ``fn``; map errors to exit codes with a one-line reason."""
+    from dasktf.exceptions import DasktfError
+
+    try:
+        fn()
+    except click.ClickException:
+        raise
+    except (ValueError, TypeError) as exc:
+        raise _BadArgument(_first_line(exc)) from exc
+    except (DasktfError, FileNotFoundError, OSError, TimeoutError) as exc:
+        click.echo(f"Error: {_first_line(exc)}", err=True)
+        _echo_detail(exc)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        click.echo("Interrupted.", err=True)
+        sys.exit(130)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0]
+
+
+def _echo_detail(exc: BaseException) -> None:
+    """A worker's traceback, if any, after the one-line reason."""
+    lines = str(exc).strip().splitlines()
+    if len(lines) > 1:
+        click.echo("\n".join(lines[1:]), err=True)
+
+
+def _configure_logging() -> None:
+    import os
+
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    for noisy in ("distributed", "tensorflow", "absl"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()
