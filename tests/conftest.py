@@ -1,0 +1,52 @@
+"""Shared fixtures: one real LocalCluster of worker processes for the session.
+
+Importing TensorFlow costs seconds per process, so tests that only need *a* cluster
+share this one (each run gets its own run id and replicas). Tests that kill workers
+start their own cluster.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import dask  # noqa: E402
+from distributed import Client  # noqa: E402
+
+import dasktf  # noqa: E402
+
+MNIST = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "mnist.npz")
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    # A run must never be silently retried elsewhere: fail on the first lost task.
+    with dask.config.set({"distributed.scheduler.allowed-failures": 0}):
+        with dasktf.make_local_cluster(3, tf_threads=1) as c:
+            yield c
+
+
+@pytest.fixture
+def client(cluster):
+    with Client(cluster) as c:
+        c.wait_for_workers(3, timeout=60)
+        yield c
+
+
+@pytest.fixture(scope="session")
+def digits():
+    return dasktf.load_dataset("digits")
+
+
+@pytest.fixture
+def small_digits(digits):
+    """A few hundred digits: enough to train on, quick to step through."""
+    return digits.x_train[:250], digits.y_train[:250]
+
+
+def relative_error(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-12))
