@@ -132,7 +132,15 @@ class Replica:
             tf.TensorSpec((None, *shard.y.shape[1:]), tf.as_dtype(shard.y.dtype)),
         ]
         self._gradient_fn = tf.function(self._gradient, input_signature=spec)
-        self._apply_fn = tf.function(self._apply)
+        # A fixed signature: a Python int count would retrace for every new value
+        # (the short last batch of each epoch, for one).
+        self._apply_fn = tf.function(
+            self._apply,
+            input_signature=[
+                tf.TensorSpec((sum(self.sizes),), tf.float32),
+                tf.TensorSpec((), tf.float32),
+            ],
+        )
         self._epoch = -1
         self._order = np.arange(len(shard))
         self.step_seconds: list[float] = []
@@ -164,7 +172,7 @@ class Replica:
     def _apply(self, total: Any, count: Any) -> None:
         import tensorflow as tf
 
-        mean = total / tf.cast(count, total.dtype)
+        mean = total / count
         grads = [
             tf.reshape(part, shape)
             for part, shape in zip(tf.split(mean, self.sizes), self.shapes)
@@ -175,7 +183,7 @@ class Replica:
     def apply(self, summed: GradientSum | None) -> None:
         if summed is not None and summed.count:
             assert summed.total is not None
-            self._apply_fn(summed.total, summed.count)
+            self._apply_fn(summed.total, np.float32(summed.count))
 
     def batch(self, epoch: int, step: int) -> tuple[np.ndarray, np.ndarray]:
         if epoch != self._epoch:
