@@ -17,7 +17,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import dask  # noqa: E402
 from click.testing import CliRunner  # noqa: E402
-from distributed import Client, Nanny, Scheduler, SpecCluster  # noqa: E402
+from distributed import Client, Nanny, Scheduler, SpecCluster, get_task_stream  # noqa: E402
 
 import dasktf  # noqa: E402
 from dasktf.cli import main  # noqa: E402
@@ -166,7 +166,7 @@ def test_steps_run_only_on_gpu_workers(digits, caplog):
             with caplog.at_level("WARNING", logger="dasktf.cluster"):
                 assert choose_run_workers(client, None) == (gpu_workers, {"GPU": 1})
             assert cpu_worker in caplog.text
-            with client.get_task_stream() as ts:
+            with get_task_stream(client) as ts:
                 history = dasktf.fit(
                     "mnist-mlp", x, y, client=client, epochs=1, batch_size=64,
                     optimizer="adam", verbose=0, seed=1, mixed_precision=True,
