@@ -231,12 +231,20 @@ def gpu_worker_env(gpu: GPU | None) -> dict[str, str]:
     """
     if gpu is None:
         return {"CUDA_VISIBLE_DEVICES": ""}
-    return {"CUDA_VISIBLE_DEVICES": str(gpu.index), "TF_FORCE_GPU_ALLOW_GROWTH": "true"}
+    return {
+        "CUDA_VISIBLE_DEVICES": str(gpu.index),
+        # CUDA numbers GPUs fastest first by default, nvidia-smi by PCI bus; on a
+        # machine with mixed GPUs index i would then name another card.
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+        "TF_FORCE_GPU_ALLOW_GROWTH": "true",
+    }
 
 
 def split_gpu_workers(workers: dict[str, dict[str, Any]]) -> tuple[list[str], list[str]]:
     """``(with_gpu, without_gpu)`` addresses, from ``scheduler_info()["workers"]``."""
-    with_gpu = sorted(a for a, w in workers.items() if (w.get("resources") or {}).get("GPU"))
+    with_gpu = sorted(
+        a for a, w in workers.items() if (w.get("resources") or {}).get("GPU")
+    )
     without = sorted(a for a in workers if a not in with_gpu)
     return with_gpu, without
 
@@ -253,7 +261,9 @@ def probe_worker(with_tensorflow: bool = True) -> dict[str, Any]:
     info: dict[str, Any] = {
         "pid": os.getpid(),
         "cuda_visible_devices": visible,
-        "gpus": [{"name": g.name, "memory_mib": g.memory_mib, "index": g.index} for g in gpus],
+        "gpus": [
+            {"name": g.name, "memory_mib": g.memory_mib, "index": g.index} for g in gpus
+        ],
         "tf_devices": None,
         "tf_error": None,
     }
@@ -376,9 +386,8 @@ def format_worker_table(rows: Sequence[WorkerInfo]) -> str:
         gpu_mem = ", ".join(
             f"{g['memory_mib']:,} MiB" if g.get("memory_mib") else "?" for g in r.gpus
         ) or "-"
-        cvd = "(unset)" if r.cuda_visible_devices is None else (
-            repr(r.cuda_visible_devices) if r.cuda_visible_devices == "" else r.cuda_visible_devices
-        )
+        cvd = r.cuda_visible_devices
+        cvd = "(unset)" if cvd is None else ("''" if cvd == "" else cvd)
         tf = ", ".join(_short(d) for d in r.tf_devices) if r.tf_devices is not None else (
             r.tf_error or "-"
         )
