@@ -26,8 +26,10 @@ from dasktf.devices import GPU, parse_gpus, select_gpus, simulated_gpus  # noqa:
 
 
 def _tf_sees_gpu() -> bool:
-    import tensorflow as tf
-
+    try:
+        import tensorflow as tf
+    except ImportError:  # a CUDA machine without TensorFlow: nothing to run on
+        return False
     return bool(tf.config.list_physical_devices("GPU"))
 
 
