@@ -27,8 +27,8 @@ from dasktf.cluster import (
     cluster_client,
     default_tf_threads,
 )
-from dasktf.devices import GpusArg, select_gpus
 from dasktf.data import PlacedData, ShardStats, check_labels, make_source, place_validation
+from dasktf.devices import GpusArg, select_gpus
 from dasktf.events import TOPIC, unpack
 from dasktf.models import ModelLike, ModelSpec, model_spec
 from dasktf.replica import (
@@ -199,7 +199,8 @@ class Trainer:
     mixed_precision
         Keras mixed precision on the workers: ``mixed_float16`` with dynamic loss
         scaling on GPUs, ``mixed_bfloat16`` on CPUs. Gradients are still summed and
-        averaged in float32.
+        averaged in float32. It applies to models built on the workers (a name or a
+        factory); a ``keras.Model`` instance keeps the dtype policy it was made with.
 
     Examples
     --------
