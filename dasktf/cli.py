@@ -26,6 +26,24 @@ class _BadArgument(click.UsageError):
     """Exit code 2 with click's usual 'Error: ...' line."""
 
 
+def parse_gpus(text: str | None) -> Any:
+    """``--gpus`` as the API's ``gpus=``; a malformed value exits with code 2."""
+    from dasktf.devices import parse_gpus as parse
+
+    try:
+        return parse(text)
+    except ValueError as exc:
+        raise _BadArgument(str(exc)) from exc
+
+
+_gpus_option = click.option(
+    "--gpus", default=None, metavar="all|none|N|0,2,3",
+    help="GPUs to start one worker each on: all, none, a count N, or indices (a single "
+    "index as '3,'). Default: every visible GPU, else CPU workers. With --scheduler, "
+    "the workers advertising a GPU resource.",
+)
+
+
 @click.group(context_settings=CONTEXT)
 @click.version_option(package_name="dasktf")
 def main() -> None:
@@ -61,6 +79,10 @@ def main() -> None:
               help="TensorFlow threads per worker. Default: cores // workers.")
 @click.option("--no-validation", is_flag=True, help="Skip evaluating the test split each epoch.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar; one line per epoch.")
+@_gpus_option
+@click.option("--mixed-precision", is_flag=True,
+              help="Keras mixed precision: float16 with loss scaling on GPUs, bfloat16 "
+              "on CPUs; gradients are still averaged in float32.")
 def fit(**opts: Any) -> None:
     """Train a model data-parallel and report test accuracy.
 
@@ -69,6 +91,7 @@ def fit(**opts: Any) -> None:
       dasktf fit --workers 3
       dasktf fit --model cnn --data mnist --epochs 2 --batch-size 512
       dasktf fit --scheduler tcp://127.0.0.1:8786 --model mypkg.models:build
+      dasktf fit --gpus 0,2 --mixed-precision
     """
     _configure_logging()
     _run_or_exit(lambda: _fit(**opts))
@@ -78,7 +101,8 @@ def _fit(
     n_workers: int | None, model: str, data: str, mode: str, epochs: int | None,
     batch_size: int | None, optimizer: str | None, learning_rate: float | None,
     seed: int, scheduler: str | None, threads_per_worker: int | None,
-    no_validation: bool, quiet: bool,
+    no_validation: bool, quiet: bool, gpus: str | None = None,
+    mixed_precision: bool = False,
 ) -> None:
     import dasktf
 
@@ -94,13 +118,16 @@ def _fit(
     trainer = dasktf.Trainer(
         model,
         scheduler=scheduler,
-        n_workers=n_workers if n_workers or scheduler else 2,
+        # None: the embedded cluster starts one worker per GPU, or 2 CPU workers.
+        n_workers=n_workers,
         mode=mode,
         optimizer=optimizer or d.get("optimizer", "adam"),
         learning_rate=learning_rate or d.get("learning_rate"),
         metrics=["accuracy"] if classification else None,
         seed=seed,
         threads_per_worker=threads_per_worker,
+        gpus=parse_gpus(gpus),
+        mixed_precision=mixed_precision,
     )
     with trainer:
         click.echo(
@@ -126,6 +153,53 @@ def _fit(
         summary.append(f"test accuracy {result['accuracy']:.4f}")
     summary += [f"wall time {wall:.1f}s", f"{examples / train_seconds:,.0f} examples/s"]
     click.echo("done: " + "  ".join(summary))
+
+
+@main.command(context_settings=CONTEXT)
+@click.option("--workers", "-w", "n_workers", type=click.IntRange(min=1), default=None,
+              help="Start a local cluster of this many workers (default: one per GPU, "
+              "else 2).")
+@click.option("--scheduler", default=None, metavar="ADDRESS",
+              help="Inspect an existing Dask cluster instead of starting one.")
+@_gpus_option
+@click.option("--no-tensorflow", is_flag=True,
+              help="Do not import TensorFlow on the workers (faster; no TF device list).")
+def info(n_workers: int | None, scheduler: str | None, gpus: str | None,
+         no_tensorflow: bool) -> None:
+    """List the cluster's workers and the devices each one sees.
+
+    \b
+    Columns: address, name, pid, threads, memory limit, GPU name and memory (from
+    nvidia-smi, restricted to the worker's CUDA_VISIBLE_DEVICES), the
+    CUDA_VISIBLE_DEVICES it was started with, and TensorFlow's physical devices.
+
+    \b
+    Examples:
+      dasktf info --workers 2
+      dasktf info --scheduler tcp://10.0.0.5:8786
+    """
+    _configure_logging()
+    _run_or_exit(lambda: _info(n_workers, scheduler, parse_gpus(gpus), not no_tensorflow))
+
+
+def _info(n_workers: int | None, scheduler: str | None, gpus: Any, with_tf: bool) -> None:
+    from dasktf.cluster import choose_workers, cluster_client
+    from dasktf.devices import cluster_info, format_worker_table, split_gpu_workers
+
+    if scheduler is not None and (n_workers is not None or gpus is not None):
+        raise _BadArgument("--workers and --gpus start a local cluster; "
+                           "they cannot be combined with --scheduler.")
+    with cluster_client(None, scheduler, n_workers, None, None, gpus) as (client, _):
+        choose_workers(client, n_workers)  # a starting cluster: wait for its workers
+        rows = cluster_info(client, with_tensorflow=with_tf)
+        where = scheduler or f"local cluster at {client.scheduler.address}"
+        click.echo(f"{len(rows)} worker(s), {where}")
+        click.echo(format_worker_table(rows))
+        workers = {r.address: {"resources": {"GPU": r.gpu_resource}} for r in rows}
+        with_gpu, without = split_gpu_workers(workers)
+        if with_gpu and without:
+            click.echo(f"workers without a GPU resource (left out of GPU runs): "
+                       f"{', '.join(without)}")
 
 
 def _run_or_exit(fn: Any) -> None:

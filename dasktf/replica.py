@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from dasktf.data import Shard
+from dasktf.devices import compute_device, placement_summary, precision_policy
 from dasktf.models import ModelSpec
 
 logger = logging.getLogger(__name__)
@@ -39,6 +40,9 @@ class ReplicaConfig:
     metrics: list[Any] | None
     seed: int
     eval_batch_size: int = 256
+    #: Keras mixed precision: mixed_float16 with loss scaling on a GPU worker,
+    #: mixed_bfloat16 on a CPU one (see dasktf.devices.precision_policy).
+    mixed_precision: bool = False
 
 
 @dataclass
@@ -112,12 +116,16 @@ class Replica:
         self.eval_batch_size = config.eval_batch_size
         keras.utils.set_random_seed(config.seed + index)
 
-        model = config.model.build()
-        model.compile(
-            optimizer=keras.optimizers.deserialize(config.optimizer),
-            loss=config.loss,
-            metrics=_metrics(config.metrics),
-        )
+        # The model and its step live on this worker's one GPU if it has one (it was
+        # pinned at spawn); batches are numpy slices on the host.
+        self.device = compute_device()
+        with tf.device(self.device), precision_policy(config.mixed_precision):
+            model = config.model.build()
+            model.compile(
+                optimizer=keras.optimizers.deserialize(config.optimizer),
+                loss=config.loss,
+                metrics=_metrics(config.metrics),
+            )
         model.set_weights(weights)
         self.model = model
         self.variables = list(model.trainable_variables)
@@ -156,7 +164,11 @@ class Replica:
         with tf.GradientTape() as tape:
             y_pred = self.model(x, training=True)
             loss = self.model.compute_loss(x=x, y=y, y_pred=y_pred, training=True)
-        grads = tape.gradient(loss, self.variables)
+            # A LossScaleOptimizer (mixed_float16) scales here and unscales, checks
+            # for overflow and adapts the scale in apply_gradients; every replica
+            # applies the same sum, so their scales stay equal. Else a no-op.
+            scaled = self.model.optimizer.scale_loss(loss)
+        grads = tape.gradient(scaled, self.variables)
         n = tf.shape(x)[0]
         self._loss_tracker.update_state(loss, sample_weight=n)
         self.model.compute_metrics(x, y, y_pred, sample_weight=None)
@@ -183,7 +195,8 @@ class Replica:
     def apply(self, summed: GradientSum | None) -> None:
         if summed is not None and summed.count:
             assert summed.total is not None
-            self._apply_fn(summed.total, np.float32(summed.count))
+            with _on(self.device):
+                self._apply_fn(summed.total, np.float32(summed.count))
 
     def batch(self, epoch: int, step: int) -> tuple[np.ndarray, np.ndarray]:
         if epoch != self._epoch:
@@ -198,7 +211,8 @@ class Replica:
         x, y = self.batch(epoch, step)
         if len(x) == 0:
             return GradientSum(None, 0, 0.0)
-        flat, loss_sum = self._gradient_fn(x, y)
+        with _on(self.device):
+            flat, loss_sum = self._gradient_fn(x, y)
         return GradientSum(flat.numpy(), len(x), float(loss_sum))
 
     def record_step(
@@ -235,6 +249,12 @@ class Replica:
             verbose=0,
         )
         return self.metric_states()
+
+
+def _on(device: str) -> Any:
+    import tensorflow as tf
+
+    return tf.device(device)
 
 
 def _metrics(metrics: list[Any] | None) -> list[Any] | None:
@@ -311,7 +331,10 @@ def create_replica_task(
     _REPLICAS[(run_id, address)] = replica
     import tensorflow as tf
 
+    placement = placement_summary(replica.model, replica.device)
+    logger.info("Replica %d of run %s on %s: %s", index, run_id, address, placement)
     return {
+        "placement": placement,
         "worker": address,
         "devices": [d.name for d in tf.config.get_visible_devices()],
         "intra_op_threads": tf.config.threading.get_intra_op_parallelism_threads(),

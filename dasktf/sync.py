@@ -45,6 +45,9 @@ class RunContext:
     run_id: str
     workers: list[str]
     steps_per_epoch: int
+    #: Dask resources every pinned task requests: ``{"GPU": 1}`` on GPU runs, so a
+    #: step can never run on a worker that has no GPU.
+    resources: dict[str, float] | None = None
 
 
 def wait_for(ctx: RunContext, futures: list[Future], what: str) -> None:
@@ -136,6 +139,7 @@ class SyncEngine:
                 # The replica and shard live on this worker alone: never move the task.
                 workers=[w],
                 allow_other_workers=False,
+                resources=self.ctx.resources,
             )
             for i, w in enumerate(self.ctx.workers)
         ]
@@ -163,6 +167,7 @@ class SyncEngine:
                 key=f"dasktf-end-epoch-{self.ctx.run_id}-{epoch}-{i}",
                 workers=[w],
                 allow_other_workers=False,
+                resources=self.ctx.resources,
             )
             for i, w in enumerate(self.ctx.workers)
         ]

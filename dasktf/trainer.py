@@ -21,8 +21,14 @@ import numpy as np
 
 from dasktf import config
 from dasktf.callbacks import History, ProgressBar
-from dasktf.cluster import TensorFlowSetup, choose_workers, cluster_client, default_tf_threads
+from dasktf.cluster import (
+    TensorFlowSetup,
+    choose_run_workers,
+    cluster_client,
+    default_tf_threads,
+)
 from dasktf.data import PlacedData, ShardStats, check_labels, make_source, place_validation
+from dasktf.devices import GpusArg, select_gpus
 from dasktf.events import TOPIC, unpack
 from dasktf.models import ModelLike, ModelSpec, model_spec
 from dasktf.replica import (
@@ -184,6 +190,17 @@ class Trainer:
     security
         A ``distributed.security.Security`` (TLS) for clusters dasktf connects to or
         starts.
+    gpus
+        GPUs to train on, one worker per GPU. ``None``: every GPU there is (the
+        embedded cluster starts a worker per visible GPU; on an existing cluster the
+        workers advertising a ``GPU`` resource), else CPUs. ``"all"``, ``"none"``,
+        a count, or (embedded cluster only) a list of GPU indices. Step tasks of a
+        GPU run request the resource ``GPU=1``.
+    mixed_precision
+        Keras mixed precision on the workers: ``mixed_float16`` with dynamic loss
+        scaling on GPUs, ``mixed_bfloat16`` on CPUs. Gradients are still summed and
+        averaged in float32. It applies to models built on the workers (a name or a
+        factory); a ``keras.Model`` instance keeps the dtype policy it was made with.
 
     Examples
     --------
@@ -211,6 +228,8 @@ class Trainer:
         seed: int | None = None,
         threads_per_worker: int | None = None,
         security: Any = None,
+        gpus: GpusArg = None,
+        mixed_precision: bool = False,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}; got {mode!r}.")
@@ -226,8 +245,18 @@ class Trainer:
         self._metrics = _resolve_metrics(metrics)
         self.seed = int(np.random.SeedSequence().entropy % 2**31) if seed is None else int(seed)
         self.threads_per_worker = threads_per_worker
+        if client is None and scheduler is None:
+            # Fail before any process starts: GPUs this machine lacks, too many workers.
+            select_gpus(gpus, n_workers)
+        elif isinstance(gpus, (list, tuple)):
+            raise ValueError(
+                f"gpus={gpus!r}: GPU indices only apply to the cluster dasktf starts; "
+                "on an existing cluster pass 'all' or a count of GPU workers."
+            )
+        self.gpus = gpus
+        self.mixed_precision = bool(mixed_precision)
         self._cluster_cm = cluster_client(
-            client, scheduler, n_workers, threads_per_worker, security
+            client, scheduler, n_workers, threads_per_worker, security, gpus
         )
         self._client: Client | None = None
         self.model: Any = None
@@ -306,12 +335,12 @@ class Trainer:
             raise ValueError("validation_data must be a tuple (x_val, y_val).")
         started = time.perf_counter()
         client = self.client
-        workers = choose_workers(client, self.n_workers)
+        workers, resources = choose_run_workers(client, self.n_workers, self.gpus)
         if self.threads_per_worker is not None or not getattr(self, "_owned", False):
             threads = self.threads_per_worker or default_tf_threads(len(workers))
             client.register_plugin(TensorFlowSetup(threads))
         placed = source.place(client, workers, batch_size)
-        run = _Run(self, client, workers, placed, batch_size, shuffle)
+        run = _Run(self, client, workers, placed, batch_size, shuffle, resources)
         try:
             run.build(validation_data)
             history = run.train(epochs, callbacks, verbose)
@@ -344,6 +373,7 @@ class _Run:
         placed: PlacedData,
         batch_size: int,
         shuffle: bool,
+        resources: dict[str, float] | None = None,
     ) -> None:
         self.trainer = trainer
         self.client = client
@@ -352,7 +382,9 @@ class _Run:
         self.batch_size = batch_size
         self.shuffle = shuffle
         self.run_id = uuid.uuid4().hex[:10]
-        self.ctx = RunContext(client, self.run_id, workers, placed.steps_per_epoch)
+        self.ctx = RunContext(
+            client, self.run_id, workers, placed.steps_per_epoch, resources
+        )
         self.replica_info: list[dict[str, Any]] = []
         self._latest_loss: float | None = None
         self._futures: list[Any] = []
@@ -407,7 +439,10 @@ class _Run:
         build_metrics(model, probe_x, probe_y)
         self.model = model
         t.model = model
-        cfg = ReplicaConfig(spec, t._optimizer, loss, t._metrics, t.seed)
+        cfg = ReplicaConfig(
+            spec, t._optimizer, loss, t._metrics, t.seed,
+            mixed_precision=t.mixed_precision,
+        )
         val = (
             place_validation(self.client, *validation_data, self.workers)
             if validation_data is not None
@@ -429,6 +464,7 @@ class _Run:
                 key=f"dasktf-replica-{self.run_id}-{i}",
                 workers=[w],
                 allow_other_workers=False,
+                resources=self.ctx.resources,
             )
             for i, w in enumerate(self.workers)
         ]
@@ -551,6 +587,8 @@ def fit(
     verbose: int = 1,
     threads_per_worker: int | None = None,
     security: Any = None,
+    gpus: GpusArg = None,
+    mixed_precision: bool = False,
 ) -> History:
     """Train ``model`` data-parallel on a Dask cluster; return its :class:`History`.
 
@@ -577,6 +615,8 @@ def fit(
         seed=seed,
         threads_per_worker=threads_per_worker,
         security=security,
+        gpus=gpus,
+        mixed_precision=mixed_precision,
     ) as trainer:
         return trainer.fit(
             x,
