@@ -31,6 +31,13 @@ class History(keras.callbacks.History):
         The addresses of the workers that held the replicas.
     replica_info
         What each replica reported when it was built (devices, threads, shard size).
+    updates
+        Async and quorum runs: a pandas DataFrame with one row per applied update
+        (:class:`dasktf.asynchronous.UpdateRecord`: update, worker, epoch,
+        version_read, version_applied, staleness, loss, batch_size, compute_s,
+        wall_time, ...); ``None`` for sync runs.
+    dropped
+        Quorum runs: dropped gradients per worker index (async: all zero).
     """
 
     def __init__(self) -> None:
@@ -39,6 +46,8 @@ class History(keras.callbacks.History):
         self.workers: list[str] = []
         self.replica_info: list[dict[str, Any]] = []
         self.wall_seconds = 0.0
+        self.updates: Any = None
+        self.dropped: dict[int, int] = {}
 
 
 class ProgressBar(keras.callbacks.Callback):
