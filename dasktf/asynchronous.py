@@ -237,8 +237,17 @@ class ParameterHolder:
     async def push(
         self, token: int, worker: int, grad: GradientSum, version_read: int,
         shard_pass: int, step: int,
+    ) -> tuple[PushOutcome, tuple[int, int, np.ndarray | None] | None]:
+        """Apply ``grad`` now (async) or as part of its quorum step, then admit the
+        worker's next gradient: one round trip per update, returning the outcome and
+        what :meth:`pull` would (so the worker's next read is the newest weights)."""
+        outcome = await self._push(token, worker, grad, version_read, shard_pass, step)
+        return outcome, await self.pull(worker, version_read)
+
+    async def _push(
+        self, token: int, worker: int, grad: GradientSum, version_read: int,
+        shard_pass: int, step: int,
     ) -> PushOutcome:
-        """Apply ``grad`` now (async) or as part of its quorum step."""
         cond, lock = self._sync_objects()
         async with lock:  # one apply at a time, versions in apply order
             if self.quorum is None:
@@ -317,6 +326,14 @@ class ParameterHolder:
         async with lock:  # between two applies
             return await self._run(self._evaluate)  # type: ignore[no-any-return]
 
+    async def weights(self) -> list[np.ndarray]:
+        """The current weights (all of the model's, in ``get_weights`` order)."""
+        _, lock = self._sync_objects()
+        async with lock:
+            return await self._run(  # type: ignore[no-any-return]
+                lambda: [np.asarray(w) for w in self.replica.model.get_weights()]
+            )
+
     async def stop(self) -> None:
         """Refuse new gradients: pulls return ``None`` from now on."""
         cond, _ = self._sync_objects()
@@ -340,6 +357,7 @@ class ParameterHolder:
 
 # -- the worker side ------------------------------------------------------------------
 _LOCK = threading.Lock()
+_FIRST = object()
 
 
 def _replica_lock(replica: Replica) -> threading.Lock:
@@ -356,8 +374,13 @@ def async_step_task(run_id: str, holder: Actor, shard_pass: int, step: int) -> S
     replica = get_replica(run_id)
     timeout = config.get_seconds("step-timeout")
     with _replica_lock(replica):
-        pulled = holder.pull(replica.index, replica.holder_version).result(timeout=timeout)
-        if pulled is None:
+        # The previous push admitted this gradient and brought the weights back;
+        # a worker's first task asks for them.
+        pulled = replica.__dict__.pop("_next_pull", _FIRST)
+        if pulled is _FIRST:
+            pulled = holder.pull(replica.index, replica.holder_version).result(timeout=timeout)
+        if pulled is None:  # the run has stopped: stay stopped
+            replica.__dict__["_next_pull"] = None
             return StepResult(replica.index, shard_pass, step, None)
         token, version, flat = pulled
         if flat is not None:
@@ -368,11 +391,20 @@ def async_step_task(run_id: str, holder: Actor, shard_pass: int, step: int) -> S
         grad.compute_seconds = time.perf_counter() - start
         straggle(replica, grad.compute_seconds)
         states = replica.take_metric_states()
-        outcome: PushOutcome = holder.push(
+        outcome, replica.__dict__["_next_pull"] = holder.push(
             token, replica.index, grad, version, shard_pass, step
         ).result(timeout=timeout)
     _emit(replica, outcome, shard_pass, step, grad)
     return StepResult(replica.index, shard_pass, step, outcome, states)
+
+
+def flush_events(run_id: str, dask_worker: Any = None) -> None:
+    """Send this worker's buffered step records now (run through ``Client.run``)."""
+    from dasktf.replica import _REPLICAS
+
+    for (run, _), replica in list(_REPLICAS.items()):
+        if run == run_id:
+            replica.events.flush()
 
 
 def _emit(
@@ -471,6 +503,11 @@ class AsyncEngine:
         self._stopped = False
         self._epoch = 0
         self.discarded = 0
+        self.final_weights: list[np.ndarray] | None = None
+        #: Gradient tasks that computed (and pushed) a gradient, and those that
+        #: found the run stopped: ``computed == applied contributions + dropped +
+        #: discarded`` (checked by the tests).
+        self.tasks = {"computed": 0, "stopped": 0}
         holder = ctx.client.submit(
             ParameterHolder, replica_config, weights, probe, val_shards,
             max_staleness, staleness_lr, quorum, config.get_seconds("step-timeout"),
@@ -550,7 +587,9 @@ class AsyncEngine:
         self, result: StepResult, epoch: int, on_step: Callable[[int], None] | None
     ) -> None:
         if result.outcome is None:
+            self.tasks["stopped"] += 1
             return
+        self.tasks["computed"] += 1
         cursor = self.cursors[result.worker]
         cursor.done_in_pass += 1
         if cursor.done_in_pass == len(cursor.steps):
@@ -625,6 +664,8 @@ class AsyncEngine:
                 f"{self.applied} and {self.dropped}. This is a dasktf bug."
             )
         self.discarded = int(counters["discarded"])
+        self.final_weights = self.holder.weights().result(timeout=timeout)
+        self.ctx.client.run(flush_events, self.ctx.run_id, workers=self.ctx.workers)
 
     def close(self) -> None:
         try:

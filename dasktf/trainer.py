@@ -541,9 +541,11 @@ class _Run:
                 if self.model.stop_training:
                     break
             if hasattr(engine, "finish"):
-                engine.finish()
+                engine.finish()  # drains the updates in flight: the final weights
+                self.model.set_weights(engine.final_weights)
                 history.updates = updates_frame(engine.updates)
                 history.dropped = dict(engine.dropped)
+                history.gradient_tasks = dict(engine.tasks, discarded=engine.discarded)
         finally:
             self.client.unsubscribe_topic(TOPIC)
             if hasattr(engine, "close"):
