@@ -34,6 +34,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -160,6 +161,14 @@ class ParameterHolder:
         ``None``: asynchronous, apply every gradient as it arrives. ``k``: sync with
         backup workers, apply step ``s`` with the first ``k`` gradients read at
         version ``s`` and drop the later ones.
+    budget
+        When to stop on its own, before admitting one gradient too many: async,
+        ``{worker: updates}`` each worker owes (its batches of the run's passes;
+        updates from later passes of a fast worker do not count); quorum,
+        ``{-1: steps}``.
+    passes
+        Async: the passes over its shard each worker owes (updates of later passes
+        do not count against ``budget``).
     """
 
     def __init__(
@@ -172,6 +181,8 @@ class ParameterHolder:
         staleness_lr: str | None = None,
         quorum: int | None = None,
         timeout: float = 600.0,
+        budget: dict[int, int] | None = None,
+        passes: int | None = None,
     ) -> None:
         val_parts = [s for s in val_shards if s is not None and len(s)]
         val = (
@@ -190,10 +201,14 @@ class ParameterHolder:
         self.quorum = quorum
         self.timeout = timeout
         self.stopped = False
+        self.budget = dict(budget or {})
+        self.passes = passes
         self.dropped: dict[int, int] = {}
         self.discarded = 0
         self._pending: dict[int, list[tuple[int, GradientSum, int, int]]] = {}
         self._last_step: dict[int, int] = {}
+        self._queue: deque[int] = deque()  # tickets of the pulls waiting, in order
+        self._tickets = 0
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="dasktf-holder")
         self._cond: asyncio.Condition | None = None
         self._lock: asyncio.Lock | None = None
@@ -204,10 +219,12 @@ class ParameterHolder:
             self._cond, self._lock = asyncio.Condition(), asyncio.Lock()
         return self._cond, self._lock
 
-    def _may_start(self, worker: int) -> bool:
+    def _may_start(self, worker: int, ticket: int) -> bool:
         if self.quorum is not None:  # one gradient per worker and step
             return self.version > self._last_step.get(worker, -1)
-        return self.gate.admissible(self.version)
+        # First come, first served: the worker that just pushed must not take the
+        # slot a waiting worker was promised (with K=0 it would starve the others).
+        return self._queue[0] == ticket and self.gate.admissible(self.version)
 
     async def pull(self, worker: int, have: int) -> tuple[int, int, np.ndarray | None] | None:
         """Wait until ``worker`` may start a gradient; return (token, version,
@@ -215,9 +232,12 @@ class ParameterHolder:
         ``None`` once the run has stopped."""
         cond, _ = self._sync_objects()
         async with cond:
+            self._tickets += 1
+            ticket = self._tickets
+            self._queue.append(ticket)
             try:
                 await asyncio.wait_for(
-                    cond.wait_for(lambda: self.stopped or self._may_start(worker)),
+                    cond.wait_for(lambda: self.stopped or self._may_start(worker, ticket)),
                     self.timeout,
                 )
             except TimeoutError:
@@ -227,6 +247,9 @@ class ParameterHolder:
                     f"{self.gate.in_flight}, quorum {self.quorum}); the workers in "
                     "flight never pushed. Check their logs, or raise dasktf.step-timeout."
                 ) from None
+            finally:
+                self._queue.remove(ticket)
+                cond.notify_all()  # the next in line may be admissible too
             if self.stopped:
                 return None
             version = self.version
@@ -267,7 +290,16 @@ class ParameterHolder:
         await self._run(self._apply, grad, scale)
         record = self._record(worker, grad, version_read, shard_pass, step, scale)
         self.version += 1
+        if self.passes is None or shard_pass < self.passes:
+            self._spend(worker)
         return PushOutcome("applied", [record])
+
+    def _spend(self, key: int) -> None:
+        """Count one update against the budget; stop once the whole run is done."""
+        if key in self.budget:
+            self.budget[key] = max(0, self.budget[key] - 1)
+            if not any(self.budget.values()):
+                self.stopped = True
 
     async def _apply_quorum(
         self, worker: int, grad: GradientSum, version_read: int, shard_pass: int, step: int
@@ -284,6 +316,7 @@ class ParameterHolder:
         await self._run(self._apply, sum_gradients(*(p[1] for p in pending)), 1.0)
         records = [self._record(w, g, version_read, p, s, 1.0) for w, g, p, s in pending]
         self.version += 1
+        self._spend(-1)
         return PushOutcome("applied", records)
 
     def _record(
@@ -404,7 +437,7 @@ def flush_events(run_id: str, dask_worker: Any = None) -> None:
 
     for (run, _), replica in list(_REPLICAS.items()):
         if run == run_id:
-            replica.events.flush()
+            replica.events.flush(dask_worker)
 
 
 def _emit(
@@ -467,6 +500,10 @@ class AsyncEngine:
     staleness_lr
         ``"inverse"``: the holder scales an update's learning rate by
         ``1 / max(1, staleness)``.
+    epochs
+        The run's epochs: the holder stops admitting gradients once they are done,
+        so no update is applied past the last epoch (an early stop by a callback
+        lets the gradients already admitted, at most one per worker, complete).
     """
 
     mode = "async"
@@ -484,6 +521,7 @@ class AsyncEngine:
         max_staleness: int | None = None,
         staleness_lr: str | None = None,
         quorum: int | None = None,
+        epochs: int | None = None,
     ) -> None:
         self.ctx = ctx
         self.holder_worker = holder_worker
@@ -511,6 +549,7 @@ class AsyncEngine:
         holder = ctx.client.submit(
             ParameterHolder, replica_config, weights, probe, val_shards,
             max_staleness, staleness_lr, quorum, config.get_seconds("step-timeout"),
+            *self._budget(epochs),
             key=f"dasktf-holder-{ctx.run_id}",
             # The holder's state lives on this worker for the whole run.
             workers=[holder_worker], allow_other_workers=False, actor=True,
@@ -518,6 +557,12 @@ class AsyncEngine:
         wait_for(ctx, [holder], "building the parameter holder")
         self._holder_future = holder
         self.holder: Actor = holder.result()
+
+    def _budget(self, epochs: int | None) -> tuple[dict[int, int] | None, int | None]:
+        """The holder stops by itself after the last epoch's updates (not one more)."""
+        if epochs is None:
+            return None, None
+        return {i: len(c.steps) * epochs for i, c in enumerate(self.cursors)}, epochs
 
     # -- submission ---------------------------------------------------------------
     def _submit(self, i: int) -> None:
@@ -576,7 +621,7 @@ class AsyncEngine:
             for result in self._next_results(what):
                 self._account(result, epoch, on_step)
                 self.cursors[result.worker].queued -= 1
-                if not self._stopped:
+                if not self._stopped and result.outcome is not None:
                     self._submit(result.worker)
         return [self._end_epoch(epoch)]
 

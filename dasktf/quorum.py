@@ -30,5 +30,10 @@ class QuorumEngine(AsyncEngine):
         super().__init__(*args, quorum=quorum, **kwargs)
         self.quorum = quorum
 
+    def _budget(self, epochs: int | None) -> tuple[dict[int, int] | None, int | None]:
+        if epochs is None:
+            return None, None
+        return {-1: epochs * self.ctx.steps_per_epoch}, None
+
     def _epoch_done(self, epoch: int) -> bool:
         return self.applied >= (epoch + 1) * self.ctx.steps_per_epoch

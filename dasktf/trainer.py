@@ -520,7 +520,7 @@ class _Run:
             cbs + [history], add_history=False, add_progbar=False, model=self.model,
             epochs=epochs, steps=self.ctx.steps_per_epoch, verbose=verbose,
         )
-        engine = self._make_engine()
+        engine = self._make_engine(epochs)
         self.client.subscribe_topic(TOPIC, self._on_event)
         self.model.stop_training = False
         cb.on_train_begin()
@@ -554,7 +554,7 @@ class _Run:
         history.set_model(self.model)
         return history
 
-    def _make_engine(self) -> Any:
+    def _make_engine(self, epochs: int) -> Any:
         """The step engine of the trainer's mode (sync, async, or sync with quorum)."""
         t = self.trainer
         if t.mode == "sync" and t.sync_quorum is None:
@@ -568,9 +568,10 @@ class _Run:
                 val, self.placed.schedule)
         if t.mode == "async":
             return AsyncEngine(
-                *args, max_staleness=t.max_staleness, staleness_lr=t.staleness_lr
+                *args, max_staleness=t.max_staleness, staleness_lr=t.staleness_lr,
+                epochs=epochs,
             )
-        return QuorumEngine(*args, quorum=t.sync_quorum)
+        return QuorumEngine(*args, quorum=t.sync_quorum, epochs=epochs)
 
     def _epoch_logs(self, reports: list[Any], seconds: float) -> dict[str, float]:
         logs = merge_metric_states(self.model, [r.train_states for r in reports])
