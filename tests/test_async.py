@@ -271,3 +271,16 @@ def test_cli_rejects_bad_async_options():
         result = runner.invoke(main, ["fit", *args])
         assert result.exit_code == 2, result.output
         assert text in result.output
+
+
+def test_cli_async_prints_staleness_each_epoch(client):
+    result = CliRunner().invoke(main, [
+        "fit", "--scheduler", client.scheduler.address, "--workers", "3", "--mode", "async",
+        "--epochs", "2", "--batch-size", "96", "--quiet", "--slow-worker", "2:4",
+    ])
+    assert result.exit_code == 0, result.output
+    for epoch in (1, 2):
+        line = next(x for x in result.output.splitlines() if x.startswith(f"epoch {epoch}/2"))
+        assert "staleness_mean" in line and "staleness_max" in line and "updates" in line
+    assert "worker  updates  staleness mean/max  dropped" in result.output
+    assert "test accuracy" in result.output
