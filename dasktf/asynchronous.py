@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from distributed import as_completed, wait
+from distributed import as_completed
 
 from dasktf import config
 from dasktf.data import Shard
@@ -602,13 +602,13 @@ class AsyncEngine:
         while not self._ac.has_ready():
             if not self._outstanding:
                 raise DasktfError(f"{what}: no update in flight; this is a dasktf bug.")
-            pending = [f for f in self._outstanding if f.status == "pending"]
-            if not pending:
-                time.sleep(0.0005)  # finished, not yet queued by as_completed
-                continue
-            try:
-                wait(pending, timeout=poll, return_when="FIRST_COMPLETED")
-            except TimeoutError:
+            # as_completed notifies this condition after queueing a finished future;
+            # checking under it loses no wake-up. (distributed.wait would run on the
+            # default client's loop, which need not be this run's client.)
+            with self._ac.thread_condition:
+                if not self._ac.has_ready():
+                    self._ac.thread_condition.wait(timeout=poll)
+            if not self._ac.has_ready():
                 check_alive(self.ctx, what)
                 if time.monotonic() > deadline:
                     raise StepTimeoutError(

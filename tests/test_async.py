@@ -191,20 +191,22 @@ def test_quorum_drops_the_straggler(client, digits):
     """sync_quorum=2 of 3 with worker 2 slowed 4x: steps are made of the two fast
     workers' gradients; the slow worker's late ones are dropped and counted."""
     x, y = digits.x_train[:768], digits.y_train[:768]
-    common = dict(client=client, n_workers=3, epochs=1, batch_size=3 * 64,
+    common = dict(client=client, n_workers=3, epochs=2, batch_size=3 * 64,
                   optimizer="sgd", learning_rate=0.05, slow_workers={2: 4}, verbose=0,
                   seed=0)
     quorum = dasktf.fit(_wide(), x, y, sync_quorum=2, **common)
     sync = dasktf.fit(_wide(), x, y, **common)
     u = quorum.updates
     steps = u.groupby("update")["worker"].apply(frozenset)
-    assert len(steps) == 4 and (u.groupby("update").size() == 2).all()
-    assert (steps == frozenset({0, 1})).sum() >= len(steps) - 1, steps
-    assert quorum.dropped[2] >= 1 and quorum.history["dropped"][0] >= 1
-    assert quorum.dropped[2] >= quorum.dropped[0] + quorum.dropped[1]
+    assert len(steps) == 8 and (u.groupby("update").size() == 2).all()
+    # The first steps trace the functions (no worker is slowed then); after them the
+    # slow worker's gradient is always late.
+    assert (steps == frozenset({0, 1})).sum() >= len(steps) - 2, steps
+    assert quorum.dropped[2] >= 3 and sum(quorum.history["dropped"]) >= 3
+    assert quorum.dropped[2] > quorum.dropped[0] + quorum.dropped[1]
     _check_records(quorum)
     # Loose sanity bound on the pace (not a benchmark): faster than waiting for all.
-    assert quorum.history["epoch_seconds"][0] < sync.history["epoch_seconds"][0]
+    assert quorum.history["epoch_seconds"][1] < sync.history["epoch_seconds"][1]
 
 
 def test_staleness_lr_inverse_scales_stale_updates(client, small_digits):
