@@ -268,6 +268,14 @@ class Trainer:
         self.mode = mode
         self.n_workers = n_workers
         self._optimizer = _resolve_optimizer(optimizer, learning_rate)
+        if staleness_lr is not None and isinstance(
+            self._optimizer.get("config", {}).get("learning_rate"), dict
+        ):
+            raise ValueError(
+                "staleness_lr='inverse' scales a fixed learning rate; this optimizer "
+                "has a LearningRateSchedule. Use a float learning rate, or drop "
+                "staleness_lr."
+            )
         self._loss_arg = loss
         self._metrics = _resolve_metrics(metrics)
         self.seed = int(np.random.SeedSequence().entropy % 2**31) if seed is None else int(seed)

@@ -256,6 +256,13 @@ def test_bad_options_fail_fast(kwargs, message):
         validate_mode_options(**args)
 
 
+def test_staleness_lr_needs_a_fixed_learning_rate():
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.9)
+    with pytest.raises(ValueError, match="LearningRateSchedule"):
+        dasktf.Trainer(_mlp(), mode="async", staleness_lr="inverse",
+                       optimizer=keras.optimizers.SGD(schedule), n_workers=2)
+
+
 def test_trainer_checks_quorum_against_the_cluster(client, small_digits):
     x, y = small_digits
     with pytest.raises(ValueError, match="exceeds the 3 worker"):
