@@ -7,6 +7,7 @@ task graph. Start with :func:`fit`, or :class:`Trainer` for more control.
 from __future__ import annotations
 
 from dasktf import config  # noqa: F401  (loads dasktf.yaml into dask.config first)
+from dasktf.asynchronous import UpdateRecord
 from dasktf.callbacks import History
 from dasktf.cluster import make_local_cluster
 from dasktf.datasets import Dataset, load_dataset
@@ -29,6 +30,7 @@ __all__ = [
     "SchedulerUnreachableError",
     "StepTimeoutError",
     "Trainer",
+    "UpdateRecord",
     "WorkerLostError",
     "fit",
     "load_dataset",

@@ -31,6 +31,17 @@ class History(keras.callbacks.History):
         The addresses of the workers that held the replicas.
     replica_info
         What each replica reported when it was built (devices, threads, shard size).
+    updates
+        Async and quorum runs: a pandas DataFrame with one row per applied update
+        (:class:`dasktf.asynchronous.UpdateRecord`: update, worker, epoch,
+        version_read, version_applied, staleness, loss, batch_size, compute_s,
+        wall_time, ...); ``None`` for sync runs.
+    dropped
+        Quorum runs: dropped gradients per worker index (async: all zero).
+    gradient_tasks
+        Async and quorum runs: gradient tasks that ``computed`` a gradient, that
+        found the run ``stopped``, and gradients ``discarded`` at the end because
+        their quorum step never completed.
     """
 
     def __init__(self) -> None:
@@ -39,6 +50,9 @@ class History(keras.callbacks.History):
         self.workers: list[str] = []
         self.replica_info: list[dict[str, Any]] = []
         self.wall_seconds = 0.0
+        self.updates: Any = None
+        self.dropped: dict[int, int] = {}
+        self.gradient_tasks: dict[str, int] = {}
 
 
 class ProgressBar(keras.callbacks.Callback):
@@ -86,7 +100,19 @@ def format_epoch_line(epoch: int, epochs: Any, logs: dict[str, Any]) -> str:
     keys = [k for k in order if k in logs] + sorted(
         k for k in logs if k not in order and k not in ("examples_per_sec", "epoch_seconds")
     )
-    parts += [f"{k} {logs[k]:.4f}" for k in keys if isinstance(logs[k], (int, float))]
+    parts += [_format_value(k, logs[k]) for k in keys if isinstance(logs[k], (int, float))]
     if "examples_per_sec" in logs:
         parts.append(f"{logs['examples_per_sec']:,.0f} examples/s")
     return "  ".join(parts)
+
+
+#: Counts (async and quorum epochs) print as integers.
+_COUNT_KEYS = ("updates", "dropped", "staleness_max")
+
+
+def _format_value(key: str, value: float) -> str:
+    if key in _COUNT_KEYS:
+        return f"{key} {value:.0f}"
+    if key == "staleness_mean":
+        return f"{key} {value:.2f}"
+    return f"{key} {value:.4f}"

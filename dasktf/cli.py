@@ -60,8 +60,23 @@ def main() -> None:
 @click.option("--data", "-d", default="digits", show_default=True,
               help=f"A built-in data set ({', '.join(DATASETS)}) or an .npz file with "
               "x_train/y_train (and x_test/y_test) arrays.")
-@click.option("--mode", type=click.Choice(["sync"]), default="sync", show_default=True,
-              help="sync: every step averages the gradients of all workers.")
+@click.option("--mode", type=click.Choice(["sync", "async"]), default="sync",
+              show_default=True,
+              help="sync: every step averages the gradients of all workers. async: every "
+              "worker loops on its own; a parameter holder applies each gradient as it "
+              "arrives and records its staleness.")
+@click.option("--max-staleness", type=int, default=None, metavar="K",
+              help="async: bounded staleness; no update is applied more than K updates "
+              "after the weights it was computed on (0: sequential SGD).")
+@click.option("--staleness-lr", type=click.Choice(["none", "inverse"]), default="none",
+              show_default=True,
+              help="async: 'inverse' scales each update's learning rate by 1/max(1, staleness).")
+@click.option("--sync-quorum", type=int, default=None, metavar="K",
+              help="sync: apply each step with the first K of the N gradients and drop "
+              "(and count) the late ones.")
+@click.option("--slow-worker", "slow_worker", multiple=True, metavar="INDEX:FACTOR",
+              help="Slow a worker down for demos: it sleeps (FACTOR-1) x its compute time "
+              "each step, e.g. --slow-worker 0:4. Repeatable.")
 @click.option("--epochs", "-e", type=click.IntRange(min=1), default=None,
               help="Passes over the data. Default: the data set's own (digits: 5).")
 @click.option("--batch-size", "-b", type=click.IntRange(min=1), default=None,
@@ -102,10 +117,19 @@ def _fit(
     batch_size: int | None, optimizer: str | None, learning_rate: float | None,
     seed: int, scheduler: str | None, threads_per_worker: int | None,
     no_validation: bool, quiet: bool, gpus: str | None = None,
-    mixed_precision: bool = False,
+    mixed_precision: bool = False, max_staleness: int | None = None,
+    staleness_lr: str = "none", sync_quorum: int | None = None,
+    slow_worker: tuple[str, ...] = (),
 ) -> None:
     import dasktf
+    from dasktf.asynchronous import validate_mode_options
 
+    slow_workers = parse_slow_workers(slow_worker)
+    # Before the data set and the cluster: a bad option fails in seconds.
+    validate_mode_options(
+        mode, max_staleness, None if staleness_lr == "none" else staleness_lr,
+        sync_quorum, slow_workers, n_workers,
+    )
     try:
         dataset = dasktf.load_dataset(data, seed=seed)
     except ValueError as exc:
@@ -128,6 +152,10 @@ def _fit(
         threads_per_worker=threads_per_worker,
         gpus=parse_gpus(gpus),
         mixed_precision=mixed_precision,
+        max_staleness=max_staleness,
+        staleness_lr=None if staleness_lr == "none" else staleness_lr,
+        sync_quorum=sync_quorum,
+        slow_workers=slow_workers,
     )
     with trainer:
         click.echo(
@@ -144,6 +172,8 @@ def _fit(
             verbose=2 if quiet else 1,
         )
         click.echo(f"workers: {', '.join(history.workers)}")
+        if history.updates is not None:
+            click.echo(_per_worker_summary(history))
         result = trainer.evaluate(dataset.x_test, dataset.y_test)
     wall = time.perf_counter() - start
     train_seconds = sum(history.history["epoch_seconds"])
@@ -200,6 +230,37 @@ def _info(n_workers: int | None, scheduler: str | None, gpus: Any, with_tf: bool
         if with_gpu and without:
             click.echo(f"workers without a GPU resource (left out of GPU runs): "
                        f"{', '.join(without)}")
+
+
+def parse_slow_workers(values: tuple[str, ...]) -> dict[int, float]:
+    """``--slow-worker 0:4`` (repeatable) as the API's ``slow_workers={0: 4.0}``."""
+    slow: dict[int, float] = {}
+    for text in values:
+        index, sep, factor = text.partition(":")
+        try:
+            if not sep:
+                raise ValueError
+            slow[int(index)] = float(factor)
+        except ValueError:
+            raise _BadArgument(
+                f"--slow-worker {text!r}: expected INDEX:FACTOR, e.g. 0:4 (worker 0 "
+                "takes 4x its compute time)."
+            ) from None
+    return slow
+
+
+def _per_worker_summary(history: Any) -> str:
+    """One line per worker: its updates, their staleness, and dropped gradients."""
+    frame = history.updates
+    lines = ["worker  updates  staleness mean/max  dropped"]
+    for i in range(len(history.workers)):
+        mine = frame[frame["worker"] == i]["staleness"]
+        mean = f"{mine.mean():.2f}" if len(mine) else "-"
+        lines.append(
+            f"{i:>6}  {len(mine):>7}  {mean:>9}/{mine.max() if len(mine) else '-':<8} "
+            f"{history.dropped.get(i, 0):>7}"
+        )
+    return "\n".join(lines)
 
 
 def _run_or_exit(fn: Any) -> None:

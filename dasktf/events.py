@@ -8,7 +8,9 @@ connected to the scheduler can follow a run with ``Client.subscribe_topic(TOPIC,
 
 A record is a dict: ``run`` (run id), ``kind`` (``"step"``, ``"epoch"``, ...),
 ``epoch``, ``step``, ``worker`` and the measured values (``loss``, ``batch_size``,
-``compute_s``, ``wall_time``).
+``compute_s``, ``wall_time``). Async and quorum runs add ``staleness``, ``update``
+and ``version_read`` to the record of each applied update, and ``dropped: True``
+to the record of a gradient a quorum step left out.
 """
 
 from __future__ import annotations
@@ -35,12 +37,15 @@ class MetricsBuffer:
         if flush or time.monotonic() - self._last_flush >= self.interval:
             self.flush()
 
-    def flush(self) -> None:
+    def flush(self, worker: Any = None) -> None:
+        """Send the buffered records (``worker``: the Worker, outside a task)."""
         if not self.records:
             return
-        from distributed import get_worker
+        if worker is None:
+            from distributed import get_worker
 
-        get_worker().log_event(TOPIC, {"records": self.records})
+            worker = get_worker()
+        worker.log_event(TOPIC, {"records": self.records})
         self.records = []
         self._last_flush = time.monotonic()
 

@@ -156,6 +156,11 @@ class Replica:
 
         self.events = MetricsBuffer()
         self.run_id = ""
+        #: A straggler for tests and demos: after each step, sleep (factor - 1) x
+        #: that step's compute time (see :func:`straggle`).
+        self.slow_factor = 1.0
+        #: The parameter holder's version these weights were read at (async modes).
+        self.holder_version = -1
 
     # -- compiled bodies ------------------------------------------------------
     def _gradient(self, x: Any, y: Any) -> tuple[Any, Any]:
@@ -235,6 +240,25 @@ class Replica:
             record["loss"] = previous.loss
             record["loss_step"] = step - 1
         self.events.add(record)
+
+    def set_flat_weights(self, flat: np.ndarray) -> None:
+        """Assign the trainable variables from one flat float32 buffer."""
+        for v, part, shape in zip(
+            self.variables, np.split(flat, np.cumsum(self.sizes)[:-1]), self.shapes
+        ):
+            v.assign(part.reshape(shape))
+
+    def flat_weights(self) -> np.ndarray:
+        """The trainable variables as one flat float32 buffer."""
+        return np.concatenate(
+            [np.asarray(v.numpy(), dtype=np.float32).ravel() for v in self.variables]
+        )
+
+    def take_metric_states(self) -> list[np.ndarray]:
+        """The metric states accumulated since the last call, then reset them."""
+        states = self.metric_states()
+        self.model.reset_metrics()
+        return states
 
     def metric_states(self) -> list[np.ndarray]:
         return [np.asarray(v.numpy()) for m in self.model.metrics for v in m.variables]
@@ -317,6 +341,7 @@ def create_replica_task(
     weights: list[np.ndarray],
     val_shard: Shard | None,
     shuffle: bool,
+    slow_factor: float = 1.0,
 ) -> dict[str, Any]:
     from distributed import get_worker
 
@@ -328,6 +353,7 @@ def create_replica_task(
         )
     replica = Replica(config, index, shard, schedule, weights, val_shard, shuffle)
     replica.run_id = run_id
+    replica.slow_factor = float(slow_factor)
     _REPLICAS[(run_id, address)] = replica
     import tensorflow as tf
 
@@ -352,9 +378,23 @@ def step_task(
     replica.apply(previous)
     out = replica.gradient(epoch, step)
     out.compute_seconds = time.perf_counter() - start
+    straggle(replica, out.compute_seconds)
     replica.step_seconds.append(out.compute_seconds)
     replica.record_step(epoch, step, previous, out)
     return out
+
+
+def straggle(replica: Replica, compute_seconds: float) -> None:
+    """Make a replica with ``slow_factor`` f > 1 take f times its compute time.
+
+    It sleeps rather than computes more, so a slowed worker frees its core (as a
+    worker waiting on a slow disk or a shared GPU would) and its results are
+    unchanged: only the timing differs. The first step is not slowed: its time is
+    mostly tracing, a one-off cost every worker pays.
+    """
+    if replica.slow_factor > 1.0 and replica.__dict__.get("_traced", False):
+        time.sleep((replica.slow_factor - 1.0) * compute_seconds)
+    replica.__dict__["_traced"] = True
 
 
 def end_epoch_task(

@@ -39,13 +39,14 @@ from dasktf.replica import (
     release_replicas,
 )
 from dasktf.sync import RunContext, SyncEngine, wait_for
+from dasktf.asynchronous import choose_holder, updates_frame, validate_mode_options
 
 if TYPE_CHECKING:
     from distributed import Client
 
 logger = logging.getLogger(__name__)
 
-MODES = ("sync",)
+MODES = ("sync", "async")
 _SPARSE_LOSSES = ("sparse_categorical_crossentropy", "SparseCategoricalCrossentropy")
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -177,7 +178,24 @@ class Trainer:
         Replicas to train with: the first ``n_workers`` workers of the cluster (all
         of them by default; 2 for an embedded cluster).
     mode
-        ``"sync"``: every step averages all workers' gradients.
+        ``"sync"``: every step averages all workers' gradients. ``"async"``: every
+        worker loops on its own and a parameter holder applies each gradient as it
+        arrives (:mod:`dasktf.asynchronous`); ``history.updates`` records each
+        update's staleness.
+    max_staleness
+        Async only: bounded staleness ``K``; a worker waits rather than let any
+        update be applied more than ``K`` updates after the version it read
+        (``0``: sequential SGD, every staleness 0).
+    staleness_lr
+        Async only: ``"inverse"`` scales each update's learning rate by
+        ``1 / max(1, staleness)``; ``None`` (default) leaves it.
+    sync_quorum
+        Sync only: apply each step with the first ``k`` of the N gradients and drop
+        the late ones ("backup workers", :mod:`dasktf.quorum`); dropped gradients are
+        counted per worker in ``history.dropped`` and ``history.history["dropped"]``.
+    slow_workers
+        Stragglers for tests and demos: ``{worker index: factor}`` makes that worker
+        sleep ``(factor - 1)`` x its compute time after every step.
     optimizer, learning_rate
         A Keras optimizer name or instance; every replica holds its own copy.
     loss, metrics
@@ -230,10 +248,19 @@ class Trainer:
         security: Any = None,
         gpus: GpusArg = None,
         mixed_precision: bool = False,
+        max_staleness: int | None = None,
+        staleness_lr: str | None = None,
+        sync_quorum: int | None = None,
+        slow_workers: dict[int, float] | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}; got {mode!r}.")
         _positive_int("n_workers", n_workers, allow_none=True)
+        self.slow_workers = validate_mode_options(
+            mode, max_staleness, staleness_lr, sync_quorum, slow_workers, n_workers
+        )
+        self.max_staleness, self.staleness_lr = max_staleness, staleness_lr
+        self.sync_quorum = sync_quorum
         _positive_int("threads_per_worker", threads_per_worker, allow_none=True)
         if client is not None and scheduler is not None:
             raise ValueError("Give either client or scheduler, not both.")
@@ -241,6 +268,14 @@ class Trainer:
         self.mode = mode
         self.n_workers = n_workers
         self._optimizer = _resolve_optimizer(optimizer, learning_rate)
+        if staleness_lr is not None and isinstance(
+            self._optimizer.get("config", {}).get("learning_rate"), dict
+        ):
+            raise ValueError(
+                "staleness_lr='inverse' scales a fixed learning rate; this optimizer "
+                "has a LearningRateSchedule. Use a float learning rate, or drop "
+                "staleness_lr."
+            )
         self._loss_arg = loss
         self._metrics = _resolve_metrics(metrics)
         self.seed = int(np.random.SeedSequence().entropy % 2**31) if seed is None else int(seed)
@@ -336,6 +371,10 @@ class Trainer:
         started = time.perf_counter()
         client = self.client
         workers, resources = choose_run_workers(client, self.n_workers, self.gpus)
+        validate_mode_options(  # the quorum and the slowed indices against the workers
+            self.mode, self.max_staleness, self.staleness_lr, self.sync_quorum,
+            self.slow_workers, len(workers),
+        )
         if self.threads_per_worker is not None or not getattr(self, "_owned", False):
             threads = self.threads_per_worker or default_tf_threads(len(workers))
             client.register_plugin(TensorFlowSetup(threads))
@@ -461,6 +500,7 @@ class _Run:
                 weights,
                 val[i],
                 self.shuffle,
+                t.slow_workers.get(i, 1.0),
                 key=f"dasktf-replica-{self.run_id}-{i}",
                 workers=[w],
                 allow_other_workers=False,
@@ -469,6 +509,7 @@ class _Run:
             for i, w in enumerate(self.workers)
         ]
         self._futures = futures
+        self._engine_inputs = (cfg, weights, val)
         with _config_override("step-timeout", config.get("replica-timeout")):
             wait_for(self.ctx, futures, "building the replicas")
         self.replica_info = self.client.gather(futures)
@@ -487,7 +528,7 @@ class _Run:
             cbs + [history], add_history=False, add_progbar=False, model=self.model,
             epochs=epochs, steps=self.ctx.steps_per_epoch, verbose=verbose,
         )
-        engine = SyncEngine(self.ctx)
+        engine = self._make_engine(epochs)
         self.client.subscribe_topic(TOPIC, self._on_event)
         self.model.stop_training = False
         cb.on_train_begin()
@@ -501,15 +542,44 @@ class _Run:
                 )
                 seconds = time.perf_counter() - start
                 logs = self._epoch_logs(reports, seconds)
+                if hasattr(engine, "epoch_logs"):  # async and quorum: staleness, drops
+                    logs.update(engine.epoch_logs(seconds))
                 self.model.set_weights(reports[0].weights)
                 cb.on_epoch_end(epoch, logs)
                 if self.model.stop_training:
                     break
+            if hasattr(engine, "finish"):
+                engine.finish()  # drains the updates in flight: the final weights
+                self.model.set_weights(engine.final_weights)
+                history.updates = updates_frame(engine.updates)
+                history.dropped = dict(engine.dropped)
+                history.gradient_tasks = dict(engine.tasks, discarded=engine.discarded)
         finally:
             self.client.unsubscribe_topic(TOPIC)
+            if hasattr(engine, "close"):
+                engine.close()
         cb.on_train_end()
         history.set_model(self.model)
         return history
+
+    def _make_engine(self, epochs: int) -> Any:
+        """The step engine of the trainer's mode (sync, async, or sync with quorum)."""
+        t = self.trainer
+        if t.mode == "sync" and t.sync_quorum is None:
+            return SyncEngine(self.ctx)
+        from dasktf.asynchronous import AsyncEngine
+        from dasktf.quorum import QuorumEngine
+
+        cfg, weights, val = self._engine_inputs
+        holder = choose_holder(self.workers, t.slow_workers)
+        args = (self.ctx, self.workers[holder], cfg, weights, self.placed.shards[holder],
+                val, self.placed.schedule)
+        if t.mode == "async":
+            return AsyncEngine(
+                *args, max_staleness=t.max_staleness, staleness_lr=t.staleness_lr,
+                epochs=epochs,
+            )
+        return QuorumEngine(*args, quorum=t.sync_quorum, epochs=epochs)
 
     def _epoch_logs(self, reports: list[Any], seconds: float) -> dict[str, float]:
         logs = merge_metric_states(self.model, [r.train_states for r in reports])
@@ -589,6 +659,10 @@ def fit(
     security: Any = None,
     gpus: GpusArg = None,
     mixed_precision: bool = False,
+    max_staleness: int | None = None,
+    staleness_lr: str | None = None,
+    sync_quorum: int | None = None,
+    slow_workers: dict[int, float] | None = None,
 ) -> History:
     """Train ``model`` data-parallel on a Dask cluster; return its :class:`History`.
 
@@ -617,6 +691,10 @@ def fit(
         security=security,
         gpus=gpus,
         mixed_precision=mixed_precision,
+        max_staleness=max_staleness,
+        staleness_lr=staleness_lr,
+        sync_quorum=sync_quorum,
+        slow_workers=slow_workers,
     ) as trainer:
         return trainer.fit(
             x,

@@ -1,0 +1,822 @@
+"""Asynchronous training: a parameter holder applies each gradient as it arrives.
+
+The master weights and the optimizer state live in one :class:`ParameterHolder`, a
+Dask actor on one worker (the *holder*; a worker that is not slowed down). Every
+worker loops on its own, one Dask task per update::
+
+    async_step_task on worker i (pinned)
+      pull   ── actor call ──► holder: newest weights (version v), unless i has them
+      gradient of i's next local batch at version v
+      push   ── actor call ──► holder: apply at once (version V → V+1),
+                               record staleness = V - v
+      return a small StepResult (the record and the batch's metric states)
+
+Gradients and weights travel worker ↔ holder directly; the scheduler is not on
+the per-update path and the client only sees the small records. The holder applies
+on its event loop, not on its task thread, so a holder that also trains never makes
+the others wait for its gradient. The client keeps ``dasktf.async.submit-ahead`` tasks queued per worker and
+reacts to their completion (``distributed.as_completed``): it submits that worker's
+next batch, accounts the epoch and, at an epoch end, evaluates the holder's current
+weights, while the queued tasks keep every worker busy.
+
+*Bounded staleness* (``max_staleness=K``) is enforced where the versions are known,
+on the holder, by :class:`StalenessGate`: a pull waits until starting a gradient
+cannot let any gradient in flight be applied more than K updates late.
+
+An *epoch* ends once every shard has been consumed once more. Workers never wait for
+it: a fast worker goes on into its next pass over its shard (reshuffled by pass)
+while a slow one finishes, so examples/s counts every example applied.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from distributed import as_completed
+
+from dasktf import config
+from dasktf.data import Shard
+from dasktf.exceptions import DasktfError, StepTimeoutError
+from dasktf.replica import (
+    EpochReport,
+    GradientSum,
+    Replica,
+    ReplicaConfig,
+    get_replica,
+    straggle,
+    sum_gradients,
+)
+from dasktf.sync import RunContext, check_alive, raise_task_error, wait_for
+
+if TYPE_CHECKING:
+    from distributed import Future
+    from distributed.actor import Actor
+
+logger = logging.getLogger(__name__)
+
+#: Accepted values of ``staleness_lr``.
+STALENESS_LR = (None, "inverse")
+#: The holder builds its model as a replica with this index (it only offsets the seed).
+_HOLDER_INDEX = 10_000
+
+
+@dataclass
+class UpdateRecord:
+    """One applied update, as the holder saw it.
+
+    ``version_applied`` is the holder's version the gradient was applied to (the
+    number of updates before it) and ``update`` the version it made
+    (``version_applied + 1``), so ``staleness = version_applied - version_read``.
+    """
+
+    update: int
+    worker: int
+    epoch: int
+    version_read: int
+    version_applied: int
+    staleness: int
+    loss: float
+    batch_size: int
+    compute_s: float
+    wall_time: float
+    shard_pass: int
+    step: int
+    lr_scale: float = 1.0
+
+
+@dataclass
+class PushOutcome:
+    """What the holder answers a push: the updates it applied, or a drop."""
+
+    status: str  # "applied" | "buffered" (quorum: waits for k) | "dropped" (quorum)
+    records: list[UpdateRecord] = field(default_factory=list)
+
+
+@dataclass
+class StepResult:
+    """What one ``async_step_task`` returns to the client (never weights)."""
+
+    worker: int
+    shard_pass: int
+    step: int
+    outcome: PushOutcome | None  # None: the holder had stopped; nothing computed
+    metric_states: list[np.ndarray] | None = None
+
+
+class StalenessGate:
+    """Admission for bounded staleness, counted in updates.
+
+    Invariant, for every gradient ``g`` in flight (read at version ``r_g``, ``n`` in
+    flight, holder at version ``V``)::
+
+        (V - r_g) + (n - 1) <= K
+
+    An apply raises ``V`` by one and lowers ``n`` by one, so it keeps the invariant;
+    a new gradient (read at ``V``) is admitted only if it keeps it too. Hence every
+    gradient is applied at most ``K`` updates after the version it read. With K=0
+    one gradient is in flight at a time: sequential SGD.
+    """
+
+    def __init__(self, bound: int | None) -> None:
+        self.bound = bound
+        self.in_flight: dict[int, int] = {}
+        self._tokens = 0
+
+    def admissible(self, version: int) -> bool:
+        if self.bound is None:
+            return True
+        oldest = min(self.in_flight.values(), default=version)
+        return (version - oldest) + len(self.in_flight) <= self.bound
+
+    def start(self, version: int) -> int:
+        self._tokens += 1
+        self.in_flight[self._tokens] = version
+        return self._tokens
+
+    def finish(self, token: int) -> None:
+        self.in_flight.pop(token, None)
+
+
+class ParameterHolder:
+    """The master weights and optimizer state of an async or quorum run (an actor).
+
+    Built on the holder worker from the same :class:`ReplicaConfig` as the replicas,
+    it reuses :class:`~dasktf.replica.Replica` for the model, the optimizer, the
+    compiled apply and the evaluation. Its coroutine methods run on the worker's
+    event loop, which also runs each apply (one compiled call, about a millisecond
+    for 100k parameters): a thread hand-over each way would cost more than the apply
+    on a loaded machine. Evaluation, which takes longer, runs in a dedicated thread.
+
+    Parameters
+    ----------
+    quorum
+        ``None``: asynchronous, apply every gradient as it arrives. ``k``: sync with
+        backup workers, apply step ``s`` with the first ``k`` gradients read at
+        version ``s`` and drop the later ones.
+    budget
+        When to stop on its own, before admitting one gradient too many: async,
+        ``{worker: updates}`` each worker owes (its batches of the run's passes;
+        updates from later passes of a fast worker do not count); quorum,
+        ``{-1: steps}``.
+    passes
+        Async: the passes over its shard each worker owes (updates of later passes
+        do not count against ``budget``).
+    """
+
+    def __init__(
+        self,
+        config_: ReplicaConfig,
+        weights: list[np.ndarray],
+        probe: Shard,
+        val_shards: list[Shard | None],
+        max_staleness: int | None = None,
+        staleness_lr: str | None = None,
+        quorum: int | None = None,
+        timeout: float = 600.0,
+        budget: dict[int, int] | None = None,
+        passes: int | None = None,
+    ) -> None:
+        val_parts = [s for s in val_shards if s is not None and len(s)]
+        val = (
+            Shard(np.concatenate([s.x for s in val_parts]), np.concatenate([s.y for s in val_parts]))
+            if val_parts
+            else None
+        )
+        shard = Shard(probe.x[:1], probe.y[:1])
+        self.replica = Replica(config_, _HOLDER_INDEX, shard, np.ones((1,), int), weights, val, False)
+        optimizer = self.replica.model.optimizer
+        self._base_lr = float(np.asarray(optimizer.learning_rate))
+        self.flat = self.replica.flat_weights()
+        self.version = 0
+        self.gate = StalenessGate(max_staleness)
+        self.staleness_lr = staleness_lr
+        self.quorum = quorum
+        self.timeout = timeout
+        self.stopped = False
+        self.budget = dict(budget or {})
+        self.passes = passes
+        self.dropped: dict[int, int] = {}
+        self.discarded = 0
+        self._pending: dict[int, list[tuple[int, GradientSum, int, int]]] = {}
+        self._last_step: dict[int, int] = {}
+        self._queue: deque[int] = deque()  # tickets of the pulls waiting, in order
+        self._tickets = 0
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="dasktf-holder")
+        self._cond: asyncio.Condition | None = None
+        self._lock: asyncio.Lock | None = None
+
+    # -- coordination (event loop) ------------------------------------------------
+    def _sync_objects(self) -> tuple[asyncio.Condition, asyncio.Lock]:
+        if self._cond is None or self._lock is None:
+            self._cond, self._lock = asyncio.Condition(), asyncio.Lock()
+        return self._cond, self._lock
+
+    def _may_start(self, worker: int, ticket: int) -> bool:
+        if self.quorum is not None:  # one gradient per worker and step
+            return self.version > self._last_step.get(worker, -1)
+        # First come, first served: the worker that just pushed must not take the
+        # slot a waiting worker was promised (with K=0 it would starve the others).
+        return self._queue[0] == ticket and self.gate.admissible(self.version)
+
+    async def pull(self, worker: int, have: int) -> tuple[int, int, np.ndarray | None] | None:
+        """Wait until ``worker`` may start a gradient; return (token, version,
+        weights), the weights ``None`` when the worker already has that version, or
+        ``None`` once the run has stopped."""
+        cond, _ = self._sync_objects()
+        async with cond:
+            self._tickets += 1
+            ticket = self._tickets
+            self._queue.append(ticket)
+            try:
+                await asyncio.wait_for(
+                    cond.wait_for(lambda: self.stopped or self._may_start(worker, ticket)),
+                    self.timeout,
+                )
+            except TimeoutError:
+                raise StepTimeoutError(
+                    f"Worker {worker} waited {self.timeout:g}s to start a gradient "
+                    f"(holder at version {self.version}, in flight: "
+                    f"{self.gate.in_flight}, quorum {self.quorum}); the workers in "
+                    "flight never pushed. Check their logs, or raise dasktf.step-timeout."
+                ) from None
+            finally:
+                self._queue.remove(ticket)
+                cond.notify_all()  # the next in line may be admissible too
+            if self.stopped:
+                return None
+            version = self.version
+            self._last_step[worker] = version
+            token = self.gate.start(version) if self.quorum is None else 0
+        return token, version, None if have == version else self.flat
+
+    async def push(
+        self, token: int, worker: int, grad: GradientSum, version_read: int,
+        shard_pass: int, step: int,
+    ) -> tuple[PushOutcome, tuple[int, int, np.ndarray | None] | None]:
+        """Apply ``grad`` now (async) or as part of its quorum step, then admit the
+        worker's next gradient: one round trip per update, returning the outcome and
+        what :meth:`pull` would (so the worker's next read is the newest weights)."""
+        outcome = await self._push(token, worker, grad, version_read, shard_pass, step)
+        return outcome, await self.pull(worker, version_read)
+
+    async def _push(
+        self, token: int, worker: int, grad: GradientSum, version_read: int,
+        shard_pass: int, step: int,
+    ) -> PushOutcome:
+        cond, lock = self._sync_objects()
+        async with lock:  # one apply at a time, versions in apply order
+            if self.quorum is None:
+                outcome = await self._apply_now(worker, grad, version_read, shard_pass, step)
+            else:
+                outcome = await self._apply_quorum(worker, grad, version_read, shard_pass, step)
+        async with cond:
+            self.gate.finish(token)
+            cond.notify_all()
+        return outcome
+
+    async def _apply_now(
+        self, worker: int, grad: GradientSum, version_read: int, shard_pass: int, step: int
+    ) -> PushOutcome:
+        staleness = self.version - version_read
+        scale = 1.0 / max(1, staleness) if self.staleness_lr == "inverse" else 1.0
+        self._apply(grad, scale)
+        record = self._record(worker, grad, version_read, shard_pass, step, scale)
+        self.version += 1
+        if self.passes is None or shard_pass < self.passes:
+            self._spend(worker)
+        return PushOutcome("applied", [record])
+
+    def _spend(self, key: int) -> None:
+        """Count one update against the budget; stop once the whole run is done."""
+        if key in self.budget:
+            self.budget[key] = max(0, self.budget[key] - 1)
+            if not any(self.budget.values()):
+                self.stopped = True
+
+    async def _apply_quorum(
+        self, worker: int, grad: GradientSum, version_read: int, shard_pass: int, step: int
+    ) -> PushOutcome:
+        assert self.quorum is not None
+        if version_read < self.version:  # its step was applied without it: late
+            self.dropped[worker] = self.dropped.get(worker, 0) + 1
+            return PushOutcome("dropped")
+        pending = self._pending.setdefault(version_read, [])
+        pending.append((worker, grad, shard_pass, step))
+        if len(pending) < self.quorum:
+            return PushOutcome("buffered")
+        del self._pending[version_read]
+        self._apply(sum_gradients(*(p[1] for p in pending)), 1.0)
+        records = [self._record(w, g, version_read, p, s, 1.0) for w, g, p, s in pending]
+        self.version += 1
+        self._spend(-1)
+        return PushOutcome("applied", records)
+
+    def _record(
+        self, worker: int, grad: GradientSum, version_read: int, shard_pass: int,
+        step: int, scale: float,
+    ) -> UpdateRecord:
+        return UpdateRecord(
+            update=self.version + 1, worker=worker, epoch=-1, version_read=version_read,
+            version_applied=self.version, staleness=self.version - version_read,
+            loss=grad.loss, batch_size=grad.count, compute_s=grad.compute_seconds,
+            wall_time=time.time(), shard_pass=shard_pass, step=step, lr_scale=scale,
+        )
+
+    async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    # -- TensorFlow work (holder thread) -----------------------------------------
+    def _apply(self, grad: GradientSum, scale: float) -> None:  # on the event loop
+        optimizer = self.replica.model.optimizer
+        if scale != 1.0:
+            # The learning rate, not the gradient: Adam-like optimizers normalise
+            # the gradient's scale away.
+            optimizer.learning_rate = self._base_lr * scale
+        try:
+            self.replica.apply(grad)
+        finally:
+            if scale != 1.0:
+                optimizer.learning_rate = self._base_lr
+        self.flat = self.replica.flat_weights()
+
+    def _evaluate(self) -> tuple[int, list[np.ndarray] | None, list[np.ndarray]]:
+        version = self.version
+        states = self.replica.evaluate()
+        self.replica.model.reset_metrics()
+        return version, states, [np.asarray(w) for w in self.replica.model.get_weights()]
+
+    async def evaluate(self) -> tuple[int, list[np.ndarray] | None, list[np.ndarray]]:
+        """(version, validation metric states or None, weights) of the current model."""
+        _, lock = self._sync_objects()
+        async with lock:  # between two applies
+            return await self._run(self._evaluate)  # type: ignore[no-any-return]
+
+    async def weights(self) -> list[np.ndarray]:
+        """The current weights (all of the model's, in ``get_weights`` order)."""
+        _, lock = self._sync_objects()
+        async with lock:
+            return await self._run(  # type: ignore[no-any-return]
+                lambda: [np.asarray(w) for w in self.replica.model.get_weights()]
+            )
+
+    async def stop(self) -> None:
+        """Refuse new gradients: pulls return ``None`` from now on."""
+        cond, _ = self._sync_objects()
+        async with cond:
+            self.stopped = True
+            cond.notify_all()
+
+    async def counters(self) -> dict[str, Any]:
+        """After :meth:`stop` and the last push: discard the gradients still waiting
+        for a quorum; report version, drops and discards."""
+        _, lock = self._sync_objects()
+        async with lock:
+            self.discarded += sum(len(p) for p in self._pending.values())
+            self._pending.clear()
+        return {"version": self.version, "dropped": dict(self.dropped),
+                "discarded": self.discarded}
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False)
+
+
+# -- the worker side ------------------------------------------------------------------
+_LOCK = threading.Lock()
+_FIRST = object()
+
+
+def _replica_lock(replica: Replica) -> threading.Lock:
+    """Tasks of one worker run one at a time even on a multi-threaded worker."""
+    with _LOCK:
+        lock = replica.__dict__.get("_async_lock")
+        if lock is None:
+            lock = replica.__dict__["_async_lock"] = threading.Lock()
+        return lock  # type: ignore[no-any-return]
+
+
+def async_step_task(run_id: str, holder: Actor, shard_pass: int, step: int) -> StepResult:
+    """One update of one worker: pull the newest weights, compute, push."""
+    begin = time.perf_counter()
+    replica = get_replica(run_id)
+    timeout = config.get_seconds("step-timeout")
+    with _replica_lock(replica):
+        # The previous push admitted this gradient and brought the weights back;
+        # a worker's first task asks for them.
+        pulled = replica.__dict__.pop("_next_pull", _FIRST)
+        if pulled is _FIRST:
+            pulled = holder.pull(replica.index, replica.holder_version).result(timeout=timeout)
+        if pulled is None:  # the run has stopped: stay stopped
+            replica.__dict__["_next_pull"] = None
+            return StepResult(replica.index, shard_pass, step, None)
+        token, version, flat = pulled
+        if flat is not None:
+            replica.set_flat_weights(flat)
+        replica.holder_version = version
+        start = time.perf_counter()
+        grad = replica.gradient(shard_pass, step)
+        grad.compute_seconds = time.perf_counter() - start
+        straggle(replica, grad.compute_seconds)
+        states = replica.take_metric_states()
+        pushed = time.perf_counter()
+        outcome, replica.__dict__["_next_pull"] = holder.push(
+            token, replica.index, grad, version, shard_pass, step
+        ).result(timeout=timeout)
+    end = time.perf_counter()
+    # Where an update's time goes: between tasks (the worker's own task hand-over),
+    # in the task before and after the gradient, and in the push round trip.
+    previous_end = replica.__dict__.get("_task_end", begin)
+    timings = {
+        "idle_s": max(0.0, begin - previous_end),
+        "task_s": end - begin,
+        "push_s": end - pushed,
+    }
+    replica.__dict__["_task_end"] = end
+    _emit(replica, outcome, shard_pass, step, grad, timings)
+    return StepResult(replica.index, shard_pass, step, outcome, states)
+
+
+def flush_events(run_id: str, dask_worker: Any = None) -> None:
+    """Send this worker's buffered step records now (run through ``Client.run``)."""
+    from dasktf.replica import _REPLICAS
+
+    for (run, _), replica in list(_REPLICAS.items()):
+        if run == run_id:
+            replica.events.flush(dask_worker)
+
+
+def _emit(
+    replica: Replica, outcome: PushOutcome, shard_pass: int, step: int, grad: GradientSum,
+    timings: dict[str, float],
+) -> None:
+    """Step records on the metrics stream, with the update's staleness."""
+    base = {
+        "run": replica.run_id, "kind": "step", "epoch": shard_pass, "step": step,
+        "worker": replica.index, "batch_size": grad.count, "local_loss": grad.loss,
+        "compute_s": grad.compute_seconds, "wall_time": time.time(), **timings,
+    }
+    if outcome.status == "dropped":
+        replica.events.add({**base, "dropped": True})
+    for r in outcome.records:
+        if r.worker == replica.index:
+            replica.events.add(
+                {**base, "loss": r.loss, "update": r.update, "staleness": r.staleness,
+                 "version_read": r.version_read}
+            )
+
+
+# -- the client side ------------------------------------------------------------------
+@dataclass
+class _WorkerCursor:
+    """Which batch a worker computes next, and how many of its tasks are queued."""
+
+    steps: list[int]  # the non-empty local batches of one pass over its shard
+    shard_pass: int = 0
+    position: int = 0
+    queued: int = 0
+    completed_passes: int = 0
+    done_in_pass: int = 0
+
+    def take(self) -> tuple[int, int]:
+        item = (self.shard_pass, self.steps[self.position])
+        self.position += 1
+        if self.position == len(self.steps):
+            self.shard_pass, self.position = self.shard_pass + 1, 0
+        return item
+
+
+class AsyncEngine:
+    """Runs asynchronous epochs: workers loop freely, the holder applies on arrival.
+
+    Parameters
+    ----------
+    ctx
+        The run's workers and id.
+    holder_worker
+        Address of the worker that holds the :class:`ParameterHolder`.
+    replica_config, weights, probe, val_shards
+        What the holder builds its model from (futures of the initial weights, the
+        holder worker's shard and the validation shards: they move worker to
+        worker, never through the client).
+    schedule
+        The run's ``steps x workers`` local batch sizes; a worker cycles over the
+        non-empty ones of its column.
+    max_staleness
+        ``K``: no applied update is more than ``K`` updates stale (None: unbounded).
+    staleness_lr
+        ``"inverse"``: the holder scales an update's learning rate by
+        ``1 / max(1, staleness)``.
+    epochs
+        The run's epochs: the holder stops admitting gradients once they are done,
+        so no update is applied past the last epoch (an early stop by a callback
+        lets the gradients already admitted, at most one per worker, complete).
+    """
+
+    mode = "async"
+
+    def __init__(
+        self,
+        ctx: RunContext,
+        holder_worker: str,
+        replica_config: ReplicaConfig,
+        weights: Any,
+        probe: Any,
+        val_shards: list[Any],
+        schedule: np.ndarray,
+        *,
+        max_staleness: int | None = None,
+        staleness_lr: str | None = None,
+        quorum: int | None = None,
+        epochs: int | None = None,
+    ) -> None:
+        self.ctx = ctx
+        self.holder_worker = holder_worker
+        self.ahead = max(1, int(config.get("async.submit-ahead")))
+        self.cursors = [
+            _WorkerCursor([s for s in range(schedule.shape[0]) if schedule[s, i] > 0])
+            for i in range(len(ctx.workers))
+        ]
+        self.updates: list[UpdateRecord] = []
+        self.dropped: dict[int, int] = {i: 0 for i in range(len(ctx.workers))}
+        self.applied = 0  # updates the client has seen applied
+        self._epoch_records: list[UpdateRecord] = []
+        self._epoch_dropped = 0
+        self._epoch_states: list[np.ndarray] | None = None
+        self._ac = as_completed(loop=ctx.client.loop)
+        self._outstanding: set[Future] = set()
+        self._stopped = False
+        self._epoch = 0
+        self.discarded = 0
+        self.final_weights: list[np.ndarray] | None = None
+        #: Gradient tasks that computed (and pushed) a gradient, and those that
+        #: found the run stopped: ``computed == applied contributions + dropped +
+        #: discarded`` (checked by the tests).
+        self.tasks = {"computed": 0, "stopped": 0}
+        holder = ctx.client.submit(
+            ParameterHolder, replica_config, weights, probe, val_shards,
+            max_staleness, staleness_lr, quorum, config.get_seconds("step-timeout"),
+            *self._budget(epochs),
+            key=f"dasktf-holder-{ctx.run_id}",
+            # The holder's state lives on this worker for the whole run.
+            workers=[holder_worker], allow_other_workers=False, actor=True,
+        )
+        wait_for(ctx, [holder], "building the parameter holder")
+        self._holder_future = holder
+        self.holder: Actor = holder.result()
+
+    def _budget(self, epochs: int | None) -> tuple[dict[int, int] | None, int | None]:
+        """The holder stops by itself after the last epoch's updates (not one more)."""
+        if epochs is None:
+            return None, None
+        return {i: len(c.steps) * epochs for i, c in enumerate(self.cursors)}, epochs
+
+    # -- submission ---------------------------------------------------------------
+    def _submit(self, i: int) -> None:
+        cursor = self.cursors[i]
+        while cursor.queued < self.ahead and cursor.steps:
+            shard_pass, step = cursor.take()
+            future = self.ctx.client.submit(
+                async_step_task, self.ctx.run_id, self.holder, shard_pass, step,
+                key=f"dasktf-async-step-{self.ctx.run_id}-{i}-{shard_pass}-{step}",
+                # The replica and its shard live on this worker alone.
+                workers=[self.ctx.workers[i]], allow_other_workers=False,
+                pure=False, resources=self.ctx.resources,
+            )
+            cursor.queued += 1
+            self._outstanding.add(future)
+            self._ac.add(future)
+
+    def _next_results(self, what: str) -> list[StepResult]:
+        """Completed tasks' results; waits bounded, checking the workers' liveness."""
+        poll = config.get_seconds("poll-interval")
+        deadline = time.monotonic() + config.get_seconds("step-timeout")
+        while not self._ac.has_ready():
+            if not self._outstanding:
+                raise DasktfError(f"{what}: no update in flight; this is a dasktf bug.")
+            # as_completed notifies this condition after queueing a finished future;
+            # checking under it loses no wake-up. (distributed.wait would run on the
+            # default client's loop, which need not be this run's client.)
+            with self._ac.thread_condition:
+                if not self._ac.has_ready():
+                    self._ac.thread_condition.wait(timeout=poll)
+            if not self._ac.has_ready():
+                check_alive(self.ctx, what)
+                if time.monotonic() > deadline:
+                    raise StepTimeoutError(
+                        f"No update of {what} finished within dasktf.step-timeout; "
+                        f"workers {self.ctx.workers} were alive. Check their logs."
+                    ) from None
+        done = self._ac.next_batch(block=False)
+        for f in done:
+            self._outstanding.discard(f)
+            if f.status == "error":
+                raise_task_error(f, what)
+        return self.ctx.client.gather(done)  # type: ignore[no-any-return]
+
+    # -- the loop -----------------------------------------------------------------
+    def run_epoch(
+        self, epoch: int, on_step: Callable[[int], None] | None = None
+    ) -> list[EpochReport]:
+        """Train until every shard has been consumed once more; evaluate."""
+        if epoch == 0:
+            for i in range(len(self.cursors)):
+                self._submit(i)
+        self._epoch = epoch
+        what = f"epoch {epoch + 1}"
+        while not self._epoch_done(epoch):
+            for result in self._next_results(what):
+                self._account(result, epoch, on_step)
+                self.cursors[result.worker].queued -= 1
+                if not self._stopped and result.outcome is not None:
+                    self._submit(result.worker)
+        return [self._end_epoch(epoch)]
+
+    def _epoch_done(self, epoch: int) -> bool:
+        return min(c.completed_passes for c in self.cursors) > epoch
+
+    def _account(
+        self, result: StepResult, epoch: int, on_step: Callable[[int], None] | None
+    ) -> None:
+        if result.outcome is None:
+            self.tasks["stopped"] += 1
+            return
+        self.tasks["computed"] += 1
+        cursor = self.cursors[result.worker]
+        cursor.done_in_pass += 1
+        if cursor.done_in_pass == len(cursor.steps):
+            cursor.completed_passes, cursor.done_in_pass = cursor.completed_passes + 1, 0
+        if result.outcome.status == "dropped":
+            self.dropped[result.worker] += 1
+            self._epoch_dropped += 1
+            return
+        if result.metric_states is not None and result.outcome.status != "dropped":
+            self._add_states(result.metric_states)
+        for record in result.outcome.records:
+            record.epoch = epoch
+            self._epoch_records.append(record)
+        if result.outcome.status == "applied":
+            self.applied += 1
+            if on_step is not None:
+                on_step(self.applied - 1)
+
+    def _add_states(self, states: list[np.ndarray]) -> None:
+        if self._epoch_states is None:
+            self._epoch_states = [np.array(s, copy=True) for s in states]
+        else:
+            for total, s in zip(self._epoch_states, states):
+                total += s
+
+    def _end_epoch(self, epoch: int) -> EpochReport:
+        timeout = config.get_seconds("step-timeout")
+        _, val_states, weights = self.holder.evaluate().result(timeout=timeout)
+        train = self._epoch_states or []
+        self._epoch_states = None
+        return EpochReport(self.holder_worker, train, val_states, weights)
+
+    def epoch_logs(self, seconds: float) -> dict[str, float]:
+        """Per-epoch summaries for ``history.history`` (and the epoch line)."""
+        records, self._epoch_records = self._epoch_records, []
+        self.updates.extend(records)
+        staleness = [r.staleness for r in records]
+        examples = sum(r.batch_size for r in records)
+        logs = {
+            "updates": float(len({r.update for r in records})),
+            "staleness_mean": float(np.mean(staleness)) if staleness else 0.0,
+            "staleness_max": float(max(staleness, default=0)),
+            "examples_per_sec": examples / seconds if seconds > 0 else 0.0,
+        }
+        if self.mode == "quorum":
+            logs["dropped"] = float(self._epoch_dropped)
+        self._epoch_dropped = 0
+        return logs
+
+    def finish(self) -> None:
+        """Stop the workers' loops, drain the queued tasks, check the accounting."""
+        if self._stopped:
+            return
+        self._stopped = True
+        timeout = config.get_seconds("step-timeout")
+        self.holder.stop().result(timeout=timeout)
+        while self._outstanding:
+            for result in self._next_results("the end of training"):
+                self._account(result, self._epoch, None)
+                self.cursors[result.worker].queued -= 1
+        counters = self.holder.counters().result(timeout=timeout)
+        late = self._epoch_records
+        self._epoch_records = []
+        self.updates.extend(late)
+        self.updates.sort(key=lambda r: (r.update, r.worker))
+        if counters["version"] != self.applied or self.dropped != {
+            **{i: 0 for i in self.dropped}, **counters["dropped"]
+        }:
+            raise DasktfError(
+                f"Update accounting mismatch: the holder applied {counters['version']} "
+                f"updates and dropped {counters['dropped']}, the client saw "
+                f"{self.applied} and {self.dropped}. This is a dasktf bug."
+            )
+        self.discarded = int(counters["discarded"])
+        self.final_weights = self.holder.weights().result(timeout=timeout)
+        self.ctx.client.run(flush_events, self.ctx.run_id, workers=self.ctx.workers)
+
+    def close(self) -> None:
+        try:
+            if not self._stopped:
+                self.holder.stop().result(timeout=config.get_seconds("poll-interval") * 4)
+            self.holder.close().result(timeout=config.get_seconds("poll-interval") * 4)
+        except Exception:  # noqa: BLE001 - clean-up must not mask the real error
+            logger.debug("closing the holder of %s failed", self.ctx.run_id, exc_info=True)
+        for f in list(self._outstanding):
+            f.cancel()
+        self._outstanding.clear()
+        self._holder_future.release()
+
+
+def updates_frame(records: list[UpdateRecord]) -> Any:
+    """``records`` as a pandas DataFrame (one row per applied update)."""
+    import dataclasses
+
+    import pandas as pd
+
+    columns = [f.name for f in dataclasses.fields(UpdateRecord)]
+    return pd.DataFrame([dataclasses.astuple(r) for r in records], columns=columns)
+
+
+# -- argument validation (the public boundary calls these) ---------------------------
+def validate_mode_options(
+    mode: str,
+    max_staleness: Any,
+    staleness_lr: Any,
+    sync_quorum: Any,
+    slow_workers: Any,
+    n_workers: int | None = None,
+) -> dict[int, float]:
+    """Check the async/quorum/straggler options; return ``slow_workers`` as a dict.
+
+    ``n_workers`` (when known) bounds ``sync_quorum`` and the slowed indices.
+    """
+    def _int(name: str, value: Any, low: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+            raise ValueError(f"{name} must be an integer >= {low}; got {value!r}.")
+
+    if max_staleness is not None:
+        _int("max_staleness", max_staleness, 0)
+        if mode != "async":
+            raise ValueError(
+                f"max_staleness bounds the staleness of mode='async'; got mode={mode!r}."
+            )
+    if staleness_lr not in STALENESS_LR:
+        raise ValueError(f"staleness_lr must be None or 'inverse'; got {staleness_lr!r}.")
+    if staleness_lr is not None and mode != "async":
+        raise ValueError(f"staleness_lr applies to mode='async'; got mode={mode!r}.")
+    if sync_quorum is not None:
+        _int("sync_quorum", sync_quorum, 1)
+        if mode != "sync":
+            raise ValueError(
+                f"sync_quorum makes sync steps use the first k of N gradients; it needs "
+                f"mode='sync', got mode={mode!r}."
+            )
+        if n_workers is not None and sync_quorum > n_workers:
+            raise ValueError(
+                f"sync_quorum={sync_quorum} exceeds the {n_workers} worker(s) of the run; "
+                f"a step can wait for at most all of them (use 1..{n_workers})."
+            )
+    slow: dict[int, float] = {}
+    if slow_workers:
+        if not isinstance(slow_workers, dict):
+            raise TypeError(
+                "slow_workers must be a dict {worker index: slow-down factor}, e.g. "
+                f"{{0: 4}}; got {type(slow_workers).__name__}."
+            )
+        for index, factor in slow_workers.items():
+            _int("a slow_workers index", index, 0)
+            if n_workers is not None and index >= n_workers:
+                raise ValueError(
+                    f"slow_workers index {index} is out of range for {n_workers} "
+                    f"worker(s); use 0..{n_workers - 1}."
+                )
+            if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor >= 1:
+                raise ValueError(
+                    f"slow_workers[{index}] must be a factor >= 1 (4 makes that worker "
+                    f"take 4x its compute time); got {factor!r}."
+                )
+            slow[int(index)] = float(factor)
+    return slow
+
+
+def choose_holder(workers: list[str], slow_workers: dict[int, float]) -> int:
+    """The holder's worker index: the first worker that is not slowed down (the
+    applies run in the holder's own thread, but a slowed process would still blur
+    what a straggler costs)."""
+    for i in range(len(workers)):
+        if slow_workers.get(i, 1.0) <= 1.0:
+            return i
+    return 0
