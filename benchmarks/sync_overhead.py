@@ -11,7 +11,13 @@ A step's time is split into the slowest worker's compute (apply + gradient), the
 reduction's compute, the worker-to-worker transfers (from Dask's task stream) and
 what is left: scheduling hops and waiting.
 
-Usage: ``python benchmarks/sync_overhead.py [--steps 12] [--mnist PATH]``.
+With ``--metrics``, it measures instead what publishing the metrics stream costs
+(issue 5: under 2% of the sync step): every case trains with ``dasktf.metrics`` off
+and on, interleaved, and the worker-side cost of one step record (building it,
+splitting the step's time, batching it into ``Worker.log_event``) is timed on a
+worker in a loop, with the scheduler's MetricsStore ingesting what it sends.
+
+Usage: ``python benchmarks/sync_overhead.py [--steps 12] [--mnist PATH] [--metrics]``.
 """
 
 from __future__ import annotations
@@ -114,11 +120,51 @@ def _per_step(records, prefix: str, action: str, steps: int, slowest: bool) -> f
     return 1000 * float(np.sum(agg)) / steps
 
 
+def metrics_overhead(client, x, y, steps: int, workers: int, reps: int = 3,
+                     models: tuple[str, ...] = ("cnn", "mnist-mlp")) -> list[tuple]:
+    """Step ms with metrics off / on (best of ``reps`` interleaved runs) per case."""
+    import dask
+
+    from dasktf.metrics import ensure_store, publishing_cost
+
+    ensure_store(client)
+    per_record = publishing_cost(client, workers)
+    rows = []
+    for case in [c for c in CASES if c[0] in models]:
+        best = {False: float("inf"), True: float("inf")}
+        for _ in range(reps):
+            for enabled in (False, True):
+                with dask.config.set({"dasktf.metrics": enabled}):
+                    _, parts = dasktf_rate(client, case[0], x, y, case[1], steps, workers)
+                best[enabled] = min(best[enabled], parts["step"])
+        rows.append((case, best[False], best[True], per_record))
+    return rows
+
+
+def print_metrics_overhead(rows: list[tuple], workers: int) -> None:
+    # record us: one worker's cost per step record (build, time split, batch into
+    # log_event) plus the scheduler's MetricsStore ingesting every worker's record.
+    header = (f"{'model':<10} {'batch':>5} {'workers':>7} {'step ms off':>11} "
+              f"{'step ms on':>10} {'on/off':>7} {'record us':>9} {'record/step':>11}")
+    print(header)
+    print("-" * len(header))
+    for case, off, on, per_record in rows:
+        print(f"{case[0]:<10} {case[1]:>5} {workers:>7} {off:>11.2f} {on:>10.2f} "
+              f"{on / off:>7.3f} {1e6 * per_record:>9.1f} "
+              f"{100 * per_record / (off / 1000):>10.3f}%")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=12, help="timed steps per case")
     parser.add_argument("--mnist", default=DEFAULT_MNIST)
     parser.add_argument("--workers", default="1,2,3")
+    parser.add_argument("--metrics", action="store_true",
+                        help="measure what publishing the metrics stream costs")
+    parser.add_argument("--reps", type=int, default=3,
+                        help="--metrics: interleaved off/on runs per case (best of)")
+    parser.add_argument("--models", default="cnn,mnist-mlp",
+                        help="--metrics: the models to measure")
     args = parser.parse_args()
 
     from distributed import Client
@@ -129,6 +175,14 @@ def main() -> None:
     counts = [int(w) for w in args.workers.split(",")]
     cores = os.cpu_count() or 1
     print(f"machine: {cores} cores; data {x.shape}; {args.steps} timed steps per case\n")
+    if args.metrics:
+        for w in counts:
+            with dasktf.make_local_cluster(w) as cluster, Client(cluster) as client:
+                client.wait_for_workers(w)
+                rows = metrics_overhead(client, x, y, args.steps, w, args.reps,
+                                        tuple(args.models.split(",")))
+                print_metrics_overhead(rows, w)
+        return
     reference = {case: single_process(case[0], x, y, case[1], args.steps) for case in CASES}
     rows = []
     for w in counts:

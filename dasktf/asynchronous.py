@@ -460,16 +460,20 @@ def _emit(
 ) -> None:
     """Step records on the metrics stream, with the update's staleness."""
     base = {
-        "run": replica.run_id, "kind": "step", "epoch": shard_pass, "step": step,
+        "run": replica.run_id, "kind": "update", "epoch": shard_pass, "step": step,
         "worker": replica.index, "batch_size": grad.count, "local_loss": grad.loss,
         "compute_s": grad.compute_seconds, "wall_time": time.time(), **timings,
+        # the dashboard's step-time breakdown: the push round trip is this mode's
+        # communication, the time between two tasks its waiting
+        "communication_s": timings["push_s"], "waiting_s": timings["idle_s"],
     }
     if outcome.status == "dropped":
         replica.events.add({**base, "dropped": True})
     for r in outcome.records:
         if r.worker == replica.index:
             replica.events.add(
-                {**base, "loss": r.loss, "update": r.update, "staleness": r.staleness,
+                {**base, "loss": r.loss, "loss_step": r.update, "update": r.update,
+                 "staleness": r.staleness,
                  "version_read": r.version_read}
             )
 

@@ -98,6 +98,15 @@ def main() -> None:
 @click.option("--mixed-precision", is_flag=True,
               help="Keras mixed precision: float16 with loss scaling on GPUs, bfloat16 "
               "on CPUs; gradients are still averaged in float32.")
+@click.option("--dashboard", is_flag=True,
+              help="Serve the live training dashboard while training and print its URL.")
+@click.option("--dashboard-port", type=click.IntRange(0, 65535), default=None,
+              help="The dashboard's port (default 5006; 0 picks a free one).")
+@click.option("--dashboard-address", default=None, metavar="HOST",
+              help="The address the dashboard binds to (default 127.0.0.1).")
+@click.option("--report", type=click.Path(dir_okay=False), default=None,
+              help="After training, write the dashboard's plots to this standalone "
+              "HTML file.")
 def fit(**opts: Any) -> None:
     """Train a model data-parallel and report test accuracy.
 
@@ -120,6 +129,9 @@ def _fit(
     mixed_precision: bool = False, max_staleness: int | None = None,
     staleness_lr: str = "none", sync_quorum: int | None = None,
     slow_worker: tuple[str, ...] = (),
+    dashboard: bool = False,
+    dashboard_port: int | None = None, dashboard_address: str | None = None,
+    report: str | None = None,
 ) -> None:
     import dasktf
     from dasktf.asynchronous import validate_mode_options
@@ -157,7 +169,11 @@ def _fit(
         sync_quorum=sync_quorum,
         slow_workers=slow_workers,
     )
-    with trainer:
+    from dasktf.dashboard.cli import serve_dashboard, write_run_report
+
+    with trainer, serve_dashboard(
+        trainer.client if dashboard else None, dashboard_address, dashboard_port
+    ):
         click.echo(
             f"dasktf fit: model {model}, data {dataset.name} "
             f"({len(dataset.x_train):,} train / {len(dataset.x_test):,} test), mode {mode}, "
@@ -175,6 +191,8 @@ def _fit(
         if history.updates is not None:
             click.echo(_per_worker_summary(history))
         result = trainer.evaluate(dataset.x_test, dataset.y_test)
+        if report:
+            write_run_report(trainer.client, history.run_id, report)
     wall = time.perf_counter() - start
     train_seconds = sum(history.history["epoch_seconds"])
     examples = len(dataset.x_train) * len(history.history["loss"])
@@ -261,6 +279,36 @@ def _per_worker_summary(history: Any) -> str:
             f"{history.dropped.get(i, 0):>7}"
         )
     return "\n".join(lines)
+
+
+@main.command(context_settings=CONTEXT)
+@click.option("--scheduler", required=True, metavar="ADDRESS",
+              help="The Dask scheduler of the cluster the run trains on.")
+@click.option("--run", "run", default=None, metavar="RUN_ID",
+              help="The run to show (default: the newest; the page follows new runs).")
+@click.option("--port", type=click.IntRange(0, 65535), default=None,
+              help="The dashboard's port (default 5006; 0 picks a free one).")
+@click.option("--address", default=None, metavar="HOST",
+              help="The address the dashboard binds to (default 127.0.0.1).")
+@click.option("--report", type=click.Path(dir_okay=False), default=None,
+              help="Write the run's plots to this standalone HTML file and exit.")
+def dashboard(scheduler: str, run: str | None, port: int | None, address: str | None,
+              report: str | None) -> None:
+    """Serve the live training dashboard of a run on an existing cluster.
+
+    It shows the whole run so far (the scheduler keeps a downsampled history),
+    then follows it. Stop it with Ctrl-C.
+
+    \b
+    Examples:
+      dasktf dashboard --scheduler tcp://127.0.0.1:8786
+      dasktf dashboard --scheduler tcp://10.0.0.5:8786 --run 3f2a9c01de --port 5007
+      dasktf dashboard --scheduler tcp://10.0.0.5:8786 --report run.html
+    """
+    from dasktf.dashboard.cli import attach
+
+    _configure_logging()
+    _run_or_exit(lambda: attach(scheduler, run, address, port, report))
 
 
 def _run_or_exit(fn: Any) -> None:

@@ -198,7 +198,7 @@ class ArraySource:
         schedule = interleaved_schedule(self.stats.n, batch_size, len(workers))
         rows = interleaved_indices(schedule, batch_size)
         shards = [
-            client.scatter(Shard(self.x[r], self.y[r]), workers=[w], direct=True)
+            client.scatter(Shard(self.x[r], self.y[r]), workers=[w], direct=True, hash=False)  # see _Run.build
             for r, w in zip(rows, workers)
         ]
         stats = [_with_n(self.stats, len(r)) for r in rows]
@@ -363,6 +363,6 @@ def place_validation(
     check_stats([ShardStats.of(x, y)], where="the validation data")
     parts = np.array_split(np.arange(len(x)), len(workers))
     return [
-        client.scatter(Shard(x[p], y[p]), workers=[w], direct=True)
+        client.scatter(Shard(x[p], y[p]), workers=[w], direct=True, hash=False)  # see _Run.build
         for p, w in zip(parts, workers)
     ]

@@ -43,6 +43,8 @@ class ReplicaConfig:
     #: Keras mixed precision: mixed_float16 with loss scaling on a GPU worker,
     #: mixed_bfloat16 on a CPU one (see dasktf.devices.precision_policy).
     mixed_precision: bool = False
+    #: publish step records (the client's ``dasktf.metrics`` at run start)
+    publish_metrics: bool = True
 
 
 @dataclass
@@ -88,6 +90,57 @@ class EpochReport:
     val_states: list[np.ndarray] | None
     weights: list[np.ndarray] | None = None
     step_seconds: list[float] = field(default_factory=list)
+
+
+@dataclass
+class StepTiming:
+    """Where a step's time went besides compute, as one worker saw it."""
+
+    communication_s: float
+    waiting_s: float
+
+
+class StepTimer:
+    """Splits the gap between a worker's consecutive steps into transfer and wait.
+
+    The transfers are Dask's own measurements: a worker appends a ``"transfer"``
+    entry to the ``startstops`` of the task that needed the data it fetched. What
+    remains of the gap since this worker's previous step ended is waiting (for the
+    reduction, for the slowest peer, for the scheduler). The first step of an epoch
+    has no gap to split (the epoch end and validation came before it).
+    """
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self._epoch = -1
+        self._last_end: float | None = None
+
+    def begin(self, epoch: int, start: float) -> StepTiming | None:
+        if not self.enabled:
+            return None
+        communication = _incoming_transfer_seconds()
+        if epoch != self._epoch or self._last_end is None:
+            self._epoch = epoch
+            return StepTiming(communication, 0.0)
+        gap = max(0.0, start - self._last_end)
+        return StepTiming(communication, max(0.0, gap - communication))
+
+    def end(self, end: float) -> None:
+        self._last_end = end
+
+
+def _incoming_transfer_seconds() -> float:
+    """Seconds Dask spent fetching the running task's inputs onto this worker."""
+    from distributed import get_worker
+
+    worker = get_worker()
+    try:
+        ts = worker.state.tasks[worker.get_current_task()]
+    except (KeyError, AttributeError):  # not inside a task (direct calls in tests)
+        return 0.0
+    return float(
+        sum(s["stop"] - s["start"] for s in ts.startstops if s.get("action") == "transfer")
+    )
 
 
 class Replica:
@@ -154,7 +207,8 @@ class Replica:
         self.step_seconds: list[float] = []
         from dasktf.events import MetricsBuffer
 
-        self.events = MetricsBuffer()
+        self.events = MetricsBuffer(enabled=config.publish_metrics)
+        self.timing = StepTimer(self.events.enabled)
         self.run_id = ""
         #: A straggler for tests and demos: after each step, sleep (factor - 1) x
         #: that step's compute time (see :func:`straggle`).
@@ -221,24 +275,44 @@ class Replica:
         return GradientSum(flat.numpy(), len(x), float(loss_sum))
 
     def record_step(
-        self, epoch: int, step: int, previous: GradientSum | None, out: GradientSum
+        self,
+        epoch: int,
+        step: int,
+        previous: GradientSum | None,
+        out: GradientSum,
+        timing: StepTiming | None = None,
     ) -> None:
-        """Queue this step's record; the global loss of the step before rides along
-        (the summed gradient this replica just applied carries it)."""
+        """Queue this step's record (schema: :class:`dasktf.events.StepRecord`); the
+        global loss of the step before rides along (the summed gradient this replica
+        just applied carries it)."""
+        if not self.events.enabled:
+            return
+        update = epoch * len(self.schedule) + step
+        moved = (
+            (out.total.nbytes if out.total is not None else 0)
+            + (previous.total.nbytes if previous is not None and previous.total is not None else 0)
+        )
         record: dict[str, Any] = {
             "run": self.run_id,
             "kind": "step",
+            "mode": "sync",
             "epoch": epoch,
             "step": step,
+            "update": update,
             "worker": self.index,
             "batch_size": out.count,
             "local_loss": out.loss if out.count else None,
+            "staleness": 0,
             "compute_s": out.compute_seconds,
+            "bytes": moved,
             "wall_time": time.time(),
         }
+        if timing is not None:
+            record["communication_s"] = timing.communication_s
+            record["waiting_s"] = timing.waiting_s
         if previous is not None and previous.count:
             record["loss"] = previous.loss
-            record["loss_step"] = step - 1
+            record["loss_step"] = update - 1
         self.events.add(record)
 
     def set_flat_weights(self, flat: np.ndarray) -> None:
@@ -375,12 +449,15 @@ def step_task(
     compute the gradient of this step's local batch."""
     start = time.perf_counter()
     replica = get_replica(run_id)
+    timing = replica.timing.begin(epoch, start)
     replica.apply(previous)
     out = replica.gradient(epoch, step)
-    out.compute_seconds = time.perf_counter() - start
+    end = time.perf_counter()
+    out.compute_seconds = end - start
+    replica.timing.end(end)
     straggle(replica, out.compute_seconds)
     replica.step_seconds.append(out.compute_seconds)
-    replica.record_step(epoch, step, previous, out)
+    replica.record_step(epoch, step, previous, out, timing)
     return out
 
 

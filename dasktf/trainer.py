@@ -29,7 +29,15 @@ from dasktf.cluster import (
 )
 from dasktf.data import PlacedData, ShardStats, check_labels, make_source, place_validation
 from dasktf.devices import GpusArg, select_gpus
-from dasktf.events import TOPIC, unpack
+from dasktf.events import (
+    TOPIC,
+    epoch_record,
+    publish,
+    run_end_record,
+    run_start_record,
+    unpack,
+)
+from dasktf.metrics import ensure_store
 from dasktf.models import ModelLike, ModelSpec, model_spec
 from dasktf.replica import (
     ReplicaConfig,
@@ -478,16 +486,22 @@ class _Run:
         build_metrics(model, probe_x, probe_y)
         self.model = model
         t.model = model
+        self.spec_description = spec.description or getattr(model, "name", "")
         cfg = ReplicaConfig(
             spec, t._optimizer, loss, t._metrics, t.seed,
             mixed_precision=t.mixed_precision,
+            publish_metrics=bool(config.get("metrics")),
         )
         val = (
             place_validation(self.client, *validation_data, self.workers)
             if validation_data is not None
             else [None] * len(self.workers)
         )
-        weights = self.client.scatter([np.asarray(w) for w in model.get_weights()], broadcast=True)
+        # hash=False: a content-hashed key is shared with an earlier fit of the same
+        # model, whose release can then race this scatter ("lost dependencies").
+        weights = self.client.scatter(
+            [np.asarray(w) for w in model.get_weights()], broadcast=True, hash=False
+        )
         futures = [
             self.client.submit(
                 create_replica_task,
@@ -529,6 +543,7 @@ class _Run:
             epochs=epochs, steps=self.ctx.steps_per_epoch, verbose=verbose,
         )
         engine = self._make_engine(epochs)
+        self._publish(self._run_start_record(epochs, engine.mode))
         self.client.subscribe_topic(TOPIC, self._on_event)
         self.model.stop_training = False
         cb.on_train_begin()
@@ -546,6 +561,8 @@ class _Run:
                     logs.update(engine.epoch_logs(seconds))
                 self.model.set_weights(reports[0].weights)
                 cb.on_epoch_end(epoch, logs)
+                last_update = (epoch + 1) * self.ctx.steps_per_epoch - 1
+                self._publish(epoch_record(self.run_id, epoch, last_update, logs))
                 if self.model.stop_training:
                     break
             if hasattr(engine, "finish"):
@@ -554,10 +571,14 @@ class _Run:
                 history.updates = updates_frame(engine.updates)
                 history.dropped = dict(engine.dropped)
                 history.gradient_tasks = dict(engine.tasks, discarded=engine.discarded)
+        except BaseException as exc:
+            self._publish(run_end_record(self.run_id, exc))
+            raise
         finally:
             self.client.unsubscribe_topic(TOPIC)
             if hasattr(engine, "close"):
                 engine.close()
+        self._publish(run_end_record(self.run_id))
         cb.on_train_end()
         history.set_model(self.model)
         return history
@@ -589,6 +610,24 @@ class _Run:
         logs["examples_per_sec"] = self.placed.n_samples / seconds
         logs["epoch_seconds"] = seconds
         return logs
+
+    def _run_start_record(self, epochs: int, mode: str) -> dict[str, Any]:
+        return run_start_record(
+            self.run_id, mode=mode, model=self.spec_description, workers=self.workers,
+            replica_info=self.replica_info, epochs=epochs,
+            steps_per_epoch=self.ctx.steps_per_epoch, batch_size=self.batch_size,
+            n_samples=self.placed.n_samples,
+        )
+
+    def _publish(self, record: dict[str, Any]) -> None:
+        """Send a run record to the scheduler's MetricsStore; never fails the run."""
+        try:
+            if record["kind"] == "run_start":
+                ensure_store(self.client)
+            publish(self.client, record)
+        except Exception:  # noqa: BLE001 - metrics must not break training
+            logger.warning("publishing the %s record of run %s failed",
+                           record["kind"], self.run_id, exc_info=True)
 
     def _on_event(self, event: Any) -> None:
         for record in unpack(event):

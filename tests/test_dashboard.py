@@ -1,0 +1,294 @@
+"""The live dashboard in a real browser (Debian's chromium driven by Playwright).
+
+Every test trains for real on the session's LocalCluster. Set
+``DASKTF_DOCS_SCREENSHOT=1`` to also refresh ``docs/dashboard.png``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+import dask
+from distributed import Client
+
+import dasktf
+import dasktf.cli
+from dasktf import metrics
+from dasktf.dashboard import DashboardServer, write_report
+from dasktf.events import TOPIC
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+DOCS = os.path.join(os.path.dirname(__file__), "..", "docs")
+
+pytestmark = pytest.mark.skipif(
+    not os.path.exists(CHROMIUM),
+    reason="needs Debian's chromium (apt-get install chromium; .ci/run installs it)",
+)
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=["--headless", "--no-sandbox"])
+        yield b
+        b.close()
+
+
+class Training:
+    """A real fit running in a thread, so the test can watch it."""
+
+    def __init__(self, client: Client, data: Any, **kw: Any) -> None:
+        self.history: Any = None
+        self.error: BaseException | None = None
+        x, y = data.x_train, data.y_train
+        kw = {"n_workers": 3, "epochs": 6, "batch_size": 32, "seed": 0, "verbose": 0,
+              "metrics": ["accuracy"], "validation_data": (data.x_test, data.y_test),
+              "optimizer": "adam", **kw}
+        self._thread = threading.Thread(
+            target=self._fit, args=(client, x, y, kw), daemon=True
+        )
+        self._thread.start()
+
+    def _fit(self, client: Client, x: Any, y: Any, kw: dict[str, Any]) -> None:
+        try:
+            self.history = dasktf.fit("mnist-mlp", x, y, client=client, **kw)
+        except BaseException as exc:  # noqa: BLE001 - re-raised by join()
+            self.error = exc
+
+    def join(self, timeout: float = 120) -> Any:
+        self._thread.join(timeout)
+        assert not self._thread.is_alive(), "the training run did not finish in time"
+        if self.error is not None:
+            raise self.error
+        return self.history
+
+
+def _wait(predicate: Any, timeout: float, what: str, interval: float = 0.25) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def _source(page: Any, name: str) -> dict[str, list[Any]]:
+    return page.evaluate(
+        "(name) => { const s = Bokeh.documents[0].get_model_by_name(name);"
+        " const d = s.data instanceof Map ? Object.fromEntries(s.data) : s.data;"
+        " const out = {}; for (const k of Object.keys(d)) out[k] = Array.from(d[k]);"
+        " return out; }",
+        name,
+    )
+
+
+def _open(browser: Any, url: str) -> Any:
+    page = browser.new_page(viewport={"width": 1400, "height": 1250})
+    page.goto(url, timeout=30_000)
+    page.wait_for_function(
+        "() => window.Bokeh && Bokeh.documents.length > 0 && "
+        "Bokeh.documents[0].get_model_by_name('loss') !== null", timeout=30_000,
+    )
+    return page
+
+
+def _store_updates(client: Client, run: str | None = None) -> int:
+    snap = metrics.fetch(client, run)
+    return int(snap["header"]["updates"]) if snap.get("run") else 0
+
+
+def test_live_dashboard_shows_loss_staleness_and_every_worker(client, digits, browser,
+                                                              tmp_path):
+    with DashboardServer(client, port=0) as server:
+        assert server.url.startswith("http://127.0.0.1:")
+        known = _known_runs(client)  # earlier tests' runs: the page follows the newest
+        training = Training(client, digits)
+        page = _open(browser, server.url)
+        run = _wait(lambda: _updates_of_new_run(client, known, 0), 60, "the run to start")
+        _wait(lambda: run in page.inner_text(".dasktf-header")
+              and len(_source(page, "loss")["loss"]) >= 5, 60, "the first loss points")
+        before = len(_source(page, "loss")["loss"])
+        time.sleep(3)
+        header = page.inner_text(".dasktf-header")
+        after = len(_source(page, "loss")["loss"])
+        assert "status running" in header.replace("\n", " "), header
+        assert after > before, (before, after)
+        history = training.join()
+
+        # The page follows to the end of the run.
+        _wait(lambda: "finished" in page.inner_text(".dasktf-header"), 20, "the run's end")
+        header = page.inner_text(".dasktf-header").replace("\n", " ")
+        assert re.search(r"mode\s+sync", header) and "mnist-mlp" in header, header
+        assert "epoch 6 / 6" in header and "workers 3 (CPU)" in header, header
+        loss = _source(page, "loss")
+        assert loss["update"] == sorted(loss["update"]) and loss["update"][0] == 0
+        epochs = _source(page, "epochs")
+        assert epochs["val_accuracy"] == pytest.approx(history.history["val_accuracy"])
+
+        # Staleness panel: the sync run's zeros, and the page says why.
+        note = page.inner_text(".bk-Div >> text=staleness is 0")
+        assert note.startswith("sync mode")
+        staleness = _source(page, "staleness")
+        assert staleness["staleness"] and set(staleness["staleness"]) == {0}
+        assert set(staleness["worker"]) == {"0", "1", "2"}
+        assert _source(page, "staleness_histogram")["staleness"] == [0]
+
+        # The worker table lists every worker, in the data and on screen.
+        workers = _source(page, "workers")
+        assert workers["address"] == history.workers
+        assert workers["state"] == ["finished"] * 3
+        assert all(s > 0 for s in workers["steps"])
+        _wait(lambda: "finished" in page.inner_text(".slick-viewport"), 10, "the table")
+        table_text = page.inner_text(".slick-viewport")
+        for address in history.workers:
+            assert address in table_text, table_text
+        assert table_text.count("finished") == 3, table_text
+
+        # BokehJS came from this server, not a CDN.
+        scripts = page.evaluate("() => Array.from(document.scripts).map(s => s.src)")
+        assert not [s for s in scripts if s and not s.startswith(server.url)], scripts
+
+        page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
+        if os.environ.get("DASKTF_DOCS_SCREENSHOT"):
+            page.screenshot(path=os.path.join(DOCS, "dashboard.png"), full_page=True)
+        page.close()
+
+    # The same plots as a standalone file: BokehJS inline, no server, no network.
+    path = write_report(tmp_path / "run.html", client, history.run_id)
+    text = open(path, encoding="utf-8").read()
+    assert "cdn.bokeh.org" not in text and history.run_id in text
+    page = browser.new_page()
+    page.route("**/*", lambda route: route.abort()
+               if not route.request.url.startswith("file:") else route.continue_())
+    page.goto(f"file://{path}")
+    page.wait_for_function("() => window.Bokeh && Bokeh.documents.length > 0",
+                           timeout=30_000)
+    assert len(_source(page, "loss")["loss"]) == len(loss["loss"])
+    assert _source(page, "workers")["address"] == history.workers
+    page.close()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _known_runs(client: Client) -> set[str]:
+    return {r["run"] for r in metrics.fetch(client)["runs"]}
+
+
+def _updates_of_new_run(client: Client, known: set[str], at_least: int) -> str | None:
+    snap = metrics.fetch(client)
+    if snap.get("run") in known or snap.get("run") is None:
+        return None
+    return snap["run"] if snap["header"]["updates"] >= at_least else None
+
+
+class _Lines:
+    """Lines a subprocess prints, read in a thread (a silent process never blocks)."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.lines: list[str] = []
+        self._thread = threading.Thread(target=self._read, args=(proc,), daemon=True)
+        self._thread.start()
+
+    def _read(self, proc: subprocess.Popen) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            self.lines.append(line)
+
+    def starting(self, prefix: str) -> str | None:
+        return next((x for x in self.lines if x.startswith(prefix)), None)
+
+
+def test_dashboard_started_late_shows_the_earlier_points(client, digits, browser):
+    known = _known_runs(client)
+    # An async run with a straggler: the page must show real, non-zero staleness.
+    training = Training(client, digits, batch_size=24, mode="async", slow_workers={0: 3.0})
+    run = _wait(lambda: _updates_of_new_run(client, known, 40), 90, "40 updates")
+    # Empty the scheduler's event log: the page must rebuild the run from the store.
+    client.run_on_scheduler(lambda dask_scheduler: dask_scheduler._broker.truncate(TOPIC))
+    assert not client.get_events(TOPIC)
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dasktf.cli", "dashboard", "--scheduler",
+         client.scheduler.address, "--port", str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    out = _Lines(proc)
+    try:
+        line = _wait(lambda: out.starting("dashboard: "), 60, "the dashboard's URL")
+        assert f"http://127.0.0.1:{port}/" in line and run in line, line
+        page = _open(browser, f"http://127.0.0.1:{port}/")
+        _wait(lambda: len(_source(page, "loss")["update"]) >= 30, 30, "the earlier points")
+        # async numbers updates from 1 (update n makes weights version n)
+        assert _source(page, "loss")["update"][:3] == [1, 2, 3]
+        header = page.inner_text(".dasktf-header")
+        assert run in header and re.search(r"mode\s+async", header), header
+        _wait(lambda: max(_source(page, "staleness")["staleness"], default=0) > 0, 30,
+              "non-zero staleness")
+        assert sum(_source(page, "staleness_histogram")["count"]) > 0
+        page.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+    training.join()
+
+
+def test_dashboard_command_reports_a_bad_run_and_scheduler(client):
+    with dask.config.set({"dasktf.connect-timeout": "2s"}):
+        result = CliRunner().invoke(dasktf.cli.main, ["dashboard", "--scheduler",
+                                                      "tcp://127.0.0.1:1"])
+    assert result.exit_code == 1 and "tcp://127.0.0.1:1" in result.output
+    result = CliRunner().invoke(dasktf.cli.main, ["dashboard", "--scheduler",
+                                                  client.scheduler.address, "--run", "nope"])
+    assert result.exit_code == 2 and "unknown run 'nope'" in result.output, result.output
+
+
+def test_fit_serves_the_dashboard_and_writes_the_report(tmp_path):
+    report = tmp_path / "run.html"
+    proc = subprocess.run(
+        [sys.executable, "-m", "dasktf.cli", "fit", "--workers", "2", "--epochs", "1",
+         "--quiet", "--dashboard", "--dashboard-port", "0", "--report", str(report)],
+        capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.search(r"^dashboard: http://127\.0\.0\.1:\d+/$", proc.stdout, re.M), proc.stdout
+    assert f"report: {report}" in proc.stdout
+    text = report.read_text(encoding="utf-8")
+    assert "cdn.bokeh.org" not in text and '"name":"loss"' in text.replace(" ", "")
+
+
+def test_dask_dashboard_hosts_the_page_via_the_preload(digits, browser):
+    from distributed import LocalCluster
+
+    import dasktf.dashboard.preload as preload
+
+    with LocalCluster(n_workers=1, threads_per_worker=1, host="127.0.0.1",
+                      dashboard_address="127.0.0.1:0",
+                      scheduler_kwargs={"preload": ["dasktf.dashboard.preload"]}) as cluster, \
+            Client(cluster) as c:
+        dasktf.fit("mnist-mlp", digits.x_train[:300], digits.y_train[:300], client=c,
+                   epochs=1, batch_size=50, verbose=0)
+        url = cluster.dashboard_link.replace("/status", preload.ROUTE)
+        page = _open(browser, url)
+        _wait(lambda: len(_source(page, "loss")["loss"]) >= 4, 20, "the run's loss")
+        assert "finished" in page.inner_text(".dasktf-header")
+        page.close()

@@ -1,0 +1,187 @@
+"""The metrics stream and the scheduler's MetricsStore: schema, bounds, cost."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+import pytest
+
+import dasktf
+from dasktf import metrics
+from dasktf.dashboard import TrainingDashboard
+from dasktf.events import TOPIC, unpack
+from dasktf.metrics import DecimatedSeries, MetricsStore
+
+
+def _records(n: int, workers: int = 3, run: str = "r1", mode: str = "async"):
+    rng = np.random.default_rng(0)
+    yield {"run": run, "kind": "run_start", "mode": mode, "model": "m",
+           "workers": [f"tcp://127.0.0.1:{4000 + i}" for i in range(workers)],
+           "devices": ["CPU"] * workers, "shard_sizes": [100] * workers,
+           "epochs": 1, "steps_per_epoch": n, "total_updates": n, "batch_size": 32}
+    for u in range(n):
+        yield {"run": run, "kind": "update", "mode": mode, "epoch": 0, "step": u,
+               "update": u, "worker": u % workers, "batch_size": 32,
+               "loss": 2.0 / (1 + u / 1000), "staleness": int(rng.integers(0, 4)),
+               "compute_s": 0.01, "communication_s": 0.002, "waiting_s": 0.001,
+               "bytes": 1000, "wall_time": time.time()}
+
+
+def test_decimated_series_keeps_the_whole_range_in_bounded_rows():
+    s = DecimatedSeries(["x", "y"], max_points=100)
+    for i in range(10_000):
+        s.append({"x": i, "y": 2 * i})
+    assert len(s) < 100
+    assert s.stride == 128 and s.generation == 7
+    xs, ys = s.data["x"], s.data["y"]
+    assert xs == sorted(xs) and xs[0] < 64 and xs[-1] > 9_000  # start to end kept
+    assert all(y == pytest.approx(2 * x) for x, y in zip(xs, ys))  # means of pairs
+    part, cursor = s.since(None)
+    assert part["reset"] and len(part["data"]["x"]) == len(s)
+    for i in range(10_000, 10_000 + 128 * 3):
+        s.append({"x": i, "y": 2 * i})
+    part, _ = s.since(cursor)
+    assert not part["reset"] and len(part["data"]["x"]) == 3
+
+
+def test_late_rows_are_inserted_in_order_and_readers_reload():
+    s = DecimatedSeries(["update", "loss"], max_points=100, order_by="update")
+    for u in (1, 3, 4):
+        s.append({"update": u, "loss": float(u)})
+    rows, cursor = s.since(None)
+    s.append({"update": 2, "loss": 2.0})  # another worker's batch, flushed later
+    assert s.data["update"] == [1, 2, 3, 4] and s.data["loss"] == [1.0, 2.0, 3.0, 4.0]
+    rows, _ = s.since(cursor)
+    assert rows["reset"] and rows["data"]["update"] == [1, 2, 3, 4]
+
+
+def test_store_stays_bounded_and_fast_after_100k_updates():
+    store = MetricsStore(max_points=2000)
+    batch: list[dict] = []
+    start = time.perf_counter()
+    for r in _records(100_000):
+        batch.append(r)
+        if len(batch) == 500:  # what a worker sends per flush at ~1000 steps/s
+            store.add_records(batch)
+            batch = []
+    store.add_records(batch)
+    ingest = time.perf_counter() - start
+    history = store.runs["r1"]
+    assert len(history.loss) <= 2000
+    assert all(len(s) <= 2000 for s in history.staleness.values())
+    assert sum(history.histogram.values()) == 100_000
+    assert sorted(history.histogram) == [0, 1, 2, 3]
+    start = time.perf_counter()
+    full = store.fetch()
+    fetch_seconds = time.perf_counter() - start
+    assert full["header"]["updates"] == 100_000 and full["header"]["mode"] == "async"
+    assert full["series"]["loss"]["data"]["update"][0] < 100  # the start is still there
+    start = time.perf_counter()
+    again = store.fetch(cursor=full["cursor"])
+    follow_seconds = time.perf_counter() - start
+    assert again["series"]["loss"]["data"]["update"] == []
+    # Loose sanity bounds (the page polls every second): measured ~1 s / ~10 ms.
+    assert ingest < 20 and fetch_seconds < 0.5 and follow_seconds < 0.1
+    # The page applies the whole downsampled run at once and stays within bounds.
+    dashboard = TrainingDashboard()
+    dashboard.apply(full)
+    assert len(dashboard.losses.loss.data["loss"]) <= 2000
+    assert len(dashboard.staleness.source.data["staleness"]) <= 3 * 2000
+
+
+def test_store_forgets_the_oldest_runs():
+    store = MetricsStore(max_runs=2)
+    for run in ("a", "b", "c"):
+        store.add_records(list(_records(5, run=run)))
+    assert list(store.runs) == ["b", "c"]
+    assert store.fetch()["run"] == "c"
+    assert "unknown run 'a'" in store.fetch("a")["error"]
+
+
+def test_async_records_fill_the_staleness_panel():
+    """Synthetic async records (the schema the async engine publishes)."""
+    store = MetricsStore()
+    store.add_records(list(_records(300)))
+    dashboard = TrainingDashboard()
+    dashboard.apply(store.fetch())
+    st = dashboard.staleness
+    assert set(st.source.data["staleness"]) == {0, 1, 2, 3}
+    assert set(st.source.data["worker"]) == {"0", "1", "2"}
+    assert sum(st.histogram.data["count"]) == 300
+    assert "async mode" in st.note.text
+    assert "mode</b> <span class='mode'>async" in dashboard.header.root.text
+    assert dashboard.workers.source.data["state"] == ["running"] * 3
+
+
+def test_sync_run_publishes_the_full_schema(client, small_digits):
+    x, y = small_digits
+    history = dasktf.fit("mnist-mlp", x, y, client=client, n_workers=2, epochs=2,
+                         batch_size=50, seed=0, verbose=0, metrics=["accuracy"])
+    deadline = time.monotonic() + 10
+    while True:  # the workers' last batch of records may still be on its way
+        snap = metrics.fetch(client, history.run_id)
+        if snap["header"]["updates"] == 10 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    h = snap["header"]
+    assert (h["mode"], h["status"], h["n_workers"], h["updates"]) == ("sync", "finished", 2, 10)
+    assert h["total_updates"] == 10 and h["epochs"] == 2
+    w = snap["workers"]
+    assert list(w["address"]) == history.workers
+    assert list(w["steps"]) == [10, 10] and list(w["shard_size"]) == [125, 125]
+    assert all(v > 0 for v in w["compute_ms"]) and all(v > 0 for v in w["mb_moved"])
+    assert list(snap["histogram"]["staleness"]) == [0]
+    loss = snap["series"]["loss"]["data"]
+    # The global loss of every step but the last of each epoch rides on step records.
+    assert list(loss["update"]) == [0, 1, 2, 3, 5, 6, 7, 8]
+    epochs = snap["series"]["epochs"]["data"]
+    assert list(epochs["loss"]) == pytest.approx(history.history["loss"])
+    assert list(epochs["accuracy"]) == pytest.approx(history.history["accuracy"])
+
+
+def test_publishing_costs_under_2_percent_of_the_sync_step(client, digits):
+    """The sync benchmark (``benchmarks/sync_overhead.py --metrics``) measures the
+    cost side by side; here, loosely: the CPU one step's records cost (on a worker,
+    batches really sent, plus the store folding them in) stays 4x under 2% of a real
+    sync step of the smallest model, and workers batch their records by time: no
+    message per record (a round trip per step would double this step)."""
+    x, y = digits.x_train[:640], digits.y_train[:640]
+    steps, epochs = len(x) // 32, 3
+    kw = dict(client=client, n_workers=2, batch_size=32, seed=0, verbose=0)
+    dasktf.fit("mnist-mlp", x[:64], y[:64], epochs=1, **kw)  # warm the workers up
+    start = time.monotonic()
+    history = dasktf.fit("mnist-mlp", x, y, epochs=epochs, **kw)
+    wall = time.monotonic() - start
+    step_seconds = statistics.median(history.history["epoch_seconds"][1:]) / steps
+
+    cost = metrics.publishing_cost(client, n_workers=2, n=5_000)
+    assert cost < 0.005 * step_seconds, (cost, step_seconds)
+
+    time.sleep(1)  # the last flushes
+    per_worker: dict[int, int] = {}
+    records = 0
+    for event in client.get_events(TOPIC):
+        steps_here = [r for r in unpack(event)
+                      if r.get("run") == history.run_id and r.get("kind") == "step"]
+        if steps_here:
+            per_worker[steps_here[0]["worker"]] = per_worker.get(steps_here[0]["worker"], 0) + 1
+            records += len(steps_here)
+    assert records == 2 * steps * epochs
+    interval = dasktf.config.get_seconds("metrics-interval")
+    assert max(per_worker.values()) <= wall / interval + epochs + 2, (per_worker, wall)
+
+
+def test_worker_states_running_slow_and_lost():
+    store = MetricsStore(slow_factor=2.0)
+    records = list(_records(300))
+    for r in records[1:]:
+        if r["worker"] == 2:
+            r["compute_s"] = 0.05  # 5x the others' 0.01
+    store.add_records(records)
+    store.remove_worker(None, "tcp://127.0.0.1:4001", stimulus_id="test")
+    rows = store.fetch()["workers"]
+    assert list(rows["state"]) == ["running", "lost", "slow"]
+    store.add_records([{"run": "r1", "kind": "run_end", "status": "finished"}])
+    assert list(store.fetch()["workers"]["state"]) == ["finished", "lost", "finished"]
