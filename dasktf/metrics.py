@@ -267,9 +267,12 @@ class RunHistory:
         series.append({"update": update, "staleness": staleness})
         loss = r.get("loss")
         if loss is not None:
-            # Sync: every worker carries the same global loss; keep it once.
+            # Sync: every worker carries the same global loss; keep it once. Async:
+            # one loss per update, possibly arriving late (inserted in order).
             at = int(r.get("loss_step", update))
-            if at > self._last_loss_update:
+            if r.get("kind") == "update":
+                self.loss.append({"update": at, "loss": float(loss)})
+            elif at > self._last_loss_update:
                 self._last_loss_update = at
                 self.loss.append({"update": at, "loss": float(loss)})
 

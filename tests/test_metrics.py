@@ -115,6 +115,17 @@ def test_async_records_fill_the_staleness_panel():
     assert dashboard.workers.source.data["state"] == ["running"] * 3
 
 
+def test_async_updates_flushed_out_of_order_keep_every_loss_in_order():
+    start, *updates = _records(12)
+    late = [r for r in updates if r["worker"] == 1]  # worker 1 flushes last
+    store = MetricsStore()
+    store.add_records([start] + [r for r in updates if r["worker"] != 1])
+    store.add_records(late)
+    loss = store.fetch()["series"]["loss"]["data"]
+    assert loss["update"] == list(range(12))
+    assert loss["loss"] == sorted(loss["loss"], reverse=True)  # each row kept its own loss
+
+
 def test_sync_run_publishes_the_full_schema(client, small_digits):
     x, y = small_digits
     history = dasktf.fit("mnist-mlp", x, y, client=client, n_workers=2, epochs=2,
