@@ -43,12 +43,14 @@ class ChildProcess:
     """The parent's handle on one child: start, send, wait for replies, kill."""
 
     def __init__(self, tf_config: dict[str, Any] | None, name: str,
-                 connect_timeout: float = 60.0) -> None:
+                 connect_timeout: float = 60.0,
+                 extra_env: dict[str, str] | None = None) -> None:
         import json
 
         self.name = name
         env = dict(os.environ)
         env.pop("TF_CONFIG", None)
+        env.update(extra_env or {})
         if tf_config is not None:
             env["TF_CONFIG"] = json.dumps(tf_config)
         token = secrets.token_hex(16)
