@@ -5,7 +5,7 @@ configured once per process from ``TF_CONFIG`` and cannot be reset, so a
 long-lived Dask worker cannot host one cluster after another. Each run therefore
 starts one child per worker. Dask workers are daemonic processes, which
 ``multiprocessing`` forbids to have children, so the child is a plain
-``subprocess`` (``python -m dasktf._tfprocess``) that connects back to its parent
+``subprocess`` running :func:`main` that connects back to its parent
 over a loopback socket and proves itself with a one-time token before anything is
 unpickled.
 
@@ -64,7 +64,7 @@ class ChildProcess:
         self.log = tempfile.NamedTemporaryFile(prefix="dasktf-child-", suffix=".log",
                                                delete=False)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dasktf._tfprocess"],
+            [sys.executable, "-c", "from dasktf._tfprocess import main; main()"],
             env=env, stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log,
         )
         self.closed = False
@@ -197,6 +197,3 @@ def main() -> None:
     finally:
         conn.close()
 
-
-if __name__ == "__main__":
-    main()

@@ -34,6 +34,7 @@ import numpy as np
 
 from dasktf import config
 from dasktf._tfprocess import ChildError, ChildProcess
+from dasktf.exceptions import DasktfError
 from dasktf.replica import EpochReport, ReplicaConfig
 
 if TYPE_CHECKING:
@@ -364,7 +365,7 @@ class CollectiveEngine:
     def run_epoch(self, epoch: int,
                   on_step: Callable[[int], None] | None = None) -> list[EpochReport]:
         """Train one epoch; every replica's report (metric states, weights)."""
-        from dasktf.sync import wait_for
+        from dasktf.sync import check_alive, wait_for
 
         client = self.ctx.client
         futures = [
@@ -379,8 +380,19 @@ class CollectiveEngine:
         # The workers bound each step by dasktf.step-timeout (their children send a
         # heartbeat at least every metrics-interval); the client watches liveness.
         step_timeout = config.get_seconds("step-timeout")
-        with dask_config({"dasktf.step-timeout": step_timeout * self.ctx.steps_per_epoch}):
-            wait_for(self.ctx, futures, f"epoch {epoch + 1} (collective engine)")
+        what = f"epoch {epoch + 1} (collective engine)"
+        try:
+            with dask_config({"dasktf.step-timeout": step_timeout * self.ctx.steps_per_epoch}):
+                wait_for(self.ctx, futures, what)
+        except DasktfError:
+            # A lost worker fails its peers' tasks too (their ring broke, or Dask
+            # gave up on the task): name the lost worker rather than the symptom.
+            # The scheduler may learn of the death a moment after a peer's ring
+            # broke, hence a short, bounded look.
+            for _ in range(5):
+                check_alive(self.ctx, what)
+                time.sleep(config.get_seconds("poll-interval") / 2)
+            raise
         reports: list[EpochReport] = client.gather(futures)
         if on_step is not None:
             on_step(self.ctx.steps_per_epoch - 1)

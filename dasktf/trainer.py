@@ -23,6 +23,7 @@ from dasktf import config
 from dasktf.callbacks import History, ProgressBar
 from dasktf.cluster import (
     TensorFlowSetup,
+    alive_workers,
     choose_run_workers,
     cluster_client,
     default_tf_threads,
@@ -654,7 +655,12 @@ class _Run:
     def release(self) -> None:
         """Free the replicas and shards on the workers, whatever happened."""
         try:
-            self.client.run(release_replicas, self.run_id, workers=self.workers, on_error="ignore")
+            # Only the live ones: a dead worker's address costs a 30 s connect timeout.
+            alive = set(alive_workers(self.client))
+            workers = [w for w in self.workers if w in alive]
+            if workers:
+                self.client.run(release_replicas, self.run_id, workers=workers,
+                                on_error="ignore")
         except Exception:  # noqa: BLE001 - clean-up must not mask the real error
             logger.debug("releasing replicas of %s failed", self.run_id, exc_info=True)
         self._futures = []
