@@ -159,7 +159,7 @@ class _CollectiveReplica:
         interval = config.get_seconds("metrics-interval")
         publish = bool(config.get("metrics"))
         steps = len(self.totals)
-        records: list[dict[str, Any]] = []
+        pending: list[tuple[int, int, Any, float]] = []
         last_send = time.monotonic()
         seconds = []
         for step in range(steps):
@@ -168,17 +168,18 @@ class _CollectiveReplica:
             y_pred, loss = self._step(x, y, self.totals[step])
             if len(x):
                 self._metrics(x, y, y_pred, loss)
+            # No .numpy() here: reading the loss every step would wait for the
+            # step and stop TensorFlow from overlapping the next one's input.
             compute = time.perf_counter() - start
             seconds.append(compute)
             if publish:
-                records.append(self._record(run_id, epoch, step, len(x), float(loss),
-                                            compute))
+                pending.append((step, len(x), loss, compute))
             if time.monotonic() - last_send >= interval:
                 # Also the parent's heartbeat: it times out on silence, not on length.
-                conn.send(("event", records))
-                records, last_send = [], time.monotonic()
-        if records:
-            conn.send(("event", records))
+                conn.send(("event", self._records(run_id, epoch, pending)))
+                pending, last_send = [], time.monotonic()
+        if pending:
+            conn.send(("event", self._records(run_id, epoch, pending)))
         local = self.local
         train = local.metric_states()
         local.model.reset_metrics()
@@ -194,12 +195,18 @@ class _CollectiveReplica:
             "step_seconds": seconds,
         }
 
+    def _records(self, run_id: str, epoch: int,
+                 pending: list[tuple[int, int, Any, float]]) -> list[dict[str, Any]]:
+        return [self._record(run_id, epoch, step, n, float(loss), compute)
+                for step, n, loss, compute in pending]
+
     def _record(self, run_id: str, epoch: int, step: int, n: int, loss: float,
                 compute: float) -> dict[str, Any]:
         update = epoch * len(self.totals) + step
         # Schema: dasktf.events.StepRecord. The loss is this worker's local one (the
         # global one would cost another all-reduce per step); epoch records carry
-        # the exact merged metrics.
+        # the exact merged metrics. compute_s is the time to dispatch the step
+        # (TensorFlow runs steps asynchronously).
         return {
             "run": run_id, "kind": "step", "mode": "sync", "engine": "collective",
             "epoch": epoch, "step": step, "update": update, "worker": self.index,
