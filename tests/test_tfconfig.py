@@ -102,3 +102,22 @@ def test_check_tf_config_sees_a_port_in_use_and_passes_a_good_config():
         assert any("already in use" in p for p in problems), problems
     cluster = {"chief": [f"127.0.0.1:{_free_port()}"], "worker": [f"127.0.0.1:{_free_port()}"]}
     assert check_tf_config([_cfg(cluster, "chief", 0), _cfg(cluster, "worker", 0)]) == []
+
+
+def test_check_tf_config_command_exit_codes(tmp_path):
+    from click.testing import CliRunner
+
+    from dasktf.cli import main
+
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"cluster": {"worker": ["127.0.0.1:1"]}, "task": {"type": "worker", "index": 2}}')
+    result = CliRunner().invoke(main, ["check-tf-config", "--no-ports", str(bad)])
+    assert result.exit_code == 1
+    assert "index 2 is out of range" in result.output
+    good = '{"cluster": {"worker": ["127.0.0.1:1"]}, "task": {"type": "worker", "index": 0}}'
+    result = CliRunner().invoke(main, ["check-tf-config", "--no-ports", "-"], input=good)
+    assert result.exit_code == 0 and "TF_CONFIG OK" in result.output
+    result = CliRunner().invoke(main, ["check-tf-config", "-"], input="{not json")
+    assert result.exit_code == 2 and "Not JSON" in result.output
+    result = CliRunner().invoke(main, ["fit", "--engine", "ring"])
+    assert result.exit_code == 2
