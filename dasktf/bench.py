@@ -183,8 +183,10 @@ def mwms_run(client: Any, workers: list[str], model_name: str, data: dict[str, A
     from dasktf.tfconfig import run_tf_distributed
 
     start = time.perf_counter()
-    out = run_tf_distributed(client, mwms_train, model_name, data["x"], data["y"],
-                             data["x_val"], data["y_val"], batch, epochs, lr,
+    # Scattered once to the workers, not embedded in every task's graph.
+    arrays = client.scatter([data[k] for k in ("x", "y", "x_val", "y_val")],
+                            workers=workers, broadcast=True, hash=False)
+    out = run_tf_distributed(client, mwms_train, model_name, *arrays, batch, epochs, lr,
                              workers=workers, timeout=600)
     wall = time.perf_counter() - start
     # The slowest worker's epochs are the run's.
