@@ -21,12 +21,15 @@ CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
               show_default=True, help="Workers of the embedded local cluster.")
 @click.option("--scheduler", default=None, metavar="ADDRESS",
               help="An existing Dask cluster instead of an embedded one.")
+@click.option("--ps", type=click.IntRange(min=0), default=0, show_default=True,
+              help="ParameterServerStrategy layout: the first worker is the chief, the "
+              "next PS workers parameter servers, the rest workers.")
 @click.option("--probe", is_flag=True,
               help="Also run one MultiWorkerMirroredStrategy step through the TF "
               "cluster and print what each worker saw.")
 @click.option("--timeout", default=None, metavar="SECONDS",
               help="How long the workers may take (default dasktf.tf-cluster-timeout).")
-def tf_cluster(n_workers: int, scheduler: str | None, probe: bool,
+def tf_cluster(n_workers: int, scheduler: str | None, ps: int, probe: bool,
                timeout: str | None) -> None:
     """Print the TF_CONFIG of every Dask worker (JSON: {worker: TF_CONFIG}).
 
@@ -34,21 +37,26 @@ def tf_cluster(n_workers: int, scheduler: str | None, probe: bool,
     Examples:
       dasktf tf-cluster --scheduler tcp://10.0.0.5:8786 > tf_configs.json
       dasktf tf-cluster --workers 2 --probe
+      dasktf tf-cluster --workers 3 --ps 1
     """
     from dasktf.cli import _configure_logging, _run_or_exit
 
     _configure_logging()
-    _run_or_exit(lambda: _tf_cluster(n_workers, scheduler, probe, timeout))
+    if probe and ps:
+        raise click.UsageError("--probe runs a MultiWorkerMirroredStrategy step; "
+                               "it does not combine with --ps.")
+    _run_or_exit(lambda: _tf_cluster(n_workers, scheduler, ps, probe, timeout))
 
 
-def _tf_cluster(n_workers: int, scheduler: str | None, probe: bool,
+def _tf_cluster(n_workers: int, scheduler: str | None, ps: int, probe: bool,
                 timeout: str | None) -> None:
     from dasktf.cluster import cluster_client
     from dasktf.tfconfig import mwms_probe, run_tf_distributed, tf_config
 
     with cluster_client(None, scheduler, n_workers, None, None, "none") as (client, _):
         client.wait_for_workers(1 if scheduler else n_workers, timeout=120)
-        click.echo(json.dumps(tf_config(client, timeout=timeout), indent=2))
+        configs = tf_config(client, chief=bool(ps), ps=ps, timeout=timeout)
+        click.echo(json.dumps(configs, indent=2))
         if probe:
             for row in run_tf_distributed(client, mwms_probe, timeout=timeout):
                 click.echo(f"probe: {json.dumps(row)}", err=True)

@@ -47,7 +47,12 @@ def _pick_port(expected: str) -> dict[str, Any]:
 
 
 def tf_config(
-    client: Client, workers: Sequence[str] | None = None, *, timeout: float | str | None = None
+    client: Client,
+    workers: Sequence[str] | None = None,
+    *,
+    chief: bool = False,
+    ps: int = 0,
+    timeout: float | str | None = None,
 ) -> dict[str, dict[str, Any]]:
     """A ``TF_CONFIG`` for each Dask worker: ``{worker address: TF_CONFIG}``.
 
@@ -55,7 +60,10 @@ def tf_config(
     ``"host:port"`` addresses, gathered through Dask, form one ``worker`` job in the
     worker order given (sorted addresses by default), so task index ``i`` is the
     ``i``-th worker and index 0 plays the chief's part, as
-    ``MultiWorkerMirroredStrategy`` expects. Set it in a process on that worker
+    ``MultiWorkerMirroredStrategy`` expects. For ``ParameterServerStrategy`` ask
+    for ``chief=True`` and ``ps=k``: the first worker becomes the chief (the
+    coordinator), the next ``k`` the parameter servers, the rest the ``worker``
+    job. Set it in a process on that worker
     (``os.environ["TF_CONFIG"] = json.dumps(cfg)``) *before* creating a strategy.
 
     Parameters
@@ -91,6 +99,13 @@ def tf_config(
             f"tf_config needs live workers; {missing or 'none'} are not in the cluster "
             f"(alive: {alive})."
         )
+    roles = ["chief"] * bool(chief) + ["ps"] * int(ps)
+    if ps < 0 or len(roles) >= len(workers) or (ps and not chief):
+        raise ValueError(
+            f"tf_config(chief={chief}, ps={ps}) with {len(workers)} worker(s): parameter "
+            "servers need a chief, and at least one worker must be left to train."
+        )
+    roles += ["worker"] * (len(workers) - len(roles))
     futures = [
         # pure=False: every call must pick a fresh port; pinned: the port is the
         # worker's own.
@@ -107,12 +122,12 @@ def tf_config(
             "are busy or unreachable. Free them or leave them out (workers=...)."
         )
     answers = client.gather(futures)
-    hosts = [f"{_bracket(a['host'])}:{a['port']}" for a in answers]
-    cluster = {"worker": hosts}
-    return {
-        w: {"cluster": cluster, "task": {"type": "worker", "index": i}}
-        for i, w in enumerate(workers)
-    }
+    cluster: dict[str, list[str]] = {}
+    tasks = []
+    for role, a in zip(roles, answers):
+        cluster.setdefault(role, []).append(f"{_bracket(a['host'])}:{a['port']}")
+        tasks.append({"type": role, "index": len(cluster[role]) - 1})
+    return {w: {"cluster": cluster, "task": task} for w, task in zip(workers, tasks)}
 
 
 def _bracket(host: str) -> str:
@@ -227,9 +242,9 @@ def check_tf_config(
     for n, cfg in enumerate(items):
         where = f"TF_CONFIG #{n}: " if many else ""
         if not isinstance(cfg, Mapping) or not isinstance(cfg.get("cluster"), Mapping):
+            got = cfg.get("cluster") if isinstance(cfg, Mapping) else cfg
             problems.append(f"{where}needs a 'cluster' mapping of job name to "
-                            "['host:port', ...]; got "
-                            f"{type(cfg.get('cluster') if isinstance(cfg, Mapping) else cfg).__name__}.")
+                            f"['host:port', ...]; got {type(got).__name__}.")
             continue
         clusters.append(cfg["cluster"])
         task = cfg.get("task")
@@ -335,13 +350,6 @@ def load_tf_config_text(text: str) -> Any:
         return json.loads(text)
     except json.JSONDecodeError as exc:
         raise ValueError(f"Not JSON: {exc}.") from None
-
-
-def current_tf_config() -> Any:
-    """The ``TF_CONFIG`` of this process's environment, parsed (``None`` if unset)."""
-    text = os.environ.get("TF_CONFIG")
-    return load_tf_config_text(text) if text else None
-
 
 
 def mwms_probe() -> dict[str, Any]:

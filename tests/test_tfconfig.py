@@ -30,6 +30,18 @@ def test_tf_config_gives_each_worker_a_valid_config(client):
     assert check_tf_config(configs) == []
 
 
+def test_tf_config_lays_out_a_parameter_server_cluster(client):
+    workers = sorted(client.scheduler_info()["workers"])
+    configs = tf_config(client, chief=True, ps=1)
+    assert [configs[w]["task"] for w in workers] == [
+        {"type": "chief", "index": 0}, {"type": "ps", "index": 0},
+        {"type": "worker", "index": 0},
+    ]
+    assert check_tf_config(configs) == []
+    with pytest.raises(ValueError, match="need a chief"):
+        tf_config(client, ps=1)
+
+
 @pytest.mark.timeout(180)
 def test_a_multiworker_mirrored_step_runs_through_the_bridge(client):
     workers = sorted(client.scheduler_info()["workers"])[:2]
@@ -110,7 +122,8 @@ def test_check_tf_config_command_exit_codes(tmp_path):
     from dasktf.cli import main
 
     bad = tmp_path / "bad.json"
-    bad.write_text('{"cluster": {"worker": ["127.0.0.1:1"]}, "task": {"type": "worker", "index": 2}}')
+    bad.write_text('{"cluster": {"worker": ["127.0.0.1:1"]}, '
+                   '"task": {"type": "worker", "index": 2}}')
     result = CliRunner().invoke(main, ["check-tf-config", "--no-ports", str(bad)])
     assert result.exit_code == 1
     assert "index 2 is out of range" in result.output
