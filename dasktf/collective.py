@@ -402,7 +402,10 @@ class CollectiveEngine:
             raise
         reports: list[EpochReport] = client.gather(futures)
         if on_step is not None:
-            on_step(self.ctx.steps_per_epoch - 1)
+            # The steps ran in the children; Keras batch callbacks (the progress bar
+            # among them) hear of them at the epoch's end, in order.
+            for step in range(self.ctx.steps_per_epoch):
+                on_step(step)
         if self.on_epoch_end is not None:
             first = reports[0]
             self.on_epoch_end(first.weights or [],
