@@ -18,6 +18,7 @@ from dasktf.exceptions import (
     StepTimeoutError,
     WorkerLostError,
 )
+from dasktf.tfconfig import check_tf_config, run_tf_distributed, tf_config
 from dasktf.trainer import Trainer, fit
 
 __version__ = "0.1.0"
@@ -32,7 +33,10 @@ __all__ = [
     "Trainer",
     "UpdateRecord",
     "WorkerLostError",
+    "check_tf_config",
     "fit",
     "load_dataset",
     "make_local_cluster",
+    "run_tf_distributed",
+    "tf_config",
 ]

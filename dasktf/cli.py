@@ -65,6 +65,11 @@ def main() -> None:
               help="sync: every step averages the gradients of all workers. async: every "
               "worker loops on its own; a parameter holder applies each gradient as it "
               "arrives and records its staleness.")
+@click.option("--engine", type=click.Choice(["auto", "graph", "collective"]),
+              default="auto", show_default=True,
+              help="sync: graph (a Dask task graph per step) or collective "
+              "(MultiWorkerMirroredStrategy ring all-reduce in a TensorFlow child per "
+              "worker); auto picks collective for long runs of small models.")
 @click.option("--max-staleness", type=int, default=None, metavar="K",
               help="async: bounded staleness; no update is applied more than K updates "
               "after the weights it was computed on (0: sequential SGD).")
@@ -132,6 +137,7 @@ def _fit(
     dashboard: bool = False,
     dashboard_port: int | None = None, dashboard_address: str | None = None,
     report: str | None = None,
+    engine: str = "auto",
 ) -> None:
     import dasktf
     from dasktf.asynchronous import validate_mode_options
@@ -168,6 +174,7 @@ def _fit(
         staleness_lr=None if staleness_lr == "none" else staleness_lr,
         sync_quorum=sync_quorum,
         slow_workers=slow_workers,
+        engine=engine,
     )
     from dasktf.dashboard.cli import serve_dashboard, write_run_report
 
@@ -349,6 +356,12 @@ def _configure_logging() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     for noisy in ("distributed", "tensorflow", "absl"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
+
+
+from dasktf.tfcli import COMMANDS as _TF_COMMANDS  # noqa: E402 - after main exists
+
+for _command in _TF_COMMANDS:
+    main.add_command(_command)
 
 
 if __name__ == "__main__":  # pragma: no cover

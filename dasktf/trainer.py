@@ -23,6 +23,7 @@ from dasktf import config
 from dasktf.callbacks import History, ProgressBar
 from dasktf.cluster import (
     TensorFlowSetup,
+    alive_workers,
     choose_run_workers,
     cluster_client,
     default_tf_threads,
@@ -48,6 +49,7 @@ from dasktf.replica import (
 )
 from dasktf.sync import RunContext, SyncEngine, wait_for
 from dasktf.asynchronous import choose_holder, updates_frame, validate_mode_options
+from dasktf.collective import validate_engine
 
 if TYPE_CHECKING:
     from distributed import Client
@@ -204,6 +206,15 @@ class Trainer:
     slow_workers
         Stragglers for tests and demos: ``{worker index: factor}`` makes that worker
         sleep ``(factor - 1)`` x its compute time after every step.
+    engine
+        Sync only: ``"graph"`` (a Dask task graph per step), ``"collective"``
+        (``tf.distribute.MultiWorkerMirroredStrategy`` children of the workers, ring
+        all-reduce, no scheduler per step; :mod:`dasktf.collective`) or ``"auto"``
+        (the collective engine for long runs of small models, where measurements
+        say it is faster; see :func:`dasktf.collective.choose_engine`).
+    on_epoch_end
+        Collective engine: ``hook(weights, optimizer_variables, epoch)`` called on
+        the client after each epoch (a checkpoint hook).
     optimizer, learning_rate
         A Keras optimizer name or instance; every replica holds its own copy.
     loss, metrics
@@ -260,6 +271,8 @@ class Trainer:
         staleness_lr: str | None = None,
         sync_quorum: int | None = None,
         slow_workers: dict[int, float] | None = None,
+        engine: str = "auto",
+        on_epoch_end: Callable[[list[Any], list[Any], int], None] | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}; got {mode!r}.")
@@ -269,6 +282,8 @@ class Trainer:
         )
         self.max_staleness, self.staleness_lr = max_staleness, staleness_lr
         self.sync_quorum = sync_quorum
+        validate_engine(engine, mode, sync_quorum, slow_workers)
+        self.engine, self.on_epoch_end = engine, on_epoch_end
         _positive_int("threads_per_worker", threads_per_worker, allow_none=True)
         if client is not None and scheduler is not None:
             raise ValueError("Give either client or scheduler, not both.")
@@ -543,6 +558,7 @@ class _Run:
             epochs=epochs, steps=self.ctx.steps_per_epoch, verbose=verbose,
         )
         engine = self._make_engine(epochs)
+        history.engine = getattr(engine, "engine", "graph")
         self._publish(self._run_start_record(epochs, engine.mode))
         self.client.subscribe_topic(TOPIC, self._on_event)
         self.model.stop_training = False
@@ -587,7 +603,9 @@ class _Run:
         """The step engine of the trainer's mode (sync, async, or sync with quorum)."""
         t = self.trainer
         if t.mode == "sync" and t.sync_quorum is None:
-            return SyncEngine(self.ctx)
+            from dasktf.collective import make_engine
+
+            return make_engine(self, epochs)
         from dasktf.asynchronous import AsyncEngine
         from dasktf.quorum import QuorumEngine
 
@@ -637,7 +655,12 @@ class _Run:
     def release(self) -> None:
         """Free the replicas and shards on the workers, whatever happened."""
         try:
-            self.client.run(release_replicas, self.run_id, workers=self.workers, on_error="ignore")
+            # Only the live ones: a dead worker's address costs a 30 s connect timeout.
+            alive = set(alive_workers(self.client))
+            workers = [w for w in self.workers if w in alive]
+            if workers:
+                self.client.run(release_replicas, self.run_id, workers=workers,
+                                on_error="ignore")
         except Exception:  # noqa: BLE001 - clean-up must not mask the real error
             logger.debug("releasing replicas of %s failed", self.run_id, exc_info=True)
         self._futures = []
@@ -702,6 +725,8 @@ def fit(
     staleness_lr: str | None = None,
     sync_quorum: int | None = None,
     slow_workers: dict[int, float] | None = None,
+    engine: str = "auto",
+    on_epoch_end: Callable[[list[Any], list[Any], int], None] | None = None,
 ) -> History:
     """Train ``model`` data-parallel on a Dask cluster; return its :class:`History`.
 
@@ -734,6 +759,8 @@ def fit(
         staleness_lr=staleness_lr,
         sync_quorum=sync_quorum,
         slow_workers=slow_workers,
+        engine=engine,
+        on_epoch_end=on_epoch_end,
     ) as trainer:
         return trainer.fit(
             x,

@@ -1,0 +1,450 @@
+"""The collective step engine: sync training on ``tf.distribute`` ring all-reduce.
+
+The task-graph engine (:mod:`dasktf.sync`) pays a scheduler hop or two per step,
+which a model whose step takes a few milliseconds cannot amortize. This engine runs
+the same Keras model under ``tf.distribute.MultiWorkerMirroredStrategy`` instead:
+one TensorFlow child process per Dask worker (started through the bridge,
+:mod:`dasktf.tfconfig`), fed from the shard dasktf already placed on that worker,
+with gradients all-reduced by TensorFlow's collectives and no scheduler in the
+per-step path. Dask only carries one task per worker per epoch (run the epoch,
+hand back the metric states) and the step records, which the parent task forwards
+to the same metrics stream as the graph engine, so the dashboard works unchanged.
+
+Keras 3's ``Model.fit`` does not run under this strategy (TensorFlow 2.21 fails
+with "unsupported type PerReplica"), so the step is a custom loop: ``strategy.run``
+on a ``tf.function``, the optimizer built in ``strategy.scope()``. Each worker
+computes the gradient of its local loss *sum* divided by the step's global example
+count, and Keras' optimizer all-reduces (sums) them: the batch-size-weighted mean
+the graph engine applies, so both engines train the same model on the same batches.
+
+Failure: a worker that leaves is seen by the client's ``wait_for`` within
+``dasktf.poll-interval``; the engine then kills every child (a child whose Dask
+worker died exits on its own), so nothing is left blocked in a collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from dasktf import config
+from dasktf._tfprocess import ChildError, ChildProcess
+from dasktf.exceptions import DasktfError
+from dasktf.replica import EpochReport, ReplicaConfig
+
+if TYPE_CHECKING:
+    from distributed import Future
+
+    from dasktf.sync import RunContext
+
+logger = logging.getLogger(__name__)
+
+ENGINES = ("graph", "collective", "auto")
+
+#: ``on_epoch_end(weights, optimizer_variables, epoch)``: called on the client after
+#: every epoch with replica 0's weights and optimizer state (checkpoint hook).
+EpochEndHook = Callable[[list[np.ndarray], list[np.ndarray], int], None]
+
+_CHILDREN: dict[str, ChildProcess] = {}
+
+
+# -- choosing an engine --------------------------------------------------------
+def validate_engine(engine: str, mode: str, sync_quorum: int | None,
+                    slow_workers: dict[int, float] | None) -> None:
+    """Reject engine options that cannot work together (at the public boundary)."""
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}; got {engine!r}.")
+    if engine == "collective" and (mode != "sync" or sync_quorum is not None or slow_workers):
+        raise ValueError(
+            "engine='collective' runs plain sync training (every step all-reduces "
+            "all workers' gradients); it has no async, sync_quorum or slow_workers. "
+            "Use engine='graph' for those."
+        )
+
+
+def choose_engine(engine: str, mode: str, sync_quorum: int | None,
+                  slow_workers: dict[int, float] | None, n_params: int,
+                  n_workers: int, total_steps: int, gpu: bool) -> str:
+    """Resolve ``engine="auto"``: ``"collective"`` or ``"graph"``.
+
+    Measured here (2 cores, benchmarks/peers.py): the graph engine costs ~7 ms of
+    scheduler hops per step, the collective engine ~10-15 s more to start (a
+    TensorFlow child per worker) and next to nothing per step. So ``auto`` picks
+    the collective engine for plain sync runs on 2+ CPU workers of a small model
+    (under ``dasktf.collective.auto-max-params`` parameters, where the hop is a
+    large share of the step) with enough steps (``auto-min-steps``) to pay back
+    its start-up; otherwise the graph engine.
+    """
+    if engine != "auto":
+        return engine
+    plain_sync = mode == "sync" and sync_quorum is None and not slow_workers
+    if (plain_sync and not gpu and n_workers >= 2
+            and n_params < int(config.get("collective.auto-max-params"))
+            and total_steps >= int(config.get("collective.auto-min-steps"))):
+        return "collective"
+    return "graph"
+
+
+# -- the child process (one per worker) ----------------------------------------
+class _CollectiveReplica:
+    """The child's state: the strategy, the distributed model, and a plain
+    :class:`~dasktf.replica.Replica` for batches, metrics and evaluation."""
+
+    def __init__(self, cfg: ReplicaConfig, index: int, shard: Any, schedule: np.ndarray,
+                 weights: list[np.ndarray], val_shard: Any, shuffle: bool) -> None:
+        import keras
+        import tensorflow as tf
+
+        from dasktf.replica import Replica
+
+        # Blocks until every worker of TF_CONFIG has joined.
+        self.strategy = tf.distribute.MultiWorkerMirroredStrategy()
+        self.index = index
+        self.totals = np.asarray(schedule).sum(axis=1).astype(np.float32)
+        # The local replica gives the same batches (same shuffle) as the graph
+        # engine's, and owns the metrics and validation; it is never trained.
+        self.local = Replica(dataclasses.replace(cfg, publish_metrics=False), index,
+                             shard, schedule[:, index], weights, val_shard, shuffle)
+        with self.strategy.scope():
+            model = cfg.model.build()
+            model.compile(optimizer=keras.optimizers.deserialize(cfg.optimizer),
+                          loss=cfg.loss)
+            model.set_weights(weights)
+            model.optimizer.build(model.trainable_variables)
+        self.model = model
+        self.grad_bytes = 4 * sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+        spec = [tf.TensorSpec((None, *shard.x.shape[1:]), tf.as_dtype(shard.x.dtype)),
+                tf.TensorSpec((None, *shard.y.shape[1:]), tf.as_dtype(shard.y.dtype))]
+        self._step = tf.function(self._train_step,
+                                 input_signature=[*spec, tf.TensorSpec((), tf.float32)])
+        self._metrics = tf.function(self._update_metrics)
+
+    def _train_step(self, x: Any, y: Any, total: Any) -> Any:
+        import tensorflow as tf
+
+        strategy, model = self.strategy, self.model
+        replicas = float(strategy.num_replicas_in_sync)
+
+        def replica_fn(x: Any, y: Any) -> Any:
+            n = tf.cast(tf.shape(x)[0], tf.float32)
+            with tf.GradientTape() as tape:
+                y_pred = model(x, training=True)
+                # Keras divides the loss by the replica count under a strategy;
+                # undo that: this replica's share is its loss *sum* over the step's
+                # global count, and the optimizer's all-reduce SUMs the shares.
+                loss = model.compute_loss(x=x, y=y, y_pred=y_pred, training=True)
+                loss = loss * replicas
+                share = loss * n / total
+            grads = tape.gradient(share, model.trainable_variables)
+            model.optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return y_pred, loss
+
+        y_pred, loss = strategy.run(replica_fn, args=(x, y))
+        local = strategy.experimental_local_results
+        return local(y_pred)[0], local(loss)[0]
+
+    def _update_metrics(self, x: Any, y: Any, y_pred: Any, loss: Any) -> None:
+        import tensorflow as tf
+
+        self.local._loss_tracker.update_state(loss, sample_weight=tf.shape(x)[0])
+        self.local.model.compute_metrics(x, y, y_pred, sample_weight=None)
+
+    def run_epoch(self, conn: Any, run_id: str, epoch: int, with_weights: bool,
+                  with_optimizer: bool) -> dict[str, Any]:
+        interval = config.get_seconds("metrics-interval")
+        publish = bool(config.get("metrics"))
+        steps = len(self.totals)
+        pending: list[tuple[int, int, Any, float]] = []
+        last_send = time.monotonic()
+        seconds = []
+        for step in range(steps):
+            start = time.perf_counter()
+            x, y = self.local.batch(epoch, step)
+            y_pred, loss = self._step(x, y, self.totals[step])
+            if len(x):
+                self._metrics(x, y, y_pred, loss)
+            # No .numpy() here: reading the loss every step would wait for the
+            # step and stop TensorFlow from overlapping the next one's input.
+            compute = time.perf_counter() - start
+            seconds.append(compute)
+            if publish:
+                pending.append((step, len(x), loss, compute))
+            if time.monotonic() - last_send >= interval:
+                # Also the parent's heartbeat: it times out on silence, not on length.
+                conn.send(("event", self._records(run_id, epoch, pending)))
+                pending, last_send = [], time.monotonic()
+        if pending:
+            conn.send(("event", self._records(run_id, epoch, pending)))
+        local = self.local
+        train = local.metric_states()
+        local.model.reset_metrics()
+        local.model.set_weights(self.model.get_weights())
+        val = local.evaluate()
+        local.model.reset_metrics()
+        return {
+            "train_states": train,
+            "val_states": val,
+            "weights": [np.asarray(w) for w in self.model.get_weights()] if with_weights else None,
+            "optimizer": ([np.asarray(v) for v in self.model.optimizer.variables]
+                          if with_optimizer else None),
+            "step_seconds": seconds,
+        }
+
+    def _records(self, run_id: str, epoch: int,
+                 pending: list[tuple[int, int, Any, float]]) -> list[dict[str, Any]]:
+        return [self._record(run_id, epoch, step, n, float(loss), compute)
+                for step, n, loss, compute in pending]
+
+    def _record(self, run_id: str, epoch: int, step: int, n: int, loss: float,
+                compute: float) -> dict[str, Any]:
+        update = epoch * len(self.totals) + step
+        # Schema: dasktf.events.StepRecord. The loss is this worker's local one (the
+        # global one would cost another all-reduce per step); epoch records carry
+        # the exact merged metrics. compute_s is the time to dispatch the step
+        # (TensorFlow runs steps asynchronously).
+        return {
+            "run": run_id, "kind": "step", "mode": "sync", "engine": "collective",
+            "epoch": epoch, "step": step, "update": update, "worker": self.index,
+            "batch_size": n, "local_loss": loss if n else None,
+            "loss": loss if n else None, "loss_step": update, "staleness": 0,
+            "compute_s": compute, "communication_s": 0.0, "waiting_s": 0.0,
+            "bytes": 2 * self.grad_bytes, "wall_time": time.time(),
+        }
+
+
+def _child_main(conn: Any, cfg: ReplicaConfig, index: int, shard: Any,
+                schedule: np.ndarray, weights: list[np.ndarray], val_shard: Any,
+                shuffle: bool, run_id: str) -> None:
+    """Child-side target: build, report ready, then run epochs until told to stop."""
+    import tensorflow as tf
+
+    replica = _CollectiveReplica(cfg, index, shard, schedule, weights, val_shard, shuffle)
+    conn.send(("reply", {
+        "replicas": replica.strategy.num_replicas_in_sync,
+        "intra_op_threads": tf.config.threading.get_intra_op_parallelism_threads(),
+    }))
+    while True:
+        message = conn.recv()
+        if message[0] == "stop":
+            conn.send(("reply", None))
+            return
+        _, epoch, with_weights, with_optimizer = message
+        conn.send(("reply", replica.run_epoch(conn, run_id, epoch, with_weights,
+                                              with_optimizer)))
+
+
+# -- the Dask tasks (run on the workers) ----------------------------------------
+def collective_start_task(run_id: str, expected: str, tf_config: dict[str, Any],
+                          cfg: ReplicaConfig, index: int, shard: Any,
+                          schedule: np.ndarray, weights: list[np.ndarray],
+                          val_shard: Any, shuffle: bool, timeout: float) -> dict[str, Any]:
+    """Start this worker's TensorFlow child and wait until its strategy is ready."""
+    import os
+
+    from distributed import get_worker
+
+    address = get_worker().address
+    if address != expected:
+        raise ValueError(f"Collective replica {index} was meant for {expected} but ran "
+                         f"on {address}; the task was moved, which dasktf never asks for.")
+    threads = _worker_threads()
+    env = {"TF_NUM_INTRAOP_THREADS": str(threads), "OMP_NUM_THREADS": str(threads),
+           "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")}
+    child = ChildProcess(tf_config, f"worker {address} (collective replica {index})",
+                         connect_timeout=timeout, extra_env=env)
+    _CHILDREN[_key(run_id, address)] = child
+    child.call(_child_main, cfg, index, shard, schedule, weights, val_shard, shuffle,
+               run_id)
+    info = child.wait_reply(timeout, "joining the MultiWorkerMirroredStrategy cluster")
+    return {**info, "worker": address, "shard_size": len(shard)}
+
+
+def _worker_threads() -> int:
+    """The worker's TensorFlow intra-op threads: the child gets the same share."""
+    import sys
+
+    if "tensorflow" in sys.modules:
+        import tensorflow as tf
+
+        threads = tf.config.threading.get_intra_op_parallelism_threads()
+        if threads:
+            return int(threads)
+    import os
+
+    return int(os.environ.get("TF_NUM_INTRAOP_THREADS", "0")) or (os.cpu_count() or 1)
+
+
+def collective_epoch_task(run_id: str, epoch: int, with_weights: bool,
+                          with_optimizer: bool) -> EpochReport:
+    """Run one epoch in this worker's child; forward its step records meanwhile."""
+    from distributed import get_worker
+
+    from dasktf.events import TOPIC
+
+    worker = get_worker()
+    child = _CHILDREN.get(_key(run_id, worker.address))
+    if child is None:
+        raise ChildError(f"No collective replica of run {run_id} on {worker.address} "
+                         "(the worker restarted mid-run?).")
+    child.send(("epoch", epoch, with_weights, with_optimizer))
+
+    def forward(records: list[dict[str, Any]]) -> None:
+        if records:
+            worker.log_event(TOPIC, {"records": records})
+
+    out = child.wait_reply(config.get_seconds("step-timeout"), f"epoch {epoch + 1}",
+                           on_event=forward)
+    report = EpochReport(worker.address, out["train_states"], out["val_states"],
+                         out["weights"], out["step_seconds"])
+    report.optimizer_variables = out["optimizer"]  # type: ignore[attr-defined]
+    return report
+
+
+def stop_children(run_id: str, dask_worker: Any = None) -> int:
+    """Kill this worker's children of ``run_id`` (through ``Client.run``)."""
+    keys = [k for k in _CHILDREN if k[0] == run_id]
+    for k in keys:
+        _CHILDREN.pop(k).kill()
+    return len(keys)
+
+
+def _key(run_id: str, address: str) -> tuple[str, str]:
+    return run_id, address
+
+
+# -- the engine (client side) ---------------------------------------------------
+class CollectiveEngine:
+    """Runs sync epochs on ``MultiWorkerMirroredStrategy`` children of the workers.
+
+    Parameters
+    ----------
+    ctx
+        The run's context (client, run id, workers).
+    cfg, shards, schedule, weights, val_shards, shuffle
+        What the graph engine's replicas are built from (see :class:`_Run`).
+    on_epoch_end
+        Checkpoint hook ``(weights, optimizer_variables, epoch)``, called on the
+        client after every epoch with replica 0's state (every replica holds the
+        same). Restoring is done by passing the weights in (a ``keras.Model``).
+    """
+
+    mode = "sync"
+    engine = "collective"
+
+    def __init__(self, ctx: RunContext, cfg: ReplicaConfig, shards: list[Future],
+                 schedule: np.ndarray, weights: Any, val_shards: list[Any],
+                 shuffle: bool, on_epoch_end: EpochEndHook | None = None) -> None:
+        from dasktf.sync import wait_for
+        from dasktf.tfconfig import tf_config
+
+        self.ctx = ctx
+        self.on_epoch_end = on_epoch_end
+        timeout = config.get_seconds("collective.start-timeout")
+        configs = tf_config(ctx.client, ctx.workers, timeout=timeout)
+        started = time.perf_counter()
+        futures = [
+            ctx.client.submit(
+                collective_start_task, ctx.run_id, w, configs[w], cfg, i, shards[i],
+                schedule, weights, val_shards[i], shuffle, timeout,
+                key=f"dasktf-collective-start-{ctx.run_id}-{i}",
+                # The shard lives on this worker and the child binds its port.
+                workers=[w], allow_other_workers=False, resources=ctx.resources,
+            )
+            for i, w in enumerate(ctx.workers)
+        ]
+        try:
+            with dask_config({"dasktf.step-timeout": timeout + 30}):
+                wait_for(ctx, futures, "starting the collective engine's TensorFlow "
+                         "children")
+            self.info = ctx.client.gather(futures)
+        except BaseException:
+            self.close()
+            raise
+        self.start_seconds = time.perf_counter() - started
+        logger.info("Collective engine of run %s ready in %.1fs on %s", ctx.run_id,
+                    self.start_seconds, ctx.workers)
+
+    def run_epoch(self, epoch: int,
+                  on_step: Callable[[int], None] | None = None) -> list[EpochReport]:
+        """Train one epoch; every replica's report (metric states, weights)."""
+        from dasktf.sync import check_alive, wait_for
+
+        client = self.ctx.client
+        futures = [
+            client.submit(
+                collective_epoch_task, self.ctx.run_id, epoch, i == 0,
+                i == 0 and self.on_epoch_end is not None,
+                key=f"dasktf-collective-epoch-{self.ctx.run_id}-{epoch}-{i}",
+                workers=[w], allow_other_workers=False, resources=self.ctx.resources,
+            )
+            for i, w in enumerate(self.ctx.workers)
+        ]
+        # The workers bound each step by dasktf.step-timeout (their children send a
+        # heartbeat at least every metrics-interval); the client watches liveness.
+        step_timeout = config.get_seconds("step-timeout")
+        what = f"epoch {epoch + 1} (collective engine)"
+        try:
+            with dask_config({"dasktf.step-timeout": step_timeout * self.ctx.steps_per_epoch}):
+                wait_for(self.ctx, futures, what)
+        except DasktfError:
+            # A lost worker fails its peers' tasks too (their ring broke, or Dask
+            # gave up on the task): name the lost worker rather than the symptom.
+            # The scheduler may learn of the death a moment after a peer's ring
+            # broke, hence a short, bounded look.
+            for _ in range(5):
+                check_alive(self.ctx, what)
+                time.sleep(config.get_seconds("poll-interval") / 2)
+            raise
+        reports: list[EpochReport] = client.gather(futures)
+        if on_step is not None:
+            # The steps ran in the children; Keras batch callbacks (the progress bar
+            # among them) hear of them at the epoch's end, in order.
+            for step in range(self.ctx.steps_per_epoch):
+                on_step(step)
+        if self.on_epoch_end is not None:
+            first = reports[0]
+            self.on_epoch_end(first.weights or [],
+                              getattr(first, "optimizer_variables", None) or [], epoch)
+        return reports
+
+    def close(self) -> None:
+        """Kill every child of the run on the workers still alive; never raises."""
+        from dasktf.cluster import alive_workers
+
+        try:
+            alive = set(alive_workers(self.ctx.client))
+            workers = [w for w in self.ctx.workers if w in alive]
+            if workers:
+                self.ctx.client.run(stop_children, self.ctx.run_id, workers=workers,
+                                    on_error="ignore")
+        except Exception:  # noqa: BLE001 - clean-up must not mask the real error
+            logger.debug("stopping the collective children of %s failed",
+                         self.ctx.run_id, exc_info=True)
+
+
+def make_engine(run: Any, epochs: int) -> Any:
+    """The sync engine of a trainer's ``_Run``: collective or graph (see
+    :func:`choose_engine`)."""
+    from dasktf.sync import SyncEngine
+
+    t = run.trainer
+    n_params = sum(int(np.prod(w.shape)) for w in run.model.trainable_weights)
+    name = choose_engine(t.engine, t.mode, t.sync_quorum, t.slow_workers, n_params,
+                         len(run.workers), epochs * run.ctx.steps_per_epoch,
+                         bool(run.ctx.resources))
+    if name == "graph":
+        return SyncEngine(run.ctx)
+    cfg, weights, val = run._engine_inputs
+    return CollectiveEngine(run.ctx, cfg, run.placed.shards, run.placed.schedule,
+                            weights, val, run.shuffle, on_epoch_end=t.on_epoch_end)
+
+
+def dask_config(values: dict[str, Any]) -> Any:
+    import dask
+
+    return dask.config.set(values)

@@ -1,0 +1,106 @@
+"""The collective engine: trains, equals the graph engine, fails fast."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+import dask
+from distributed import Client
+
+import dasktf
+from dasktf.collective import choose_engine
+from dasktf.events import TOPIC, unpack
+from dasktf.exceptions import DasktfError
+
+
+@pytest.mark.timeout(240)
+def test_two_workers_reach_the_digits_target_and_publish_records(client, digits):
+    hooked: list[tuple[int, int, int]] = []
+    history = dasktf.fit(
+        "mnist-mlp", digits.x_train, digits.y_train, client=client, n_workers=2,
+        engine="collective", epochs=6, batch_size=32, optimizer="adam",
+        learning_rate=3e-3, metrics=["accuracy"], seed=0, verbose=0,
+        validation_data=(digits.x_test, digits.y_test),
+        on_epoch_end=lambda w, opt, e: hooked.append((len(w), len(opt), e)),
+    )
+    assert history.engine == "collective"
+    assert history.history["val_accuracy"][-1] >= 0.9, history.history
+    final = history.model.evaluate(digits.x_test, digits.y_test, verbose=0, return_dict=True)
+    assert final["accuracy"] == pytest.approx(history.history["val_accuracy"][-1], abs=1e-6)
+    # The checkpoint hook saw replica 0's weights and optimizer state every epoch.
+    assert [h[2] for h in hooked] == list(range(6))
+    assert all(h[0] == len(history.model.get_weights()) and h[1] > 0 for h in hooked)
+    # The workers forwarded their children's step records to the scheduler topic.
+    seen = [r for e in client.get_events(TOPIC) for r in unpack(e)]
+    steps = [r for r in seen if r.get("run") == history.run_id and r["kind"] == "step"]
+    assert {r["worker"] for r in steps} == {0, 1}
+    assert all(r["engine"] == "collective" for r in steps)
+
+
+@pytest.mark.timeout(240)
+def test_collective_equals_the_graph_engine_after_sgd_steps(client, digits):
+    x, y = digits.x_train[:301], digits.y_train[:301]  # a short last batch
+    weights = {}
+    for engine in ("graph", "collective"):
+        history = dasktf.fit(
+            "mnist-mlp", x, y, client=client, n_workers=2, engine=engine, epochs=2,
+            batch_size=64, optimizer="sgd", learning_rate=0.5, seed=3, verbose=0,
+        )
+        assert history.engine == engine
+        weights[engine] = history.model.get_weights()
+    for a, b in zip(weights["collective"], weights["graph"]):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    moved = max(float(np.abs(w).max()) for w in weights["graph"])
+    assert moved > 0
+
+
+def test_engine_choice():
+    args = dict(mode="sync", sync_quorum=None, slow_workers=None, n_params=80_000,
+                n_workers=2, total_steps=5_000, gpu=False)
+    assert choose_engine("auto", **args) == "collective"
+    assert choose_engine("auto", **{**args, "n_params": 1_200_000}) == "graph"
+    assert choose_engine("auto", **{**args, "total_steps": 50}) == "graph"
+    assert choose_engine("auto", **{**args, "mode": "async"}) == "graph"
+    assert choose_engine("auto", **{**args, "n_workers": 1}) == "graph"
+    assert choose_engine("graph", **args) == "graph"
+    with pytest.raises(ValueError, match="has no async"):
+        dasktf.Trainer("mnist-mlp", mode="async", engine="collective")
+    with pytest.raises(ValueError, match="engine must be one of"):
+        dasktf.Trainer("mnist-mlp", engine="ring")
+
+
+@pytest.mark.timeout(240)
+def test_a_killed_worker_gives_a_clear_error_fast(digits):
+    import keras
+
+    with dask.config.set({"distributed.scheduler.allowed-failures": 0}):
+        with dasktf.make_local_cluster(2, tf_threads=1) as cluster, Client(cluster) as c:
+            c.wait_for_workers(2, timeout=60)
+            victim = sorted(c.scheduler_info()["workers"])[1]
+            pid = c.run(os.getpid, workers=[victim])[victim]
+            killed: list[float] = []
+
+            class KillAtEpoch2(keras.callbacks.Callback):
+                # Deterministic: the worker dies as epoch 2 starts, while its peer's
+                # child is about to block in the first all-reduce of the epoch.
+                def on_epoch_begin(self, epoch, logs=None):
+                    if epoch == 1:
+                        os.kill(pid, signal.SIGKILL)
+                        killed.append(time.monotonic())
+
+            with pytest.raises(DasktfError, match="left the cluster") as info:
+                dasktf.fit("mnist-mlp", digits.x_train, digits.y_train, client=c,
+                           engine="collective", epochs=3, batch_size=32, seed=0,
+                           verbose=0, callbacks=[KillAtEpoch2()])
+            elapsed = time.monotonic() - killed[0]
+            print(f"kill to error: {elapsed:.2f}s")
+            assert victim in str(info.value)
+            assert elapsed < 30, elapsed
+            # The survivor's child is gone too: nothing is left blocked in a ring.
+            left = c.run(lambda: len(__import__("dasktf.collective").collective._CHILDREN))
+            assert all(n == 0 for n in left.values()), left
