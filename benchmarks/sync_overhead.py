@@ -17,12 +17,7 @@ and on, interleaved, and the worker-side cost of one step record (building it,
 splitting the step's time, batching it into ``Worker.log_event``) is timed on a
 worker in a loop, with the scheduler's MetricsStore ingesting what it sends.
 
-With ``--reduction``, it compares the two shapes of the step graph instead, in
-interleaved runs: the reduction tree (``dasktf.direct-exchange-max-workers: 0``)
-against the direct exchange (every step task sums the previous parts itself).
-
-Usage: ``python benchmarks/sync_overhead.py [--steps 12] [--mnist PATH] [--metrics]
-[--reduction]``.
+Usage: ``python benchmarks/sync_overhead.py [--steps 12] [--mnist PATH] [--metrics]``.
 """
 
 from __future__ import annotations
@@ -159,28 +154,6 @@ def print_metrics_overhead(rows: list[tuple], workers: int) -> None:
               f"{100 * per_record / (off / 1000):>10.3f}%")
 
 
-def reduction_comparison(client, x, y, steps: int, workers: int, reps: int,
-                         models: tuple[str, ...]) -> None:
-    """Best-of-``reps`` step breakdown, tree vs direct exchange, interleaved."""
-    import dask
-
-    shapes = {"tree": 0, "direct": workers}
-    for case in [c for c in CASES if c[0] in models]:
-        best: dict[str, dict] = {}
-        for _ in range(reps):
-            for name, limit in shapes.items():
-                with dask.config.set({"dasktf.direct-exchange-max-workers": limit}):
-                    _, parts = dasktf_rate(client, case[0], x, y, case[1], steps, workers)
-                if name not in best or parts["step"] < best[name]["step"]:
-                    best[name] = parts
-        for name, p in best.items():
-            print(f"{case[0]:<10} {case[1]:>5} {workers:>7} {name:<7} {p['step']:>8.1f} "
-                  f"{p['compute']:>8.1f} {p['reduce']:>7.1f} {p['transfer']:>8.1f} "
-                  f"{p['hops']:>9.1f}")
-        print(f"{'':<10} {'':>5} {'':>7} direct/tree step time: "
-              f"{best['direct']['step'] / best['tree']['step']:.3f}")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=12, help="timed steps per case")
@@ -191,9 +164,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3,
                         help="--metrics: interleaved off/on runs per case (best of)")
     parser.add_argument("--models", default="cnn,mnist-mlp",
-                        help="--metrics/--reduction: the models to measure")
-    parser.add_argument("--reduction", action="store_true",
-                        help="compare the reduction tree with the direct exchange")
+                        help="--metrics: the models to measure")
     args = parser.parse_args()
 
     from distributed import Client
@@ -204,15 +175,6 @@ def main() -> None:
     counts = [int(w) for w in args.workers.split(",")]
     cores = os.cpu_count() or 1
     print(f"machine: {cores} cores; data {x.shape}; {args.steps} timed steps per case\n")
-    if args.reduction:
-        print(f"{'model':<10} {'batch':>5} {'workers':>7} {'shape':<7} {'step ms':>8} "
-              f"{'compute':>8} {'reduce':>7} {'transfer':>8} {'hops+wait':>9}")
-        for w in [c for c in counts if c > 1]:
-            with dasktf.make_local_cluster(w) as cluster, Client(cluster) as client:
-                client.wait_for_workers(w)
-                reduction_comparison(client, x, y, args.steps, w, args.reps,
-                                     tuple(args.models.split(",")))
-        return
     if args.metrics:
         for w in counts:
             with dasktf.make_local_cluster(w) as cluster, Client(cluster) as client:

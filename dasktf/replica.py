@@ -442,22 +442,12 @@ def create_replica_task(
     }
 
 
-def combine(previous: GradientSum | list[GradientSum] | None) -> GradientSum | None:
-    """The previous step's sum: given whole (tree reduction) or as every worker's
-    part (direct exchange, see :mod:`dasktf.sync`), summed here in worker order so
-    every replica adds the same numbers in the same order."""
-    if isinstance(previous, list):
-        return sum_gradients(*previous) if previous else None
-    return previous
-
-
 def step_task(
-    run_id: str, epoch: int, step: int, previous: GradientSum | list[GradientSum] | None
+    run_id: str, epoch: int, step: int, previous: GradientSum | None
 ) -> GradientSum:
     """One fused sync step on one worker: apply the last summed gradient, then
     compute the gradient of this step's local batch."""
     start = time.perf_counter()
-    previous = combine(previous)
     replica = get_replica(run_id)
     timing = replica.timing.begin(epoch, start)
     replica.apply(previous)
@@ -485,13 +475,13 @@ def straggle(replica: Replica, compute_seconds: float) -> None:
 
 
 def end_epoch_task(
-    run_id: str, previous: GradientSum | list[GradientSum] | None, with_weights: bool
+    run_id: str, previous: GradientSum | None, with_weights: bool
 ) -> EpochReport:
     """Apply the epoch's last gradient, then report metrics (and weights if asked)."""
     from distributed import get_worker
 
     replica = get_replica(run_id)
-    replica.apply(combine(previous))
+    replica.apply(previous)
     replica.events.flush()
     train = replica.metric_states()
     replica.model.reset_metrics()

@@ -10,11 +10,7 @@ Per step ``k`` the graph is::
 previous step's summed gradient, then computes this step's gradient (one fused task,
 one flat buffer). ``sum`` is a tree of ``dasktf.reduction-fan-in``-ary additions. So a
 step costs two dependent task hops and two buffer moves (workers → sum → workers);
-with one worker the sum is skipped and a step is one hop. On up to
-``dasktf.direct-exchange-max-workers`` workers there is no ``sum`` task either:
-every ``step`` takes all the parts of the step before and adds them itself, in
-worker order (one hop and one parallel transfer per step; each part goes to every
-other worker). Gradients go worker to
+with one worker the sum is skipped and a step is one hop. Gradients go worker to
 worker, never through the client, and the client submits
 ``dasktf.submit-ahead`` steps before it waits for the oldest.
 """
@@ -116,13 +112,8 @@ class SyncEngine:
         self.ctx = ctx
         self.fan_in = max(2, int(config.get("reduction-fan-in")))
         self.ahead = max(1, int(config.get("submit-ahead")))
-        self.direct_max = int(config.get("direct-exchange-max-workers"))
 
-    def _reduce(self, parts: list[Future], epoch: int, step: int) -> Future | list[Future]:
-        if len(parts) <= self.direct_max:
-            # Direct exchange: each next step sums the parts itself. One hop and
-            # one (parallel) transfer per step instead of the tree's two of each.
-            return parts
+    def _reduce(self, parts: list[Future], epoch: int, step: int) -> Future:
         client, level, depth = self.ctx.client, parts, 0
         while len(level) > 1:
             level = [
@@ -136,9 +127,7 @@ class SyncEngine:
             depth += 1
         return level[0]
 
-    def submit_step(
-        self, epoch: int, step: int, previous: Future | list[Future] | None
-    ) -> Future | list[Future]:
+    def submit_step(self, epoch: int, step: int, previous: Future | None) -> Future:
         parts = [
             self.ctx.client.submit(
                 step_task,
@@ -160,8 +149,8 @@ class SyncEngine:
         self, epoch: int, on_step: Callable[[int], None] | None = None
     ) -> list[EpochReport]:
         """Train one epoch; return every replica's report (metric states, weights)."""
-        window: deque[tuple[int, Future | list[Future]]] = deque()
-        previous: Future | list[Future] | None = None
+        window: deque[tuple[int, Future]] = deque()
+        previous: Future | None = None
         for step in range(self.ctx.steps_per_epoch):
             previous = self.submit_step(epoch, step, previous)
             window.append((step, previous))
@@ -189,8 +178,7 @@ class SyncEngine:
         self, item: tuple[int, Future], epoch: int, on_step: Callable[[int], None] | None
     ) -> None:
         step, future = item
-        futures = future if isinstance(future, list) else [future]
-        wait_for(self.ctx, futures, f"step {step + 1} of epoch {epoch + 1}")
+        wait_for(self.ctx, [future], f"step {step + 1} of epoch {epoch + 1}")
         if on_step is not None:
             on_step(step)
 
