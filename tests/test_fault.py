@@ -1,0 +1,64 @@
+"""Fault tolerance with real worker processes: SIGKILL mid-run, growth, checkpoints.
+
+Each test that kills or adds workers starts its own loopback cluster (the shared one
+must stay whole) and is bounded in time; the cluster is closed whatever happens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+
+import dask
+import numpy as np
+import pytest
+from distributed import Client
+
+import dasktf
+from dasktf.testing import KillWorkerAt
+
+ACCURACY = 0.85  # the digits target every training test in the suite uses
+
+
+@contextlib.contextmanager
+def own_cluster(n):
+    with dasktf.make_local_cluster(n, tf_threads=1) as cluster, Client(cluster) as client:
+        client.wait_for_workers(n, timeout=120)
+        yield cluster, client
+
+
+def _options(**kw):
+    options = dict(epochs=4, batch_size=64, optimizer="adam", learning_rate=0.01,
+                   metrics=["accuracy"], seed=3, verbose=0)
+    options.update(kw)
+    return options
+
+
+def test_sync_run_survives_sigkill_of_one_of_three_workers(digits):
+    """Worker 2 of 3 is SIGKILLed halfway: the run finishes on 2, reaches the target,
+    and every survivor applied every global step exactly once."""
+    start = time.monotonic()
+    with own_cluster(3) as (cluster, client):
+        workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        steps = -(-len(digits.x_train) // 64)
+        killer = KillWorkerAt(client, workers[2], step=2 * steps + steps // 2)
+        history = dasktf.fit(
+            "mnist-mlp", digits.x_train, digits.y_train, client=client, n_workers=3,
+            validation_data=(digits.x_test, digits.y_test), callbacks=[killer],
+            **_options(),
+        )
+        assert killer.killed_at is not None
+        (recovery,) = history.recoveries
+        assert recovery["lost"] == [workers[2]] and recovery["steps_lost"] == 0
+        assert recovery["resume_s"] < 5
+        total = 4 * steps
+        assert sorted(history.applied_updates) == [0, 1]
+        for log in history.applied_updates.values():
+            assert log == list(range(total))  # each global step once, none skipped
+        assert history.history["val_accuracy"][-1] > ACCURACY
+        records = [r for e in client.get_events("dasktf-metrics") for r in e[1]["records"]]
+        lost = [r for r in records if r["kind"] == "worker_lost" and r["run"] == history.run_id]
+        assert lost and lost[0]["worker_address"] == workers[2]
+        assert lost[0]["detect_s"] is not None and lost[0]["detect_s"] < 5
+    assert time.monotonic() - start < 240
