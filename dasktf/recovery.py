@@ -145,13 +145,16 @@ class RunGuard:
         if self._since_checkpoint >= every:
             self.checkpoint(engine, epoch)
 
-    def checkpoint(self, engine: Any, epoch: int) -> Path | None:
+    def checkpoint(self, engine: Any, epoch: int, epoch_end: bool = False) -> Path | None:
         if self.options.checkpoint_dir is None:
             return None
         state = engine.state()
         base = engine.update_base
         step = state["applied"] + 1 - base
-        next_epoch, next_step = (epoch, step) if step < self.run.ctx.steps_per_epoch else (epoch + 1, 0)
+        if epoch_end or step >= self.run.ctx.steps_per_epoch:
+            next_epoch, next_step = epoch + 1, 0
+        else:
+            next_epoch, next_step = epoch, step
         meta = {
             "next_epoch": next_epoch, "next_step": next_step,
             "epoch_base": base if next_step else state["applied"] + 1,
@@ -167,12 +170,17 @@ class RunGuard:
 
     def end_epoch(self, engine: Any, epoch: int) -> None:
         if self.options.checkpoint_dir is not None and hasattr(engine, "state"):
-            self.checkpoint(engine, epoch)
+            self.checkpoint(engine, epoch, epoch_end=True)
         if epoch + 1 < self.epochs and isinstance(engine, ElasticSyncEngine):
             self.maybe_reform(engine)
 
-    def finish(self, model: Any) -> None:
+    def finish(self, model: Any, engine: Any) -> None:
         if self.options.checkpoint_dir is not None:
+            if hasattr(engine, "state"):  # the replicas' optimizer state goes along
+                state = engine.state()
+                model.optimizer.build(model.trainable_variables)
+                for v, value in zip(model.optimizer.variables, state["optimizer"]):
+                    v.assign(value)
             path = Path(self.options.checkpoint_dir) / ckpt.FINAL_MODEL
             model.save(path)
 

@@ -621,7 +621,7 @@ class _Run:
             history.recoveries = list(getattr(engine, "losses", []))
             if hasattr(engine, "applied_logs"):
                 history.applied_updates = engine.applied_logs()
-            guard.finish(self.model)
+            guard.finish(self.model, engine)
         except BaseException as exc:
             self._publish(run_end_record(self.run_id, exc))
             raise
