@@ -309,3 +309,107 @@ class ElasticSyncEngine(SyncEngine):
                                    pure=False)
         wait_for(self.ctx, [f], "reading the training state")
         return f.result()  # type: ignore[no-any-return]
+
+
+# -- async runs ---------------------------------------------------------------------------
+def adopt_async_task(
+    run_id: str, config: Any, index: int, identity: int, shard: Shard,
+    column: np.ndarray, weights: list[np.ndarray], shuffle: bool,
+) -> int:
+    """Build a replica of shard ``index`` on this worker for a lost one; it speaks to
+    the parameter holder as ``identity`` (the holder refuses the lost one's)."""
+    from distributed import get_worker
+
+    from dasktf.replica import _REPLICAS, Replica
+
+    replica = Replica(config, index, shard, column, weights, None, shuffle)
+    replica.run_id = run_id
+    replica.identity = identity
+    _REPLICAS[(run_id, f"{get_worker().address}#{identity}")] = replica
+    return len(shard)
+
+
+def recover_async(engine: Any, lost: list[str]) -> None:
+    """Go on without the workers in ``lost`` (see :class:`~dasktf.asynchronous.AsyncEngine`).
+
+    Their tasks in flight are cancelled; the holder drops their admissions and
+    refuses anything they still send, so no gradient of theirs is applied after this
+    and nobody waits for one; the updates of theirs it had applied are accounted;
+    each lost shard is reloaded on a survivor, whose new replica carries on where the
+    lost one was (its unfinished batches first).
+    """
+    from dasktf.asynchronous import PushOutcome, StepResult, _WorkerCursor
+
+    detected = time.time()
+    client, ctx = engine.ctx.client, engine.ctx
+    timeout = config.get_seconds("step-timeout")
+    removals = {c.worker: c for c in ctx.watcher.removed(lost)} if ctx.watcher else {}
+    survivors = sorted({a for a in engine.addresses.values() if a not in lost})
+    checkpoint = engine.last_checkpoint() if hasattr(engine, "last_checkpoint") else None
+    if engine.holder_worker in lost or not survivors:
+        what = ("the parameter holder's worker" if survivors else "every worker of the run")
+        raise (WorkerLostError if survivors else AllWorkersLostError)(
+            f"{what} was lost ({', '.join(lost)}); the master weights went with it. "
+            + (f"Resume from the last checkpoint, {checkpoint}, with resume=True."
+               if checkpoint else "Pass checkpoint_dir= to keep checkpoints to resume from."),
+            lost,
+        )
+    moved = []
+    for i in [i for i, a in engine.addresses.items() if a in lost and engine.cursors[i].active]:
+        # every task of i not yet gathered, finished or not: its result may be lost
+        mine = [engine._items.pop(k) for k in [k for k, v in engine._items.items() if v[0] == i]]
+        futures = [v[3] for v in mine]
+        items = [(v[1], v[2]) for v in mine]
+        client.cancel(futures, force=True)
+        for f in futures:
+            engine._outstanding.discard(f)
+            engine._dead.add(f.key)
+        new = len(engine.cursors)
+        applied = engine.holder.release_worker(i, new, items).result(timeout=timeout)
+        done = {(r.shard_pass, r.step) for r in applied}
+        old = engine.cursors[i]
+        old.active = False
+        cursor = _WorkerCursor(old.steps, old.shard_pass, old.position, 0,
+                               old.completed_passes, old.done_in_pass,
+                               [it for it in old.retry + items if it not in done])
+        engine.cursors.append(cursor)
+        engine.dropped[new] = 0
+        index = engine.shard_index.get(i, i)
+        engine.shard_index[new] = index
+        load = {a: sum(1 for j, b in engine.addresses.items()
+                       if b == a and engine.cursors[j].active) for a in survivors}
+        adopter = min(survivors, key=lambda a: load[a])
+        shard, _ = engine.reload(index, adopter)
+        built = client.submit(adopt_async_task, ctx.run_id, engine.replica_config, index, new,
+                              shard, engine.schedule[:, index], engine.initial_weights,
+                              engine.shuffle, workers=[adopter], allow_other_workers=False,
+                              pure=False)
+        ctx.workers = survivors
+        wait_for(ctx, [built], f"rebuilding replica {index} on {adopter}")
+        engine.addresses[new] = adopter
+        engine.slots[new] = new
+        for r in applied:  # applied before the loss, never reported: count them now
+            engine._account(StepResult(new, r.shard_pass, r.step, PushOutcome("applied", [r])),
+                            engine._epoch, None)
+        engine._submit(new)
+        moved.append((index, adopter))
+    resumed = time.time()
+    since = min((c.seen_time for c in removals.values()), default=detected)
+    for w in lost:
+        change = removals.get(w)
+        engine.publish({
+            "run": ctx.run_id, "kind": "worker_lost", "worker_address": w,
+            "detect_s": (change.seen_time - change.scheduler_time) if change else None,
+            "removed_at": change.scheduler_time if change else None,
+            "detected_at": change.seen_time if change else detected, "wall_time": time.time(),
+        })
+    recovered = {"run": ctx.run_id, "kind": "recovered", "workers": survivors,
+                 "lost": list(lost), "moved": [[i, a] for i, a in moved],
+                 "steps_lost": 0, "resume_s": resumed - since, "wall_time": time.time()}
+    engine.publish(recovered)
+    engine.losses.append(recovered)
+    engine.announce(
+        f"worker lost: {', '.join(lost)}; async run goes on with {len(survivors)} "
+        f"worker(s) in {resumed - since:.2f}s, shard(s) "
+        f"{', '.join(f'{i}->{a}' for i, a in moved)} (in-flight gradients dropped)"
+    )

@@ -84,6 +84,14 @@ class RunGuard:
         engine.policy = self.options.on_worker_loss
         return engine
 
+    def attach_async(self, engine: Any) -> Any:
+        """Give an async engine what it needs to go on after losing a worker."""
+        engine.policy = self.options.on_worker_loss
+        engine.publish, engine.announce = self.run._publish, self._announce
+        engine.reload, engine.shuffle = self._reload, self.run.shuffle
+        engine.last_checkpoint = self._on_all_lost
+        return engine
+
     def _announce(self, line: str) -> None:
         self.lines.append(line)
         if self.run.verbose:

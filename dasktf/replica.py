@@ -222,6 +222,9 @@ class Replica:
         self.slow_factor = 1.0
         #: The parameter holder's version these weights were read at (async modes).
         self.holder_version = -1
+        #: Who this replica is to the parameter holder (async): its index, or a new
+        #: one when it took over a lost worker's shard.
+        self.identity = index
         #: The last global update applied, and every update applied in order: a sum is
         #: applied at most once even when recovery hands it over again.
         self.applied = -1
@@ -458,8 +461,12 @@ def _key(run_id: str) -> tuple[str, str]:
     return run_id, get_worker().address
 
 
-def get_replica(run_id: str) -> Replica:
+def get_replica(run_id: str, slot: int | None = None) -> Replica:
+    """This worker's replica of ``run_id`` (``slot``: one adopted from a lost worker)."""
     try:
+        if slot is not None:
+            run, address = _key(run_id)
+            return _REPLICAS[(run, f"{address}#{slot}")]
         return _REPLICAS[_key(run_id)]
     except KeyError:
         from dasktf.exceptions import ReplicaError

@@ -648,10 +648,10 @@ class _Run:
         args = (self.ctx, self.workers[holder], cfg, weights, self.placed.shards[holder],
                 val, self.placed.schedule)
         if t.mode == "async":
-            return AsyncEngine(
+            return self.guard.attach_async(AsyncEngine(
                 *args, max_staleness=t.max_staleness, staleness_lr=t.staleness_lr,
                 epochs=epochs,
-            )
+            ))
         return QuorumEngine(*args, quorum=t.sync_quorum, epochs=epochs)
 
     def _epoch_logs(self, reports: list[Any], seconds: float) -> dict[str, float]:

@@ -62,3 +62,34 @@ def test_sync_run_survives_sigkill_of_one_of_three_workers(digits):
         assert lost and lost[0]["worker_address"] == workers[2]
         assert lost[0]["detect_s"] is not None and lost[0]["detect_s"] < 5
     assert time.monotonic() - start < 240
+
+
+def test_async_run_survives_sigkill_of_one_of_three_workers(digits):
+    """Async: worker 2 of 3 (not the holder's) is SIGKILLed halfway; its in-flight
+    gradient is dropped, its shard goes to a survivor, the run finishes."""
+    start = time.monotonic()
+    epochs = 3
+    with own_cluster(3) as (cluster, client):
+        workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        steps = -(-len(digits.x_train) // 64)
+        killer = KillWorkerAt(client, workers[2], step=3 * steps * epochs // 2)
+        history = dasktf.fit(
+            "mnist-mlp", digits.x_train, digits.y_train, client=client, n_workers=3,
+            mode="async", validation_data=(digits.x_test, digits.y_test),
+            callbacks=[killer], **_options(epochs=epochs, learning_rate=0.005),
+        )
+        assert killer.killed_at is not None
+        (recovery,) = history.recoveries
+        assert recovery["lost"] == [workers[2]] and recovery["moved"][0][0] == 2
+        updates = history.updates
+        # every applied update once, numbered without a gap
+        assert list(updates["update"]) == list(range(1, len(updates) + 1))
+        # every batch of every shard's passes applied exactly once (the successor,
+        # identity 3, carried on shard 2)
+        shard = updates["worker"].replace({3: 2})
+        owed = updates[updates["shard_pass"] < epochs].assign(shard=shard)
+        assert not owed.duplicated(["shard", "shard_pass", "step"]).any()
+        assert (owed.groupby("shard").size() == steps * epochs).all()
+        assert (updates["worker"] == 3).sum() > 0  # the successor did work
+        assert history.history["val_accuracy"][-1] > ACCURACY
+    assert time.monotonic() - start < 240
