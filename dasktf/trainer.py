@@ -619,6 +619,7 @@ class _Run:
                 history.dropped = dict(engine.dropped)
                 history.gradient_tasks = dict(engine.tasks, discarded=engine.discarded)
             history.recoveries = list(getattr(engine, "losses", []))
+            history.workers = list(self.ctx.workers)  # after any loss or growth
             if hasattr(engine, "applied_logs"):
                 history.applied_updates = engine.applied_logs()
             guard.finish(self.model, engine)

@@ -11,6 +11,7 @@ import os
 import time
 
 import dask
+import keras
 import numpy as np
 import pytest
 from distributed import Client
@@ -91,5 +92,45 @@ def test_async_run_survives_sigkill_of_one_of_three_workers(digits):
         assert not owed.duplicated(["shard", "shard_pass", "step"]).any()
         assert (owed.groupby("shard").size() == steps * epochs).all()
         assert (updates["worker"] == 3).sum() > 0  # the successor did work
+        assert history.history["val_accuracy"][-1] > ACCURACY
+    assert time.monotonic() - start < 240
+
+
+class _ScaleUpAfterFirstEpoch(keras.callbacks.Callback):
+    def __init__(self, cluster, client, n):
+        super().__init__()
+        self.cluster, self.client, self.n = cluster, client, n
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == 0:
+            self.cluster.scale(self.n)
+            self.client.wait_for_workers(self.n, timeout=120)
+
+
+def test_sync_run_grows_from_two_to_three_workers_with_scaled_lr(digits):
+    """A worker that joins mid-run gets a replica and a share of the data at the next
+    epoch boundary; with scale_lr the global batch and learning rate follow."""
+    start = time.monotonic()
+    with own_cluster(2) as (cluster, client):
+        before = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        history = dasktf.fit(
+            "mnist-mlp", digits.x_train, digits.y_train, client=client,
+            validation_data=(digits.x_test, digits.y_test), scale_lr=True,
+            callbacks=[_ScaleUpAfterFirstEpoch(cluster, client, 3)], **_options(epochs=3),
+        )
+        joined = [w for w in history.workers if w not in before]
+        assert len(history.workers) == 3 and len(joined) == 1
+        logs = history.applied_updates
+        assert sorted(logs) == [0, 1, 2]
+        total = len(logs[0])
+        steps = -(-len(digits.x_train) // 64) + 2 * -(-len(digits.x_train) // 96)
+        assert total == steps and all(log == list(range(total)) for log in logs.values())
+        records = [r for e in client.get_events("dasktf-metrics") for r in e[1]["records"]
+                   if r.get("run") == history.run_id]
+        (scaled,) = [r for r in records if r["kind"] == "lr_scaled"]
+        assert scaled["batch_size"] == 96 and scaled["learning_rate"] == pytest.approx(0.015)
+        # the new worker computed gradients after it joined
+        steps_of_new = [r for r in records if r["kind"] == "step" and r["worker"] == 2]
+        assert steps_of_new and all(r["epoch"] >= 1 for r in steps_of_new)
         assert history.history["val_accuracy"][-1] > ACCURACY
     assert time.monotonic() - start < 240
