@@ -92,6 +92,26 @@ class RunGuard:
         engine.last_checkpoint = self._on_all_lost
         return engine
 
+    def scheduler_lost(self, exc: BaseException) -> Exception | None:
+        """A :class:`SchedulerUnreachableError` naming the last checkpoint when ``exc``
+        means the client lost its scheduler; else ``None``."""
+        from dasktf.exceptions import DasktfError, SchedulerUnreachableError
+
+        client = self.run.client
+        if isinstance(exc, DasktfError) and not isinstance(exc, SchedulerUnreachableError):
+            return None
+        if client.status == "running" and not isinstance(exc, (OSError, ConnectionError)):
+            return None
+        where = getattr(getattr(client, "scheduler", None), "address", "the scheduler")
+        path = self.last_checkpoint
+        return SchedulerUnreachableError(
+            f"Lost the scheduler {where} during the run ({type(exc).__name__}: {exc}). "
+            + (f"The last checkpoint is {path}: restart the scheduler and workers, then "
+               "resume with resume=True (dasktf fit --resume)."
+               if path else "No checkpoint was written; pass checkpoint_dir= "
+               "(--checkpoint-dir) to be able to resume.")
+        )
+
     def _announce(self, line: str) -> None:
         self.lines.append(line)
         if self.run.verbose:
@@ -119,8 +139,18 @@ class RunGuard:
     # -- resume -------------------------------------------------------------------
     def begin(self, engine: Any) -> tuple[int, int]:
         """Load the newest valid checkpoint into the replicas; (epoch, step) to start at."""
+        if self.options.checkpoint_every is not None and not hasattr(engine, "state"):
+            raise ValueError(
+                "checkpoint_every checkpoints sync steps (mode='sync' without "
+                "sync_quorum); an async run's checkpoint_dir receives the final model.keras."
+            )
         if not self.options.resume:
             return 0, 0
+        if not hasattr(engine, "update_base"):
+            raise ValueError(
+                "resume=True continues sync runs (mode='sync' without sync_quorum); an "
+                "async run's checkpoint_dir only receives the final model.keras."
+            )
         found = ckpt.load_latest(self.options.checkpoint_dir)  # type: ignore[arg-type]
         if found is None:
             self._announce(f"no checkpoint in {self.options.checkpoint_dir}; starting afresh")

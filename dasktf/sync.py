@@ -69,6 +69,8 @@ def wait_for(ctx: RunContext, futures: list[Future], what: str) -> None:
             pass
         errored = [f for f in pending if f.status == "error"]
         if errored:
+            if type(errored[0].exception()).__name__ == "KilledWorker":
+                _await_removal(ctx, poll * 4)  # the scheduler's notice is on its way
             check_alive(ctx, what)  # a task lost with its worker: say so, by name
             raise_task_error(errored[0], what)
         pending = [f for f in pending if f.status != "finished"]
@@ -82,6 +84,14 @@ def wait_for(ctx: RunContext, futures: list[Future], what: str) -> None:
                 "were alive but did not answer. Check their logs for a stuck task, "
                 "or raise the timeout with DASK_DASKTF__STEP_TIMEOUT."
             )
+
+
+def _await_removal(ctx: RunContext, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while ctx.watcher is not None and time.monotonic() < deadline:
+        if ctx.watcher.removed(ctx.workers):
+            return
+        time.sleep(0.02)
 
 
 def check_alive(ctx: RunContext, what: str) -> None:

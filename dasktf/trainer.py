@@ -625,6 +625,9 @@ class _Run:
             guard.finish(self.model, engine)
         except BaseException as exc:
             self._publish(run_end_record(self.run_id, exc))
+            lost = guard.scheduler_lost(exc)
+            if lost is not None:
+                raise lost from exc
             raise
         finally:
             self.client.unsubscribe_topic(TOPIC)

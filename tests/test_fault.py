@@ -7,12 +7,9 @@ must stay whole) and is bounded in time; the cluster is closed whatever happens.
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 
-import dask
 import keras
-import numpy as np
 import pytest
 from distributed import Client
 
@@ -134,3 +131,27 @@ def test_sync_run_grows_from_two_to_three_workers_with_scaled_lr(digits):
         assert steps_of_new and all(r["epoch"] >= 1 for r in steps_of_new)
         assert history.history["val_accuracy"][-1] > ACCURACY
     assert time.monotonic() - start < 240
+
+
+def test_losing_the_last_worker_names_the_last_checkpoint(digits, tmp_path):
+    with own_cluster(1) as (cluster, client):
+        (worker,) = client.scheduler_info(n_workers=-1)["workers"]
+        steps = -(-len(digits.x_train) // 64)
+        with pytest.raises(dasktf.AllWorkersLostError, match="ckpt-") as info:
+            dasktf.fit("mnist-mlp", digits.x_train, digits.y_train, client=client,
+                       checkpoint_dir=str(tmp_path), checkpoint_every=5,
+                       callbacks=[KillWorkerAt(client, worker, step=steps + 3)],
+                       **_options(epochs=3))
+        assert worker in str(info.value) and str(tmp_path) in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [({"on_worker_loss": "ignore"}, "on_worker_loss must be one of"),
+     ({"checkpoint_every": 5}, "checkpoint_every needs checkpoint_dir"),
+     ({"resume": True}, "resume=True needs checkpoint_dir"),
+     ({"checkpoint_every": 0, "checkpoint_dir": "x"}, "positive number of steps")],
+)
+def test_bad_fault_options_fail_before_training(client, small_digits, kw, message):
+    with pytest.raises(ValueError, match=message):
+        dasktf.fit("mnist-mlp", *small_digits, client=client, verbose=0, **kw)
