@@ -590,7 +590,7 @@ class AsyncEngine:
         self.holder_worker = holder_worker
         self.ahead = max(1, int(config.get("async.submit-ahead")))
         # what rebuilding a lost worker's replica takes (dasktf.elastic.recover_async)
-        self.replica_config, self.initial_weights, self.schedule = replica_config, weights, schedule
+        self.replica_config, self.schedule = replica_config, schedule
         self.shard_index: dict[int, int] = {}
         self.shuffle = True
         self.reload: Callable[[int, str], tuple[Any, Any]] | None = None
@@ -734,10 +734,10 @@ class AsyncEngine:
             self.ctx.workers = workers
             check_alive(self.ctx, what)
             return False
-        if self.policy == "raise" or self.holder_worker in lost:
+        if self.policy == "raise":
             self.ctx.workers = workers
             check_alive(self.ctx, what)
-        recover_async(self, lost)
+        recover_async(self, lost)  # raises, naming the last checkpoint, if the holder went
         return True
 
     # -- the loop -----------------------------------------------------------------
