@@ -12,6 +12,7 @@ from dasktf.callbacks import History
 from dasktf.cluster import make_local_cluster
 from dasktf.datasets import Dataset, load_dataset
 from dasktf.exceptions import (
+    AllWorkersLostError,
     DasktfError,
     ReplicaError,
     SchedulerUnreachableError,
@@ -24,6 +25,7 @@ from dasktf.trainer import Trainer, fit
 __version__ = "0.1.0"
 
 __all__ = [
+    "AllWorkersLostError",
     "DasktfError",
     "Dataset",
     "History",

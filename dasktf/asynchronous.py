@@ -212,6 +212,11 @@ class ParameterHolder:
         self._queue: deque[int] = deque()  # tickets of the pulls waiting, in order
         self._tickets = 0
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="dasktf-holder")
+        #: Workers lost mid-run (see :meth:`release_worker`), the owner of each
+        #: admission token, and every applied update by (worker, pass, step).
+        self.gone: set[int] = set()
+        self._token_owner: dict[int, int] = {}
+        self._applied_items: dict[tuple[int, int, int], UpdateRecord] = {}
         self._cond: asyncio.Condition | None = None
         self._lock: asyncio.Lock | None = None
 
@@ -233,13 +238,16 @@ class ParameterHolder:
         weights), the weights ``None`` when the worker already has that version, or
         ``None`` once the run has stopped."""
         cond, _ = self._sync_objects()
+        if worker in self.gone:  # a lost worker's last push: no new admission
+            return None
         async with cond:
             self._tickets += 1
             ticket = self._tickets
             self._queue.append(ticket)
             try:
                 await asyncio.wait_for(
-                    cond.wait_for(lambda: self.stopped or self._may_start(worker, ticket)),
+                    cond.wait_for(lambda: self.stopped or worker in self.gone
+                                  or self._may_start(worker, ticket)),
                     self.timeout,
                 )
             except TimeoutError:
@@ -252,11 +260,12 @@ class ParameterHolder:
             finally:
                 self._queue.remove(ticket)
                 cond.notify_all()  # the next in line may be admissible too
-            if self.stopped:
+            if self.stopped or worker in self.gone:
                 return None
             version = self.version
             self._last_step[worker] = version
             token = self.gate.start(version) if self.quorum is None else 0
+            self._token_owner[token] = worker
         return token, version, None if have == version else self.flat
 
     async def push(
@@ -275,14 +284,39 @@ class ParameterHolder:
     ) -> PushOutcome:
         cond, lock = self._sync_objects()
         async with lock:  # one apply at a time, versions in apply order
-            if self.quorum is None:
+            if worker in self.gone:  # released: its gradient is dropped, never applied
+                outcome = PushOutcome("lost")
+            elif self.quorum is None:
                 outcome = await self._apply_now(worker, grad, version_read, shard_pass, step)
             else:
                 outcome = await self._apply_quorum(worker, grad, version_read, shard_pass, step)
         async with cond:
             self.gate.finish(token)
+            self._token_owner.pop(token, None)
             cond.notify_all()
         return outcome
+
+    async def release_worker(
+        self, worker: int, successor: int, items: list[tuple[int, int]]
+    ) -> list[UpdateRecord]:
+        """``worker`` was lost: drop its admission (nobody waits for its gradient),
+        refuse anything it still sends, hand what it owes to ``successor``; return
+        the records of those of its in-flight ``(pass, step)`` items that were
+        applied before it died (the client never heard of them)."""
+        cond, lock = self._sync_objects()
+        async with lock:  # after any apply in progress
+            self.gone.add(worker)
+            if worker in self.budget:
+                self.budget[successor] = self.budget.pop(worker)
+            applied = [self._applied_items[(worker, p, s)] for p, s in items
+                       if (worker, p, s) in self._applied_items]
+        async with cond:
+            for token, owner in list(self._token_owner.items()):
+                if owner == worker:
+                    self.gate.finish(token)
+                    del self._token_owner[token]
+            cond.notify_all()
+        return applied
 
     async def _apply_now(
         self, worker: int, grad: GradientSum, version_read: int, shard_pass: int, step: int
@@ -291,6 +325,7 @@ class ParameterHolder:
         scale = 1.0 / max(1, staleness) if self.staleness_lr == "inverse" else 1.0
         self._apply(grad, scale)
         record = self._record(worker, grad, version_read, shard_pass, step, scale)
+        self._applied_items[(worker, shard_pass, step)] = record
         self.version += 1
         if self.passes is None or shard_pass < self.passes:
             self._spend(worker)
@@ -404,20 +439,23 @@ def _replica_lock(replica: Replica) -> threading.Lock:
         return lock  # type: ignore[no-any-return]
 
 
-def async_step_task(run_id: str, holder: Actor, shard_pass: int, step: int) -> StepResult:
-    """One update of one worker: pull the newest weights, compute, push."""
+def async_step_task(
+    run_id: str, holder: Actor, shard_pass: int, step: int, slot: int | None = None
+) -> StepResult:
+    """One update of one worker: pull the newest weights, compute, push. ``slot``:
+    a replica adopted from a lost worker (:func:`dasktf.elastic.adopt_async_task`)."""
     begin = time.perf_counter()
-    replica = get_replica(run_id)
+    replica = get_replica(run_id, slot)
     timeout = config.get_seconds("step-timeout")
     with _replica_lock(replica):
         # The previous push admitted this gradient and brought the weights back;
         # a worker's first task asks for them.
         pulled = replica.__dict__.pop("_next_pull", _FIRST)
         if pulled is _FIRST:
-            pulled = holder.pull(replica.index, replica.holder_version).result(timeout=timeout)
+            pulled = holder.pull(replica.identity, replica.holder_version).result(timeout=timeout)
         if pulled is None:  # the run has stopped: stay stopped
             replica.__dict__["_next_pull"] = None
-            return StepResult(replica.index, shard_pass, step, None)
+            return StepResult(replica.identity, shard_pass, step, None)
         token, version, flat = pulled
         if flat is not None:
             replica.set_flat_weights(flat)
@@ -429,7 +467,7 @@ def async_step_task(run_id: str, holder: Actor, shard_pass: int, step: int) -> S
         states = replica.take_metric_states()
         pushed = time.perf_counter()
         outcome, replica.__dict__["_next_pull"] = holder.push(
-            token, replica.index, grad, version, shard_pass, step
+            token, replica.identity, grad, version, shard_pass, step
         ).result(timeout=timeout)
     end = time.perf_counter()
     # Where an update's time goes: between tasks (the worker's own task hand-over),
@@ -442,7 +480,7 @@ def async_step_task(run_id: str, holder: Actor, shard_pass: int, step: int) -> S
     }
     replica.__dict__["_task_end"] = end
     _emit(replica, outcome, shard_pass, step, grad, timings)
-    return StepResult(replica.index, shard_pass, step, outcome, states)
+    return StepResult(replica.identity, shard_pass, step, outcome, states)
 
 
 def flush_events(run_id: str, dask_worker: Any = None) -> None:
@@ -489,8 +527,14 @@ class _WorkerCursor:
     queued: int = 0
     completed_passes: int = 0
     done_in_pass: int = 0
+    #: Items a lost worker had in flight and never finished: computed again first.
+    retry: list[tuple[int, int]] = field(default_factory=list)
+    #: False once its worker is lost (a successor cursor carries on).
+    active: bool = True
 
     def take(self) -> tuple[int, int]:
+        if self.retry:
+            return self.retry.pop(0)
         item = (self.shard_pass, self.steps[self.position])
         self.position += 1
         if self.position == len(self.steps):
@@ -545,6 +589,11 @@ class AsyncEngine:
         self.ctx = ctx
         self.holder_worker = holder_worker
         self.ahead = max(1, int(config.get("async.submit-ahead")))
+        # what rebuilding a lost worker's replica takes (dasktf.elastic.recover_async)
+        self.replica_config, self.schedule = replica_config, schedule
+        self.shard_index: dict[int, int] = {}
+        self.shuffle = True
+        self.reload: Callable[[int, str], tuple[Any, Any]] | None = None
         self.cursors = [
             _WorkerCursor([s for s in range(schedule.shape[0]) if schedule[s, i] > 0])
             for i in range(len(ctx.workers))
@@ -557,6 +606,16 @@ class AsyncEngine:
         self._epoch_states: list[np.ndarray] | None = None
         self._ac = as_completed(loop=ctx.client.loop)
         self._outstanding: set[Future] = set()
+        #: Fault tolerance (:meth:`_recover`): each cursor's worker address and
+        #: replica slot, the item every outstanding task computes, lost futures.
+        self.addresses: dict[int, str] = dict(enumerate(ctx.workers))
+        self.slots: dict[int, int | None] = {}
+        self._items: dict[str, tuple[int, int, int, Future]] = {}
+        self._dead: set[str] = set()
+        self.losses: list[dict[str, Any]] = []
+        self.policy = "raise"  # the trainer's RunGuard.attach_async makes it "recover"
+        self.publish: Callable[[dict[str, Any]], None] = lambda record: None
+        self.announce: Callable[[str], None] = lambda line: logger.warning("%s", line)
         self._stopped = False
         self._epoch = 0
         self.discarded = 0
@@ -590,11 +649,13 @@ class AsyncEngine:
             shard_pass, step = cursor.take()
             future = self.ctx.client.submit(
                 async_step_task, self.ctx.run_id, self.holder, shard_pass, step,
+                self.slots.get(i),
                 key=f"dasktf-async-step-{self.ctx.run_id}-{i}-{shard_pass}-{step}",
                 # The replica and its shard live on this worker alone.
-                workers=[self.ctx.workers[i]], allow_other_workers=False,
+                workers=[self.addresses[i]], allow_other_workers=False,
                 pure=False, resources=self.ctx.resources,
             )
+            self._items[future.key] = (i, shard_pass, step, future)
             cursor.queued += 1
             self._outstanding.add(future)
             self._ac.add(future)
@@ -613,18 +674,71 @@ class AsyncEngine:
                 if not self._ac.has_ready():
                     self._ac.thread_condition.wait(timeout=poll)
             if not self._ac.has_ready():
-                check_alive(self.ctx, what)
+                if self._recover_lost(what):
+                    continue
                 if time.monotonic() > deadline:
                     raise StepTimeoutError(
                         f"No update of {what} finished within dasktf.step-timeout; "
                         f"workers {self.ctx.workers} were alive. Check their logs."
                     ) from None
-        done = self._ac.next_batch(block=False)
+        done = [f for f in self._ac.next_batch(block=False) if f.key not in self._dead]
+        # A finished task's result may have died with its worker: gathering it would
+        # wait forever. Recover first; the holder says which of them were applied.
+        if self._lost_now() or any(f.status != "finished" for f in done):
+            self._recover_lost(what)
+            done = [f for f in done if f.key not in self._dead]
         for f in done:
             self._outstanding.discard(f)
             if f.status == "error":
                 raise_task_error(f, what)
-        return self.ctx.client.gather(done)  # type: ignore[no-any-return]
+        return self._gather(done, what)
+
+    def _gather(self, done: list[Future], what: str) -> list[StepResult]:
+        """Gather finished tasks' results, never waiting on one that died with its
+        worker (the scheduler cannot recompute a task pinned to a lost worker)."""
+        client = self.ctx.client
+        poll = config.get_seconds("poll-interval")
+        deadline = time.monotonic() + config.get_seconds("step-timeout")
+        while True:
+            try:
+                results = client.sync(client._gather, done, callback_timeout=poll)
+            except TimeoutError:
+                if self._recover_lost(what):
+                    done = [f for f in done if f.key not in self._dead]
+                elif time.monotonic() > deadline:
+                    raise StepTimeoutError(
+                        f"Fetching the results of {what} took longer than "
+                        "dasktf.step-timeout; check the workers' logs."
+                    ) from None
+                continue
+            for f in done:
+                self._items.pop(f.key, None)
+            return results  # type: ignore[no-any-return]
+
+    def _lost_now(self) -> list[str]:
+        """Active workers the scheduler has reported removed (no round trip)."""
+        watcher = self.ctx.watcher
+        if watcher is None:
+            return []
+        active = [a for i, a in self.addresses.items() if self.cursors[i].active]
+        return sorted({c.worker for c in watcher.removed(active)})
+
+    def _recover_lost(self, what: str) -> bool:
+        """Recover from the loss of any worker of the run; ``False`` if none was
+        lost. Raises :class:`WorkerLostError` under ``on_worker_loss="raise"``."""
+        from dasktf.elastic import recover_async
+
+        workers = sorted({a for i, a in self.addresses.items() if self.cursors[i].active})
+        lost = self._lost_now()
+        if not lost:
+            self.ctx.workers = workers
+            check_alive(self.ctx, what)
+            return False
+        if self.policy == "raise":
+            self.ctx.workers = workers
+            check_alive(self.ctx, what)
+        recover_async(self, lost)  # raises, naming the last checkpoint, if the holder went
+        return True
 
     # -- the loop -----------------------------------------------------------------
     def run_epoch(
@@ -645,7 +759,7 @@ class AsyncEngine:
         return [self._end_epoch(epoch)]
 
     def _epoch_done(self, epoch: int) -> bool:
-        return min(c.completed_passes for c in self.cursors) > epoch
+        return min(c.completed_passes for c in self.cursors if c.active) > epoch
 
     def _account(
         self, result: StepResult, epoch: int, on_step: Callable[[int], None] | None
@@ -729,7 +843,8 @@ class AsyncEngine:
             )
         self.discarded = int(counters["discarded"])
         self.final_weights = self.holder.weights().result(timeout=timeout)
-        self.ctx.client.run(flush_events, self.ctx.run_id, workers=self.ctx.workers)
+        self.ctx.client.run(flush_events, self.ctx.run_id, workers=sorted(
+            {a for i, a in self.addresses.items() if self.cursors[i].active}))
 
     def close(self) -> None:
         try:

@@ -112,6 +112,20 @@ def main() -> None:
 @click.option("--report", type=click.Path(dir_okay=False), default=None,
               help="After training, write the dashboard's plots to this standalone "
               "HTML file.")
+@click.option("--checkpoint-dir", type=click.Path(file_okay=False), default=None,
+              help="Write checkpoints (and the final model.keras) here: at every epoch "
+              "end and every --checkpoint-every steps.")
+@click.option("--checkpoint-every", type=click.IntRange(min=1), default=None,
+              metavar="N_STEPS", help="sync: also checkpoint every N_STEPS steps.")
+@click.option("--resume", is_flag=True,
+              help="Continue from the newest valid checkpoint in --checkpoint-dir up to "
+              "--epochs in all.")
+@click.option("--on-worker-loss", type=click.Choice(["recover", "raise"]),
+              default="recover", show_default=True,
+              help="recover: go on with the surviving workers; raise: stop with an error.")
+@click.option("--scale-lr", is_flag=True,
+              help="When the worker count changes, rescale the global batch and the "
+              "learning rate linearly, with a short warm-up.")
 def fit(**opts: Any) -> None:
     """Train a model data-parallel and report test accuracy.
 
@@ -138,6 +152,8 @@ def _fit(
     dashboard_port: int | None = None, dashboard_address: str | None = None,
     report: str | None = None,
     engine: str = "auto",
+    checkpoint_dir: str | None = None, checkpoint_every: int | None = None,
+    resume: bool = False, on_worker_loss: str = "recover", scale_lr: bool = False,
 ) -> None:
     import dasktf
     from dasktf.asynchronous import validate_mode_options
@@ -193,6 +209,11 @@ def _fit(
             batch_size=batch_size,
             validation_data=None if no_validation else (dataset.x_test, dataset.y_test),
             verbose=2 if quiet else 1,
+            checkpoint_dir=checkpoint_dir,
+            checkpoint_every=checkpoint_every,
+            resume=resume,
+            on_worker_loss=on_worker_loss,
+            scale_lr=scale_lr,
         )
         click.echo(f"workers: {', '.join(history.workers)}")
         if history.updates is not None:

@@ -54,6 +54,20 @@ _CHILDREN: dict[str, ChildProcess] = {}
 
 
 # -- choosing an engine --------------------------------------------------------
+def validate_fault_options(engine: str, options: Any) -> None:
+    """``engine="collective"`` has no checkpoints, resume or ``scale_lr`` (yet): say
+    so before anything starts, instead of silently ignoring them."""
+    asked = [name for name in ("checkpoint_dir", "resume", "scale_lr")
+             if getattr(options, name)]
+    if engine == "collective" and asked:
+        raise ValueError(
+            f"engine='collective' does not support {', '.join(asked)}: a lost worker "
+            "ends a collective run with WorkerLostError. Use engine='graph' (it "
+            "recovers from lost workers and writes checkpoints), or save from the "
+            "on_epoch_end hook."
+        )
+
+
 def validate_engine(engine: str, mode: str, sync_quorum: int | None,
                     slow_workers: dict[int, float] | None) -> None:
     """Reject engine options that cannot work together (at the public boundary)."""
@@ -69,7 +83,8 @@ def validate_engine(engine: str, mode: str, sync_quorum: int | None,
 
 def choose_engine(engine: str, mode: str, sync_quorum: int | None,
                   slow_workers: dict[int, float] | None, n_params: int,
-                  n_workers: int, total_steps: int, gpu: bool) -> str:
+                  n_workers: int, total_steps: int, gpu: bool,
+                  fault_options: bool = False) -> str:
     """Resolve ``engine="auto"``: ``"collective"`` or ``"graph"``.
 
     Measured here (2 cores, benchmarks/peers.py): the graph engine costs ~7 ms of
@@ -78,12 +93,13 @@ def choose_engine(engine: str, mode: str, sync_quorum: int | None,
     the collective engine for plain sync runs on 2+ CPU workers of a small model
     (under ``dasktf.collective.auto-max-params`` parameters, where the hop is a
     large share of the step) with enough steps (``auto-min-steps``) to pay back
-    its start-up; otherwise the graph engine.
+    its start-up, unless checkpoints, resume or ``scale_lr`` were asked for
+    (``fault_options``: only the graph engine has them); otherwise the graph engine.
     """
     if engine != "auto":
         return engine
     plain_sync = mode == "sync" and sync_quorum is None and not slow_workers
-    if (plain_sync and not gpu and n_workers >= 2
+    if (plain_sync and not gpu and not fault_options and n_workers >= 2
             and n_params < int(config.get("collective.auto-max-params"))
             and total_steps >= int(config.get("collective.auto-min-steps"))):
         return "collective"
@@ -427,18 +443,20 @@ class CollectiveEngine:
                          self.ctx.run_id, exc_info=True)
 
 
-def make_engine(run: Any, epochs: int) -> Any:
-    """The sync engine of a trainer's ``_Run``: collective or graph (see
-    :func:`choose_engine`)."""
-    from dasktf.sync import SyncEngine
-
+def make_engine(run: Any, epochs: int, graph: Callable[[], Any]) -> Any:
+    """The sync engine of a trainer's ``_Run``: collective or ``graph()`` (the
+    fault-tolerant task-graph engine; see :func:`choose_engine`)."""
     t = run.trainer
     n_params = sum(int(np.prod(w.shape)) for w in run.model.trainable_weights)
+    # Checkpoints, resume and learning-rate rescaling live in the graph engine's
+    # recovery (dasktf.recovery): asking for them rules the collective engine out.
+    options = run.options
+    fault_options = bool(options.checkpoint_dir or options.resume or options.scale_lr)
     name = choose_engine(t.engine, t.mode, t.sync_quorum, t.slow_workers, n_params,
                          len(run.workers), epochs * run.ctx.steps_per_epoch,
-                         bool(run.ctx.resources))
+                         bool(run.ctx.resources), fault_options)
     if name == "graph":
-        return SyncEngine(run.ctx)
+        return graph()
     cfg, weights, val = run._engine_inputs
     return CollectiveEngine(run.ctx, cfg, run.placed.shards, run.placed.schedule,
                             weights, val, run.shuffle, on_epoch_end=t.on_epoch_end)

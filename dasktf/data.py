@@ -272,7 +272,7 @@ class DaskArraySource(_WorkerSideSource):
         y_parts = client.compute(list(self.y.to_delayed().ravel()))
         holders = client.who_has(x_parts)
         sizes = list(self.x.chunks[0])
-        assignment = assign_chunks(
+        self.assignment = assignment = assign_chunks(
             sizes, [holders.get(f.key, ()) for f in x_parts], workers
         )
         return [

@@ -23,6 +23,11 @@ class WorkerLostError(DasktfError):
         self.workers = list(workers or [])
 
 
+class AllWorkersLostError(WorkerLostError):
+    """The last worker of a run was lost; raised after a checkpoint was saved (if a
+    ``checkpoint_dir`` was given) whose path the message names."""
+
+
 class ReplicaError(DasktfError):
     """Building a replica, or a step on one, failed on its worker."""
 

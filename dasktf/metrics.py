@@ -242,6 +242,8 @@ class RunHistory:
         elif kind == "run_end":
             self.status = str(r.get("status", "finished"))
             self.error = r.get("error")
+        elif kind == "worker_lost" and r.get("worker_address"):  # dasktf.elastic
+            self.lost.add(str(r["worker_address"]))
 
     def _add_step(self, r: dict[str, Any], now: float) -> None:
         worker = int(r.get("worker", 0))

@@ -15,6 +15,7 @@ they find the replica in a per-process registry keyed by run and worker.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +29,8 @@ from dasktf.models import ModelSpec
 logger = logging.getLogger(__name__)
 
 _REPLICAS: dict[tuple[str, str], Replica] = {}
+#: A whole-process slow-down set by :func:`dasktf.testing.delay_worker`.
+WORKER_DELAY: dict[str, float] = {"factor": 1.0}
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,9 @@ class GradientSum:
     count: int
     loss_sum: float
     compute_seconds: float = 0.0
+    #: The global update this sum makes when applied (-1: untracked). A replica
+    #: applies each update once, whoever hands it over (see :meth:`Replica.apply`).
+    update: int = -1
 
     @property
     def loss(self) -> float:
@@ -78,6 +84,7 @@ def sum_gradients(*parts: GradientSum) -> GradientSum:
         sum(p.count for p in parts),
         sum(p.loss_sum for p in parts),
         max(p.compute_seconds for p in parts),
+        max(p.update for p in parts),
     )
 
 
@@ -215,6 +222,21 @@ class Replica:
         self.slow_factor = 1.0
         #: The parameter holder's version these weights were read at (async modes).
         self.holder_version = -1
+        #: Who this replica is to the parameter holder (async): its index, or a new
+        #: one when it took over a lost worker's shard.
+        self.identity = index
+        #: The last global update applied, and every update applied in order: a sum is
+        #: applied at most once even when recovery hands it over again.
+        self.applied = -1
+        self.applied_log: list[int] = []
+        self._apply_lock = threading.Lock()
+        self.fenced = False
+        #: ``(first update, steps, from lr, to lr)`` while a warm-up is under way
+        self.lr_ramp: tuple[int, int, float, float] | None = None
+        #: Shards adopted from lost workers: ``(index, shard, schedule column)``; their
+        #: rows join this replica's batches (see :mod:`dasktf.elastic`).
+        self.adopted: list[tuple[int, Shard, np.ndarray]] = []
+        self._orders: dict[tuple[int, int], np.ndarray] = {}
 
     # -- compiled bodies ------------------------------------------------------
     def _gradient(self, x: Any, y: Any) -> tuple[Any, Any]:
@@ -252,10 +274,31 @@ class Replica:
 
     # -- what the tasks call --------------------------------------------------
     def apply(self, summed: GradientSum | None) -> None:
-        if summed is not None and summed.count:
-            assert summed.total is not None
-            with _on(self.device):
-                self._apply_fn(summed.total, np.float32(summed.count))
+        if summed is None:
+            return
+        with self._apply_lock:
+            if self.fenced:  # a recovery is reconciling the replicas (dasktf.elastic)
+                return
+            if summed.update >= 0:
+                if summed.update <= self.applied:  # handed over again by a recovery
+                    return
+                self.applied = summed.update
+                self.applied_log.append(summed.update)
+            if self.lr_ramp is not None and summed.update >= 0:
+                self._ramp(summed.update)
+            if summed.count:
+                assert summed.total is not None
+                with _on(self.device):
+                    self._apply_fn(summed.total, np.float32(summed.count))
+
+    def _ramp(self, update: int) -> None:
+        """Linear learning-rate warm-up after a worker-count change (``scale_lr``)."""
+        assert self.lr_ramp is not None
+        start, steps, low, high = self.lr_ramp
+        frac = min(1.0, max(0.0, (update - start + 1) / steps))
+        self.model.optimizer.learning_rate = low + (high - low) * frac
+        if frac >= 1.0:
+            self.lr_ramp = None
 
     def batch(self, epoch: int, step: int) -> tuple[np.ndarray, np.ndarray]:
         if epoch != self._epoch:
@@ -264,7 +307,32 @@ class Replica:
                 rng = np.random.default_rng([self.seed, epoch, self.index])
                 self._order = rng.permutation(len(self.shard))
         rows = self._order[self.offsets[step] : self.offsets[step + 1]]
-        return self.shard.x[rows], self.shard.y[rows]
+        x, y = self.shard.x[rows], self.shard.y[rows]
+        if not self.adopted:
+            return x, y
+        xs, ys = [x], [y]
+        for index, shard, column in self.adopted:
+            ax, ay = self.adopted_batch(index, shard, column, epoch, step)
+            xs.append(ax)
+            ys.append(ay)
+        return np.concatenate(xs), np.concatenate(ys)
+
+    def adopted_batch(
+        self, index: int, shard: Shard, column: np.ndarray, epoch: int, step: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Rows of an adopted shard, in the order its lost owner would have read them
+        (same seed, same per-epoch permutation), so the global batch is unchanged."""
+        key = (index, epoch)
+        order = self._orders.get(key)
+        if order is None:
+            order = np.arange(len(shard))
+            if self.shuffle:
+                order = np.random.default_rng([self.seed, epoch, index]).permutation(len(shard))
+            self._orders = {k: v for k, v in self._orders.items() if k[1] == epoch}
+            self._orders[key] = order
+        offsets = np.concatenate([[0], np.cumsum(column)])
+        rows = order[offsets[step] : offsets[step + 1]]
+        return shard.x[rows], shard.y[rows]
 
     def gradient(self, epoch: int, step: int) -> GradientSum:
         x, y = self.batch(epoch, step)
@@ -393,8 +461,12 @@ def _key(run_id: str) -> tuple[str, str]:
     return run_id, get_worker().address
 
 
-def get_replica(run_id: str) -> Replica:
+def get_replica(run_id: str, slot: int | None = None) -> Replica:
+    """This worker's replica of ``run_id`` (``slot``: one adopted from a lost worker)."""
     try:
+        if slot is not None:
+            run, address = _key(run_id)
+            return _REPLICAS[(run, f"{address}#{slot}")]
         return _REPLICAS[_key(run_id)]
     except KeyError:
         from dasktf.exceptions import ReplicaError
@@ -443,15 +515,16 @@ def create_replica_task(
 
 
 def step_task(
-    run_id: str, epoch: int, step: int, previous: GradientSum | None
+    run_id: str, epoch: int, step: int, previous: GradientSum | None, update: int = -1
 ) -> GradientSum:
     """One fused sync step on one worker: apply the last summed gradient, then
-    compute the gradient of this step's local batch."""
+    compute the gradient of this step's local batch (global update ``update``)."""
     start = time.perf_counter()
     replica = get_replica(run_id)
     timing = replica.timing.begin(epoch, start)
     replica.apply(previous)
     out = replica.gradient(epoch, step)
+    out.update = update
     end = time.perf_counter()
     out.compute_seconds = end - start
     replica.timing.end(end)
@@ -469,8 +542,9 @@ def straggle(replica: Replica, compute_seconds: float) -> None:
     unchanged: only the timing differs. The first step is not slowed: its time is
     mostly tracing, a one-off cost every worker pays.
     """
-    if replica.slow_factor > 1.0 and replica.__dict__.get("_traced", False):
-        time.sleep((replica.slow_factor - 1.0) * compute_seconds)
+    factor = max(replica.slow_factor, WORKER_DELAY["factor"])
+    if factor > 1.0 and replica.__dict__.get("_traced", False):
+        time.sleep((factor - 1.0) * compute_seconds)
     replica.__dict__["_traced"] = True
 
 

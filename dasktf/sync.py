@@ -48,6 +48,9 @@ class RunContext:
     #: Dask resources every pinned task requests: ``{"GPU": 1}`` on GPU runs, so a
     #: step can never run on a worker that has no GPU.
     resources: dict[str, float] | None = None
+    #: A :class:`dasktf.membership.MembershipWatcher`: hears of lost workers from the
+    #: scheduler as it happens instead of at the next liveness poll.
+    watcher: Any = None
 
 
 def wait_for(ctx: RunContext, futures: list[Future], what: str) -> None:
@@ -66,6 +69,9 @@ def wait_for(ctx: RunContext, futures: list[Future], what: str) -> None:
             pass
         errored = [f for f in pending if f.status == "error"]
         if errored:
+            if type(errored[0].exception()).__name__ == "KilledWorker":
+                _await_removal(ctx, poll * 4)  # the scheduler's notice is on its way
+            check_alive(ctx, what)  # a task lost with its worker: say so, by name
             raise_task_error(errored[0], what)
         pending = [f for f in pending if f.status != "finished"]
         if not pending:
@@ -80,9 +86,22 @@ def wait_for(ctx: RunContext, futures: list[Future], what: str) -> None:
             )
 
 
+def _await_removal(ctx: RunContext, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while ctx.watcher is not None and time.monotonic() < deadline:
+        if ctx.watcher.removed(ctx.workers):
+            return
+        time.sleep(0.02)
+
+
 def check_alive(ctx: RunContext, what: str) -> None:
-    alive = set(alive_workers(ctx.client))
-    lost = [w for w in ctx.workers if w not in alive]
+    if ctx.watcher is not None:
+        lost = sorted({c.worker for c in ctx.watcher.removed(ctx.workers)})
+    else:
+        lost = []
+    if not lost:
+        alive = set(alive_workers(ctx.client))
+        lost = [w for w in ctx.workers if w not in alive]
     if lost:
         raise WorkerLostError(
             f"Worker(s) {lost} left the cluster during {what}. The surviving replicas "
@@ -112,6 +131,13 @@ class SyncEngine:
         self.ctx = ctx
         self.fan_in = max(2, int(config.get("reduction-fan-in")))
         self.ahead = max(1, int(config.get("submit-ahead")))
+        #: Global updates applied before the current epoch (steps are numbered from it).
+        self.update_base = 0
+        #: Appended to task keys after a recovery, whose cancelled keys may linger.
+        self.key_suffix = ""
+        #: This epoch's step futures: ``step -> (gradient parts, their sum)``; recovery
+        #: (:mod:`dasktf.elastic`) cancels the unfinished ones and reuses the sums.
+        self.in_flight: dict[int, tuple[list[Future], Future]] = {}
 
     def _reduce(self, parts: list[Future], epoch: int, step: int) -> Future:
         client, level, depth = self.ctx.client, parts, 0
@@ -120,7 +146,7 @@ class SyncEngine:
                 client.submit(
                     sum_gradients,
                     *level[j : j + self.fan_in],
-                    key=f"dasktf-sum-{self.ctx.run_id}-{epoch}-{step}-{depth}-{j}",
+                    key=f"dasktf-sum-{self.ctx.run_id}-{epoch}-{step}-{depth}-{j}{self.key_suffix}",
                 )
                 for j in range(0, len(level), self.fan_in)
             ]
@@ -135,7 +161,8 @@ class SyncEngine:
                 epoch,
                 step,
                 previous,
-                key=f"dasktf-step-{self.ctx.run_id}-{epoch}-{step}-{i}",
+                self.update_base + step,
+                key=f"dasktf-step-{self.ctx.run_id}-{epoch}-{step}-{i}{self.key_suffix}",
                 # The replica and shard live on this worker alone: never move the task.
                 workers=[w],
                 allow_other_workers=False,
@@ -143,15 +170,19 @@ class SyncEngine:
             )
             for i, w in enumerate(self.ctx.workers)
         ]
-        return self._reduce(parts, epoch, step)
+        total = self._reduce(parts, epoch, step)
+        self.in_flight[step] = (parts, total)
+        return total
 
     def run_epoch(
-        self, epoch: int, on_step: Callable[[int], None] | None = None
+        self, epoch: int, on_step: Callable[[int], None] | None = None, start: int = 0
     ) -> list[EpochReport]:
-        """Train one epoch; return every replica's report (metric states, weights)."""
+        """Train one epoch (from step ``start``); return every replica's report
+        (metric states, weights)."""
         window: deque[tuple[int, Future]] = deque()
         previous: Future | None = None
-        for step in range(self.ctx.steps_per_epoch):
+        self.in_flight = {}
+        for step in range(start, self.ctx.steps_per_epoch):
             previous = self.submit_step(epoch, step, previous)
             window.append((step, previous))
             while len(window) > self.ahead:
@@ -164,7 +195,7 @@ class SyncEngine:
                 self.ctx.run_id,
                 previous,
                 i == 0,
-                key=f"dasktf-end-epoch-{self.ctx.run_id}-{epoch}-{i}",
+                key=f"dasktf-end-epoch-{self.ctx.run_id}-{epoch}-{i}{self.key_suffix}",
                 workers=[w],
                 allow_other_workers=False,
                 resources=self.ctx.resources,
@@ -172,6 +203,8 @@ class SyncEngine:
             for i, w in enumerate(self.ctx.workers)
         ]
         wait_for(self.ctx, ends, f"the end of epoch {epoch + 1}")
+        self.update_base += self.ctx.steps_per_epoch
+        self.in_flight = {}
         return self.ctx.client.gather(ends)  # type: ignore[no-any-return]
 
     def _retire(
@@ -179,6 +212,8 @@ class SyncEngine:
     ) -> None:
         step, future = item
         wait_for(self.ctx, [future], f"step {step + 1} of epoch {epoch + 1}")
+        for old in [s for s in self.in_flight if s < step - 1]:
+            del self.in_flight[old]  # applied everywhere: never needed again
         if on_step is not None:
             on_step(step)
 

@@ -47,9 +47,10 @@ from dasktf.replica import (
     merge_metric_states,
     release_replicas,
 )
-from dasktf.sync import RunContext, SyncEngine, wait_for
+from dasktf.sync import RunContext, wait_for
 from dasktf.asynchronous import choose_holder, updates_frame, validate_mode_options
-from dasktf.collective import validate_engine
+from dasktf.collective import validate_engine, validate_fault_options
+from dasktf.recovery import FaultOptions, RunGuard
 
 if TYPE_CHECKING:
     from distributed import Client
@@ -353,6 +354,11 @@ class Trainer:
         shuffle: bool = True,
         callbacks: Sequence[Any] | None = None,
         verbose: int = 1,
+        checkpoint_dir: str | None = None,
+        checkpoint_every: int | None = None,
+        resume: bool = False,
+        on_worker_loss: str = "recover",
+        scale_lr: bool = False,
     ) -> History:
         """Train for ``epochs`` epochs; return a Keras-style :class:`History`.
 
@@ -374,6 +380,21 @@ class Trainer:
             ``keras.callbacks.Callback`` instances, run on the client.
         verbose
             0 silent, 1 a progress bar and a line per epoch, 2 a line per epoch.
+        checkpoint_dir, checkpoint_every
+            Write a checkpoint (weights, optimizer state, counters, seed, config;
+            :mod:`dasktf.checkpoint`) into ``checkpoint_dir`` at every epoch end and,
+            sync, every ``checkpoint_every`` steps; the final model is also saved
+            there as ``model.keras``.
+        resume
+            Continue from the newest valid checkpoint in ``checkpoint_dir`` up to
+            ``epochs`` epochs in all.
+        on_worker_loss
+            ``"recover"`` (default): go on with the surviving workers, the lost shard
+            taken over by one of them (:mod:`dasktf.elastic`); ``"raise"``: stop
+            with :class:`~dasktf.exceptions.WorkerLostError`.
+        scale_lr
+            When the worker count changes, rescale the global batch and the learning
+            rate by the linear scaling rule, with a short warm-up (logged as an event).
 
         Raises
         ------
@@ -387,6 +408,9 @@ class Trainer:
         if verbose not in (0, 1, 2):
             raise ValueError(f"verbose must be 0, 1 or 2; got {verbose!r}.")
         source = make_source(x, y)
+        options = FaultOptions(checkpoint_dir, checkpoint_every, bool(resume),
+                               on_worker_loss, bool(scale_lr))
+        validate_fault_options(self.engine, options)
         if validation_data is not None and (
             not isinstance(validation_data, (tuple, list)) or len(validation_data) != 2
         ):
@@ -403,6 +427,8 @@ class Trainer:
             client.register_plugin(TensorFlowSetup(threads))
         placed = source.place(client, workers, batch_size)
         run = _Run(self, client, workers, placed, batch_size, shuffle, resources)
+        run.source, run.validation_data, run.verbose = source, validation_data, verbose
+        run.options = options
         try:
             run.build(validation_data)
             history = run.train(epochs, callbacks, verbose)
@@ -450,6 +476,12 @@ class _Run:
         self.replica_info: list[dict[str, Any]] = []
         self._latest_loss: float | None = None
         self._futures: list[Any] = []
+        # fault tolerance (dasktf.recovery); Trainer.fit sets them
+        self.source: Any = None
+        self.validation_data: tuple[Any, Any] | None = None
+        self.verbose = 0
+        self.options = FaultOptions()
+        self._generation = 0
 
     # -- set-up -------------------------------------------------------------------
     def _reference_model(self) -> tuple[Any, ModelSpec]:
@@ -502,11 +534,17 @@ class _Run:
         self.model = model
         t.model = model
         self.spec_description = spec.description or getattr(model, "name", "")
-        cfg = ReplicaConfig(
+        self._cfg = ReplicaConfig(
             spec, t._optimizer, loss, t._metrics, t.seed,
             mixed_precision=t.mixed_precision,
             publish_metrics=bool(config.get("metrics")),
         )
+        self._validation = validation_data
+        self._create_replicas()
+
+    def _create_replicas(self) -> None:
+        """One replica per worker of ``self.workers`` from ``self.model``'s weights."""
+        t, cfg, validation_data = self.trainer, self._cfg, self._validation
         val = (
             place_validation(self.client, *validation_data, self.workers)
             if validation_data is not None
@@ -515,7 +553,7 @@ class _Run:
         # hash=False: a content-hashed key is shared with an earlier fit of the same
         # model, whose release can then race this scatter ("lost dependencies").
         weights = self.client.scatter(
-            [np.asarray(w) for w in model.get_weights()], broadcast=True, hash=False
+            [np.asarray(w) for w in self.model.get_weights()], broadcast=True, hash=False
         )
         futures = [
             self.client.submit(
@@ -530,7 +568,8 @@ class _Run:
                 val[i],
                 self.shuffle,
                 t.slow_workers.get(i, 1.0),
-                key=f"dasktf-replica-{self.run_id}-{i}",
+                key=f"dasktf-replica-{self.run_id}-{i}"
+                + (f"-g{self._generation}" if self._generation else ""),
                 workers=[w],
                 allow_other_workers=False,
                 resources=self.ctx.resources,
@@ -557,20 +596,28 @@ class _Run:
             cbs + [history], add_history=False, add_progbar=False, model=self.model,
             epochs=epochs, steps=self.ctx.steps_per_epoch, verbose=verbose,
         )
+        from dasktf.membership import MembershipWatcher
+
+        self.ctx.watcher = MembershipWatcher(self.client)
+        guard = self.guard = RunGuard(self, self.options, epochs)
         engine = self._make_engine(epochs)
         history.engine = getattr(engine, "engine", "graph")
+        first_epoch, first_step = guard.begin(engine)
         self._publish(self._run_start_record(epochs, engine.mode))
         self.client.subscribe_topic(TOPIC, self._on_event)
         self.model.stop_training = False
         cb.on_train_begin()
+
+        def on_step(step: int) -> None:
+            cb.on_train_batch_end(step, {"loss": self._latest_loss})
+            guard.after_step(engine, epoch)
+
         try:
-            for epoch in range(epochs):
+            for epoch in range(first_epoch, epochs):
                 cb.on_epoch_begin(epoch)
                 start = time.perf_counter()
-                reports = engine.run_epoch(
-                    epoch,
-                    lambda step: cb.on_train_batch_end(step, {"loss": self._latest_loss}),
-                )
+                resume_at = {"start": first_step} if epoch == first_epoch and first_step else {}
+                reports = engine.run_epoch(epoch, on_step, **resume_at)
                 seconds = time.perf_counter() - start
                 logs = self._epoch_logs(reports, seconds)
                 if hasattr(engine, "epoch_logs"):  # async and quorum: staleness, drops
@@ -581,17 +628,27 @@ class _Run:
                 self._publish(epoch_record(self.run_id, epoch, last_update, logs))
                 if self.model.stop_training:
                     break
+                guard.end_epoch(engine, epoch)
             if hasattr(engine, "finish"):
                 engine.finish()  # drains the updates in flight: the final weights
                 self.model.set_weights(engine.final_weights)
                 history.updates = updates_frame(engine.updates)
                 history.dropped = dict(engine.dropped)
                 history.gradient_tasks = dict(engine.tasks, discarded=engine.discarded)
+            history.recoveries = list(getattr(engine, "losses", []))
+            history.workers = list(self.ctx.workers)  # after any loss or growth
+            if hasattr(engine, "applied_logs"):
+                history.applied_updates = engine.applied_logs()
+            guard.finish(self.model, engine)
         except BaseException as exc:
             self._publish(run_end_record(self.run_id, exc))
+            lost = guard.scheduler_lost(exc)
+            if lost is not None:
+                raise lost from exc
             raise
         finally:
             self.client.unsubscribe_topic(TOPIC)
+            self.ctx.watcher.close()
             if hasattr(engine, "close"):
                 engine.close()
         self._publish(run_end_record(self.run_id))
@@ -605,7 +662,7 @@ class _Run:
         if t.mode == "sync" and t.sync_quorum is None:
             from dasktf.collective import make_engine
 
-            return make_engine(self, epochs)
+            return make_engine(self, epochs, graph=self.guard.sync_engine)
         from dasktf.asynchronous import AsyncEngine
         from dasktf.quorum import QuorumEngine
 
@@ -614,10 +671,10 @@ class _Run:
         args = (self.ctx, self.workers[holder], cfg, weights, self.placed.shards[holder],
                 val, self.placed.schedule)
         if t.mode == "async":
-            return AsyncEngine(
+            return self.guard.attach_async(AsyncEngine(
                 *args, max_staleness=t.max_staleness, staleness_lr=t.staleness_lr,
                 epochs=epochs,
-            )
+            ))
         return QuorumEngine(*args, quorum=t.sync_quorum, epochs=epochs)
 
     def _epoch_logs(self, reports: list[Any], seconds: float) -> dict[str, float]:
@@ -652,12 +709,24 @@ class _Run:
             if record.get("run") == self.run_id and record.get("loss") is not None:
                 self._latest_loss = float(record["loss"])
 
+    def reform(self, workers: list[str], batch_size: int) -> None:
+        """Rebuild the run on ``workers`` at an epoch boundary: data re-placed,
+        replicas rebuilt (their state is then loaded by :class:`RunGuard`)."""
+        self.release()
+        self.workers = list(workers)
+        self.batch_size = batch_size
+        self.placed = self.source.place(self.client, self.workers, batch_size)
+        self.ctx.workers = list(workers)
+        self.ctx.steps_per_epoch = self.placed.steps_per_epoch
+        self._generation += 1
+        self._create_replicas()
+
     def release(self) -> None:
         """Free the replicas and shards on the workers, whatever happened."""
         try:
             # Only the live ones: a dead worker's address costs a 30 s connect timeout.
             alive = set(alive_workers(self.client))
-            workers = [w for w in self.workers if w in alive]
+            workers = [w for w in self.ctx.workers if w in alive]
             if workers:
                 self.client.run(release_replicas, self.run_id, workers=workers,
                                 on_error="ignore")
@@ -727,6 +796,11 @@ def fit(
     slow_workers: dict[int, float] | None = None,
     engine: str = "auto",
     on_epoch_end: Callable[[list[Any], list[Any], int], None] | None = None,
+    checkpoint_dir: str | None = None,
+    checkpoint_every: int | None = None,
+    resume: bool = False,
+    on_worker_loss: str = "recover",
+    scale_lr: bool = False,
 ) -> History:
     """Train ``model`` data-parallel on a Dask cluster; return its :class:`History`.
 
@@ -771,4 +845,9 @@ def fit(
             shuffle=shuffle,
             callbacks=callbacks,
             verbose=verbose,
+            checkpoint_dir=checkpoint_dir,
+            checkpoint_every=checkpoint_every,
+            resume=resume,
+            on_worker_loss=on_worker_loss,
+            scale_lr=scale_lr,
         )

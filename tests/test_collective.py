@@ -67,11 +67,19 @@ def test_engine_choice():
     assert choose_engine("auto", **{**args, "total_steps": 50}) == "graph"
     assert choose_engine("auto", **{**args, "mode": "async"}) == "graph"
     assert choose_engine("auto", **{**args, "n_workers": 1}) == "graph"
+    assert choose_engine("auto", **{**args, "fault_options": True}) == "graph"
     assert choose_engine("graph", **args) == "graph"
     with pytest.raises(ValueError, match="has no async"):
         dasktf.Trainer("mnist-mlp", mode="async", engine="collective")
     with pytest.raises(ValueError, match="engine must be one of"):
         dasktf.Trainer("mnist-mlp", engine="ring")
+
+
+def test_collective_engine_refuses_checkpoints(client, small_digits, tmp_path):
+    x, y = small_digits
+    with pytest.raises(ValueError, match="engine='collective' does not support checkpoint_dir"):
+        dasktf.fit("mnist-mlp", x, y, client=client, n_workers=2, engine="collective",
+                   checkpoint_dir=str(tmp_path), verbose=0)
 
 
 @pytest.mark.timeout(240)

@@ -1,0 +1,423 @@
+"""Worker loss and growth in a sync run: recover without losing or repeating a step.
+
+Every sync step carries its global update number, and a replica applies each update
+at most once (:meth:`dasktf.replica.Replica.apply`). When a worker is lost
+(:class:`~dasktf.membership.MembershipWatcher` hears it from the scheduler):
+
+1. the client cancels the steps in flight and *fences* the survivors (no replica
+   applies anything more), then reads how far each one got;
+2. the survivors are reconciled to the most advanced one: it hands its weights and
+   optimizer state to those behind (all replicas are identical after an applied
+   update, so this is exactly the last applied state);
+3. the lost shard is reloaded from its source on the survivor carrying the fewest
+   shards (:func:`reload_shard`), which *adopts* it: its rows join that replica's
+   batches, in the order the lost worker would have read them, so the global batch
+   and every later update are unchanged;
+4. the epoch resumes at the first update no survivor applied, with N-1 workers. No
+   update is applied twice, none is skipped (``steps_lost`` is 0 by construction;
+   the tests check every replica's log of applied updates); ``steps_recomputed``
+   counts updates whose sum was complete but reached no survivor.
+
+At the next epoch boundary the run re-forms (:meth:`ElasticSyncEngine.pending_reform`):
+data re-placed over the workers alive then (the adopter's double share goes away, and
+a worker that joined gets a replica and a share), state copied from a replica.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from dasktf import config
+from dasktf.data import (
+    ArraySource,
+    DaskArraySource,
+    LoaderSource,
+    Shard,
+    _load_shard,
+    _shard_from_parts,
+    interleaved_indices,
+)
+from dasktf.exceptions import AllWorkersLostError, WorkerLostError
+from dasktf.replica import EpochReport, get_replica
+from dasktf.sync import RunContext, SyncEngine, wait_for
+
+if TYPE_CHECKING:
+    from distributed import Client, Future
+
+logger = logging.getLogger(__name__)
+
+#: Accepted values of ``on_worker_loss``.
+ON_WORKER_LOSS = ("recover", "raise")
+
+
+# -- the worker side --------------------------------------------------------------
+def replica_state_task(run_id: str) -> dict[str, Any]:
+    """The replica's full training state: weights, optimizer variables, counters."""
+    replica = get_replica(run_id)
+    with replica._apply_lock:  # a consistent cut: no apply half-way
+        return {
+            "weights": [np.asarray(w) for w in replica.model.get_weights()],
+            "optimizer": [np.asarray(v.numpy()) for v in replica.model.optimizer.variables],
+            "applied": replica.applied,
+        }
+
+
+def set_state_task(run_id: str, state: dict[str, Any], unfence: bool = True) -> int:
+    """Load a state from :func:`replica_state_task` (or a checkpoint) into the replica."""
+    replica = get_replica(run_id)
+    with replica._apply_lock:
+        replica.model.set_weights(state["weights"])
+        for v, value in zip(replica.model.optimizer.variables, state["optimizer"]):
+            v.assign(value)
+        # The updates this state holds count as applied here, once each.
+        replica.applied_log.extend(range(replica.applied + 1, int(state["applied"]) + 1))
+        replica.applied = int(state["applied"])
+        if unfence:
+            replica.fenced = False
+        return replica.applied
+
+
+def fence_task(run_id: str) -> int:
+    """Stop this replica applying anything (cancelled steps may still be running);
+    return the last update it applied."""
+    replica = get_replica(run_id)
+    with replica._apply_lock:
+        replica.fenced = True
+        return replica.applied
+
+
+def unfence_task(run_id: str) -> int:
+    replica = get_replica(run_id)
+    with replica._apply_lock:
+        replica.fenced = False
+        return replica.applied
+
+
+def adopt_task(
+    run_id: str, index: int, shard: Shard, column: np.ndarray, val: Shard | None
+) -> int:
+    """Take over a lost worker's shard (and validation piece); returns rows held."""
+    replica = get_replica(run_id)
+    with replica._apply_lock:
+        replica.adopted.append((index, shard, np.asarray(column)))
+        if val is not None and len(val):
+            mine = replica.val_shard
+            replica.val_shard = val if mine is None else Shard(
+                np.concatenate([mine.x, val.x]), np.concatenate([mine.y, val.y])
+            )
+    return len(replica.shard) + sum(len(s) for _, s, _ in replica.adopted)
+
+
+def ramp_lr_task(run_id: str, factor: float, steps: int) -> tuple[float, float]:
+    """Scale the learning rate by ``factor``, linearly over the next ``steps`` updates
+    (the warm-up of Goyal et al., 2017); returns (old, new)."""
+    replica = get_replica(run_id)
+    with replica._apply_lock:
+        old = float(np.asarray(replica.model.optimizer.learning_rate))
+        new = old * float(factor)
+        replica.lr_ramp = (replica.applied + 1, max(1, int(steps)), old, new)
+    return old, new
+
+
+def applied_log_task(run_id: str) -> tuple[int, list[int]]:
+    replica = get_replica(run_id)
+    return replica.index, list(replica.applied_log)
+
+
+# -- reloading a shard from its source ------------------------------------------------
+def reload_shard(
+    client: Client, source: Any, index: int, n_shards: int, worker: str,
+    schedule: np.ndarray, batch_size: int,
+) -> Future:
+    """Rebuild shard ``index`` of ``n_shards`` on ``worker`` from where it came from."""
+    if isinstance(source, ArraySource):
+        rows = interleaved_indices(schedule, batch_size)[index]
+        return client.scatter(
+            Shard(source.x[rows], source.y[rows]), workers=[worker], direct=True, hash=False
+        )
+    if isinstance(source, LoaderSource):
+        return client.submit(_load_shard, source.load, index, n_shards,
+                             workers=[worker], pure=False)
+    if isinstance(source, DaskArraySource):
+        chunks = source.assignment[index]
+        # Recomputed from the Dask graph where the lost worker held the only copy.
+        x_parts = client.compute([source.x.to_delayed().ravel()[j] for j in chunks])
+        y_parts = client.compute([source.y.to_delayed().ravel()[j] for j in chunks])
+        return client.submit(_shard_from_parts, x_parts, y_parts, workers=[worker], pure=False)
+    raise TypeError(f"cannot reload a shard from {type(source).__name__}")
+
+
+# -- the client side ------------------------------------------------------------------
+class ElasticSyncEngine(SyncEngine):
+    """A :class:`~dasktf.sync.SyncEngine` that survives losing workers.
+
+    Parameters
+    ----------
+    ctx
+        The run (its ``watcher`` reports removals).
+    carried
+        ``{worker address: [replica indices whose shards it trains on]}``.
+    reload
+        ``reload(index, worker) -> (shard future, validation future or None)``.
+    publish
+        Sends a record on the metrics stream.
+    on_all_lost
+        Called before :class:`AllWorkersLostError` is raised (saves a checkpoint);
+        returns the checkpoint path or ``None``.
+    """
+
+    def __init__(
+        self,
+        ctx: RunContext,
+        schedule: np.ndarray,
+        carried: dict[str, list[int]],
+        reload: Callable[[int, str], tuple[Any, Any]],
+        publish: Callable[[dict[str, Any]], None],
+        on_all_lost: Callable[[], str | None] | None = None,
+        announce: Callable[[str], None] | None = None,
+    ) -> None:
+        super().__init__(ctx)
+        self.schedule = schedule
+        self.carried = carried
+        self.reload = reload
+        self.publish = publish
+        self.on_all_lost = on_all_lost
+        self.announce = announce or (lambda line: logger.warning("%s", line))
+        self.losses: list[dict[str, Any]] = []
+        self.attempt = 0
+        #: ``"recover"`` or ``"raise"`` (the trainer's ``on_worker_loss``)
+        self.policy = "recover"
+        self.reform_needed = False
+        self.last_state: dict[str, Any] | None = None
+
+    def run_epoch(
+        self, epoch: int, on_step: Callable[[int], None] | None = None, start: int = 0
+    ) -> list[EpochReport]:
+        while True:
+            try:
+                return super().run_epoch(epoch, on_step, start)
+            except WorkerLostError as exc:
+                if self.policy == "raise":
+                    raise
+                start = self.recover(exc.workers, epoch)
+
+    def recover(self, lost: list[str], epoch: int) -> int:
+        """Reconcile the survivors, hand out the lost shards; the step to resume at."""
+        detected = time.time()
+        client, ctx = self.ctx.client, self.ctx
+        removals = {c.worker: c for c in ctx.watcher.removed(lost)} if ctx.watcher else {}
+        lost = sorted(set(lost) | set(removals))
+        survivors = [w for w in ctx.workers if w not in lost]
+        finished = [s for s, (_, total) in sorted(self.in_flight.items())
+                    if total.status == "finished"]
+        # 1. nothing in flight may apply from here on
+        for parts, total in self.in_flight.values():
+            client.cancel([*parts, total], force=True)
+        self.in_flight = {}
+        if not survivors:
+            path = self.on_all_lost() if self.on_all_lost is not None else None
+            raise AllWorkersLostError(
+                f"Every worker of the run was lost ({', '.join(lost)}); the run cannot "
+                "go on. " + (f"The last checkpoint is {path}; resume from it with "
+                             "resume=True (--resume) once workers are back."
+                             if path else "Pass checkpoint_dir= to keep checkpoints."),
+                lost,
+            )
+        ctx.workers = survivors
+        self.attempt += 1
+        self.key_suffix = f"-r{self.attempt}"  # the cancelled keys may linger
+        fences = [client.submit(fence_task, ctx.run_id, key=f"dasktf-fence-{ctx.run_id}-{self.attempt}-{i}",
+                                workers=[w], allow_other_workers=False, pure=False)
+                  for i, w in enumerate(survivors)]
+        wait_for(ctx, fences, "fencing the surviving replicas")
+        applied = client.gather(fences)
+        target = max(applied)
+        # 2. everyone to the most advanced survivor's state
+        source = survivors[applied.index(target)]
+        state = client.submit(replica_state_task, ctx.run_id, workers=[source],
+                              allow_other_workers=False, pure=False)
+        sets = [client.submit(set_state_task, ctx.run_id, state, workers=[w],
+                              allow_other_workers=False, pure=False)
+                for w, a in zip(survivors, applied) if a < target]
+        unfences = [client.submit(unfence_task, ctx.run_id, workers=[w],
+                                  allow_other_workers=False, pure=False)
+                    for w, a in zip(survivors, applied) if a == target]
+        wait_for(ctx, [state, *sets, *unfences], "reconciling the surviving replicas")
+        # 3. the lost shards go to the survivors carrying the fewest
+        moved: list[tuple[int, str]] = []
+        for w in lost:
+            for index in self.carried.pop(w, []):
+                adopter = min(survivors, key=lambda s: len(self.carried[s]))
+                shard, val = self.reload(index, adopter)
+                f = client.submit(adopt_task, ctx.run_id, index, shard,
+                                  self.schedule_column(index), val, workers=[adopter],
+                                  allow_other_workers=False, pure=False)
+                wait_for(ctx, [f], f"reloading shard {index} on {adopter}")
+                self.carried[adopter].append(index)
+                moved.append((index, adopter))
+        self.reform_needed = True
+        resumed = time.time()
+        # Updates whose sum was complete but that no survivor had applied: computed
+        # again (never skipped: numbering goes on from the survivors' last update).
+        last_finished = self.update_base + finished[-1] if finished else target
+        recomputed = max(0, last_finished - target)
+        for w in lost:
+            change = removals.get(w)
+            record = {
+                "run": ctx.run_id, "kind": "worker_lost", "worker_address": w,
+                "epoch": epoch, "update": target,
+                "detect_s": (change.seen_time - change.scheduler_time) if change else None,
+                "removed_at": change.scheduler_time if change else None,
+                "detected_at": change.seen_time if change else detected,
+                "wall_time": time.time(),
+            }
+            self.publish(record)
+        since = min((c.seen_time for c in removals.values()), default=detected)
+        recovered = {
+            "run": ctx.run_id, "kind": "recovered", "workers": list(survivors),
+            "lost": list(lost), "moved": [[i, a] for i, a in moved],
+            "resumed_at_update": target + 1, "steps_lost": 0,
+            "steps_recomputed": recomputed,
+            "resume_s": resumed - since, "wall_time": time.time(),
+        }
+        self.publish(recovered)
+        self.losses.append(recovered)
+        self.announce(
+            f"worker lost: {', '.join(lost)}; recovered in {resumed - since:.2f}s with "
+            f"{len(survivors)} worker(s), shard(s) "
+            f"{', '.join(f'{i}->{a}' for i, a in moved)}, resuming at update "
+            f"{target + 1} (steps lost: 0, recomputed: {recomputed})"
+        )
+        return target + 1 - self.update_base
+
+    def schedule_column(self, index: int) -> np.ndarray:
+        return self.schedule[:, index]
+
+    def applied_logs(self) -> dict[int, list[int]]:
+        """``{replica index: updates it applied, in order}`` over the survivors."""
+        futures = [self.ctx.client.submit(applied_log_task, self.ctx.run_id, workers=[w],
+                                          allow_other_workers=False, pure=False)
+                   for w in self.ctx.workers]
+        wait_for(self.ctx, futures, "reading the applied updates")
+        return dict(self.ctx.client.gather(futures))
+
+    def state(self) -> dict[str, Any]:
+        """The replicas' (identical) training state, read from the first one."""
+        f = self.ctx.client.submit(replica_state_task, self.ctx.run_id,
+                                   workers=[self.ctx.workers[0]], allow_other_workers=False,
+                                   pure=False)
+        wait_for(self.ctx, [f], "reading the training state")
+        return f.result()  # type: ignore[no-any-return]
+
+
+# -- async runs ---------------------------------------------------------------------------
+def adopt_async_task(
+    run_id: str, config: Any, index: int, identity: int, shard: Shard,
+    column: np.ndarray, weights: list[np.ndarray], shuffle: bool,
+) -> int:
+    """Build a replica of shard ``index`` on this worker for a lost one; it speaks to
+    the parameter holder as ``identity`` (the holder refuses the lost one's)."""
+    from distributed import get_worker
+
+    from dasktf.replica import _REPLICAS, Replica
+
+    replica = Replica(config, index, shard, column, weights, None, shuffle)
+    replica.run_id = run_id
+    replica.identity = identity
+    _REPLICAS[(run_id, f"{get_worker().address}#{identity}")] = replica
+    return len(shard)
+
+
+def recover_async(engine: Any, lost: list[str]) -> None:
+    """Go on without the workers in ``lost`` (see :class:`~dasktf.asynchronous.AsyncEngine`).
+
+    Their tasks in flight are cancelled; the holder drops their admissions and
+    refuses anything they still send, so no gradient of theirs is applied after this
+    and nobody waits for one; the updates of theirs it had applied are accounted;
+    each lost shard is reloaded on a survivor, whose new replica carries on where the
+    lost one was (its unfinished batches first).
+    """
+    from dasktf.asynchronous import PushOutcome, StepResult, _WorkerCursor
+
+    detected = time.time()
+    client, ctx = engine.ctx.client, engine.ctx
+    timeout = config.get_seconds("step-timeout")
+    removals = {c.worker: c for c in ctx.watcher.removed(lost)} if ctx.watcher else {}
+    survivors = sorted({a for a in engine.addresses.values() if a not in lost})
+    checkpoint = engine.last_checkpoint() if hasattr(engine, "last_checkpoint") else None
+    if engine.holder_worker in lost or not survivors:
+        what = ("the parameter holder's worker" if survivors else "every worker of the run")
+        raise (WorkerLostError if survivors else AllWorkersLostError)(
+            f"{what} was lost ({', '.join(lost)}); the master weights went with it. "
+            + (f"Resume from the last checkpoint, {checkpoint}, with resume=True."
+               if checkpoint else "Pass checkpoint_dir= to keep checkpoints to resume from."),
+            lost,
+        )
+    moved = []
+    for i in [i for i, a in engine.addresses.items() if a in lost and engine.cursors[i].active]:
+        # every task of i not yet gathered, finished or not: its result may be lost
+        mine = [engine._items.pop(k) for k in [k for k, v in engine._items.items() if v[0] == i]]
+        futures = [v[3] for v in mine]
+        items = [(v[1], v[2]) for v in mine]
+        client.cancel(futures, force=True)
+        for f in futures:
+            engine._outstanding.discard(f)
+            engine._dead.add(f.key)
+        new = len(engine.cursors)
+        applied = engine.holder.release_worker(i, new, items).result(timeout=timeout)
+        done = {(r.shard_pass, r.step) for r in applied}
+        old = engine.cursors[i]
+        old.active = False
+        cursor = _WorkerCursor(old.steps, old.shard_pass, old.position, 0,
+                               old.completed_passes, old.done_in_pass,
+                               [it for it in old.retry + items if it not in done])
+        engine.cursors.append(cursor)
+        engine.dropped[new] = 0
+        index = engine.shard_index.get(i, i)
+        engine.shard_index[new] = index
+        load = {a: sum(1 for j, b in engine.addresses.items()
+                       if b == a and engine.cursors[j].active) for a in survivors}
+        adopter = min(survivors, key=lambda a: load[a])
+        shard, _ = engine.reload(index, adopter)
+        # The holder's weights, not the run's initial ones: Dask's memory manager may
+        # have left the only copy of those on the lost worker.
+        weights = client.scatter(engine.holder.weights().result(timeout=timeout),
+                                 workers=[adopter], hash=False)
+        built = client.submit(adopt_async_task, ctx.run_id, engine.replica_config, index, new,
+                              shard, engine.schedule[:, index], weights,
+                              engine.shuffle, workers=[adopter], allow_other_workers=False,
+                              pure=False)
+        ctx.workers = survivors
+        wait_for(ctx, [built], f"rebuilding replica {index} on {adopter}")
+        engine.addresses[new] = adopter
+        engine.slots[new] = new
+        for r in applied:  # applied before the loss, never reported: count them now
+            engine._account(StepResult(new, r.shard_pass, r.step, PushOutcome("applied", [r])),
+                            engine._epoch, None)
+        engine._submit(new)
+        moved.append((index, adopter))
+    resumed = time.time()
+    since = min((c.seen_time for c in removals.values()), default=detected)
+    for w in lost:
+        change = removals.get(w)
+        engine.publish({
+            "run": ctx.run_id, "kind": "worker_lost", "worker_address": w,
+            "detect_s": (change.seen_time - change.scheduler_time) if change else None,
+            "removed_at": change.scheduler_time if change else None,
+            "detected_at": change.seen_time if change else detected, "wall_time": time.time(),
+        })
+    recovered = {"run": ctx.run_id, "kind": "recovered", "workers": survivors,
+                 "lost": list(lost), "moved": [[i, a] for i, a in moved],
+                 "steps_lost": 0, "resume_s": resumed - since, "wall_time": time.time()}
+    engine.publish(recovered)
+    engine.losses.append(recovered)
+    engine.announce(
+        f"worker lost: {', '.join(lost)}; async run goes on with {len(survivors)} "
+        f"worker(s) in {resumed - since:.2f}s, shard(s) "
+        f"{', '.join(f'{i}->{a}' for i, a in moved)} (in-flight gradients dropped)"
+    )

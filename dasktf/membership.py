@@ -1,0 +1,106 @@
+"""Learn of workers leaving and joining as it happens, from the scheduler.
+
+A :class:`MembershipPlugin` on the scheduler publishes every ``remove_worker`` and
+``add_worker`` on the ``dasktf-membership`` topic; a client-side
+:class:`MembershipWatcher` subscribes to it. A SIGKILLed worker's connection drops at
+once, so on loopback the client hears of it within tens of milliseconds, where a
+heartbeat timeout would take ``distributed.scheduler.worker-ttl`` (minutes).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from distributed.diagnostics.plugin import SchedulerPlugin
+
+if TYPE_CHECKING:
+    from distributed import Client, Scheduler
+
+#: The scheduler event topic membership changes are published on.
+TOPIC = "dasktf-membership"
+PLUGIN_NAME = "dasktf-membership"
+
+
+class MembershipPlugin(SchedulerPlugin):
+    """Publishes worker arrivals and departures on :data:`TOPIC` (scheduler side)."""
+
+    name = PLUGIN_NAME
+    idempotent = True  # registering it again (every run does) keeps the first one
+
+    def __init__(self) -> None:
+        self.scheduler: Scheduler | None = None
+
+    async def start(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+
+    def add_worker(self, scheduler: Scheduler, worker: str) -> None:
+        scheduler.log_event(TOPIC, {"action": "added", "worker": worker, "time": time.time()})
+
+    def remove_worker(self, scheduler: Scheduler, worker: str, **kwargs: Any) -> None:
+        scheduler.log_event(
+            TOPIC, {"action": "removed", "worker": worker, "time": time.time(),
+                    "stimulus": str(kwargs.get("stimulus_id", ""))}
+        )
+
+
+@dataclass
+class Change:
+    """One membership change as the client learned it."""
+
+    action: str  # "added" | "removed"
+    worker: str
+    scheduler_time: float  #: time.time() on the scheduler when it removed/added it
+    seen_time: float  #: time.time() on the client when the event arrived
+
+
+class MembershipWatcher:
+    """The client side: collects the scheduler's membership events for a run.
+
+    Thread-safe: the handler runs on the client's event loop, the engines read from
+    the training thread.
+    """
+
+    def __init__(self, client: Client) -> None:
+        self.client = client
+        self._lock = threading.Lock()
+        self.changes: list[Change] = []
+        self.changed = threading.Event()
+        client.register_plugin(MembershipPlugin(), name=PLUGIN_NAME)
+        client.subscribe_topic(TOPIC, self._on_event)
+
+    def _on_event(self, event: Any) -> None:
+        _, msg = event if isinstance(event, tuple) else (None, event)
+        if not isinstance(msg, dict) or "worker" not in msg:
+            return
+        change = Change(str(msg["action"]), str(msg["worker"]), float(msg["time"]), time.time())
+        with self._lock:
+            self.changes.append(change)
+        self.changed.set()
+
+    def removed(self, workers: list[str]) -> list[Change]:
+        """The removals of any of ``workers`` seen so far."""
+        with self._lock:
+            return [c for c in self.changes if c.action == "removed" and c.worker in workers]
+
+    def added_since(self, since: float, exclude: list[str]) -> list[str]:
+        """Workers added after ``since`` (client time) that are not in ``exclude``
+        and were not removed again."""
+        with self._lock:
+            out: list[str] = []
+            for c in self.changes:
+                if c.seen_time < since or c.worker in exclude:
+                    continue
+                if c.action == "added" and c.worker not in out:
+                    out.append(c.worker)
+                elif c.action == "removed" and c.worker in out:
+                    out.remove(c.worker)
+            return out
+
+    def close(self) -> None:
+        try:
+            self.client.unsubscribe_topic(TOPIC)
+        except Exception:  # noqa: BLE001 - a closed client has nothing to unsubscribe
+            pass

@@ -1,0 +1,123 @@
+"""Fault injection for tests of code that trains with dasktf (and dasktf's own).
+
+Kill a worker at a given step, or slow one down, on a real cluster::
+
+    from dasktf.testing import KillWorkerAt, delay_worker
+
+    killer = KillWorkerAt(client, client.scheduler_info()["workers"].keys()[1], step=10)
+    trainer.fit(x, y, epochs=4, callbacks=[killer])      # SIGKILLs it at step 10
+    assert killer.killed_at is not None
+
+    with delay_worker(client, address, factor=4):        # 4x its compute time
+        trainer.fit(x, y)
+
+A kill is a ``SIGKILL`` of the worker process (and, by default, of its nanny first, so
+that it is not restarted: a lost machine). Both need the worker on this host.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+try:  # a Keras callback when Keras is there (it is wherever dasktf trains)
+    from keras.callbacks import Callback as _Callback
+except ImportError:  # pragma: no cover
+    _Callback = object  # type: ignore[misc,assignment]
+
+if TYPE_CHECKING:
+    from distributed import Client
+
+__all__ = ["KillWorkerAt", "delay_worker", "kill_worker", "worker_pids"]
+
+
+def _pids() -> tuple[int, int]:
+    return os.getpid(), os.getppid()
+
+
+def worker_pids(client: Client, address: str) -> tuple[int, int]:
+    """(worker pid, parent pid: its nanny's, if it has one) of the worker at ``address``."""
+    return client.run(_pids, workers=[address])[address]  # type: ignore[no-any-return]
+
+
+def kill_worker(client: Client, address: str, *, restart: bool = False) -> float:
+    """SIGKILL the worker at ``address``; return ``time.time()`` of the kill.
+
+    ``restart=False`` kills its nanny first, so the worker stays dead (a lost
+    machine); ``restart=True`` leaves the nanny, which starts a fresh worker (a new
+    address: it joins the cluster as a new worker).
+    """
+    pid, parent = worker_pids(client, address)
+    if not restart:
+        try:  # a nanny that is not told otherwise starts a fresh worker
+            client.run(_no_restart, nanny=True, workers=[address])
+        except Exception:  # noqa: BLE001 - no nanny: nothing restarts it anyway
+            pass
+        if parent not in (1, os.getpid()) and _is_nanny(parent):
+            os.kill(parent, signal.SIGKILL)  # a `dask worker` process of its own
+    killed = time.time()
+    os.kill(pid, signal.SIGKILL)
+    return killed
+
+
+def _no_restart(dask_worker: Any = None) -> None:
+    from distributed.core import Status
+
+    # A nanny closing gracefully closes itself when its worker exits, rather than
+    # start a new one: the machine is gone.
+    dask_worker.status = Status.closing_gracefully
+
+
+def _is_nanny(pid: int) -> bool:
+    """Only kill a parent that is a Python process other than ours (a nanny)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"python" in f.read()
+    except OSError:
+        return False
+
+
+class KillWorkerAt(_Callback):  # type: ignore[misc]
+    """A Keras callback that SIGKILLs worker ``address`` after the ``step``-th
+    training step the client sees (counted over the run, from 1).
+
+    ``killed_at`` is the kill's ``time.time()``, ``None`` until then.
+    """
+
+    def __init__(self, client: Client, address: str, step: int, *, restart: bool = False) -> None:
+        super().__init__()
+        self.client, self.address, self.step, self.restart = client, address, step, restart
+        self.seen = 0
+        self.killed_at: float | None = None
+
+    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        self.seen += 1
+        if self.killed_at is None and self.seen >= self.step:
+            self.killed_at = kill_worker(self.client, self.address, restart=self.restart)
+
+
+def _set_delay(factor: float) -> float:
+    from dasktf.replica import WORKER_DELAY
+
+    old, WORKER_DELAY["factor"] = WORKER_DELAY["factor"], float(factor)
+    return old
+
+
+@contextmanager
+def delay_worker(client: Client, address: str, factor: float) -> Iterator[None]:
+    """Within the block, the worker at ``address`` takes ``factor`` x its compute
+    time per step (it sleeps, freeing its core, as a worker on a busy node would)."""
+    if not factor >= 1:
+        raise ValueError(f"factor must be >= 1; got {factor!r}.")
+    old = client.run(_set_delay, factor, workers=[address])[address]
+    try:
+        yield
+    finally:
+        try:
+            client.run(_set_delay, old, workers=[address], on_error="ignore")
+        except Exception:  # noqa: BLE001 - the worker may be gone by now
+            pass

@@ -1,0 +1,157 @@
+"""Fault tolerance with real worker processes: SIGKILL mid-run, growth, checkpoints.
+
+Each test that kills or adds workers starts its own loopback cluster (the shared one
+must stay whole) and is bounded in time; the cluster is closed whatever happens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import keras
+import pytest
+from distributed import Client
+
+import dasktf
+from dasktf.testing import KillWorkerAt
+
+ACCURACY = 0.85  # the digits target every training test in the suite uses
+
+
+@contextlib.contextmanager
+def own_cluster(n):
+    with dasktf.make_local_cluster(n, tf_threads=1) as cluster, Client(cluster) as client:
+        client.wait_for_workers(n, timeout=120)
+        yield cluster, client
+
+
+def _options(**kw):
+    options = dict(epochs=4, batch_size=64, optimizer="adam", learning_rate=0.01,
+                   metrics=["accuracy"], seed=3, verbose=0)
+    options.update(kw)
+    return options
+
+
+def test_sync_run_survives_sigkill_of_one_of_three_workers(digits):
+    """Worker 2 of 3 is SIGKILLed halfway: the run finishes on 2, reaches the target,
+    and every survivor applied every global step exactly once."""
+    start = time.monotonic()
+    with own_cluster(3) as (cluster, client):
+        workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        steps = -(-len(digits.x_train) // 64)
+        killer = KillWorkerAt(client, workers[2], step=2 * steps + steps // 2)
+        history = dasktf.fit(
+            "mnist-mlp", digits.x_train, digits.y_train, client=client, n_workers=3,
+            validation_data=(digits.x_test, digits.y_test), callbacks=[killer],
+            **_options(),
+        )
+        assert killer.killed_at is not None
+        (recovery,) = history.recoveries
+        assert recovery["lost"] == [workers[2]] and recovery["steps_lost"] == 0
+        assert recovery["resume_s"] < 5
+        total = 4 * steps
+        assert sorted(history.applied_updates) == [0, 1]
+        for log in history.applied_updates.values():
+            assert log == list(range(total))  # each global step once, none skipped
+        assert history.history["val_accuracy"][-1] > ACCURACY
+        records = [r for e in client.get_events("dasktf-metrics") for r in e[1]["records"]]
+        lost = [r for r in records if r["kind"] == "worker_lost" and r["run"] == history.run_id]
+        assert lost and lost[0]["worker_address"] == workers[2]
+        assert lost[0]["detect_s"] is not None and lost[0]["detect_s"] < 5
+    assert time.monotonic() - start < 240
+
+
+def test_async_run_survives_sigkill_of_one_of_three_workers(digits):
+    """Async: worker 2 of 3 (not the holder's) is SIGKILLed halfway; its in-flight
+    gradient is dropped, its shard goes to a survivor, the run finishes."""
+    start = time.monotonic()
+    epochs = 3
+    with own_cluster(3) as (cluster, client):
+        workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        steps = -(-len(digits.x_train) // 64)
+        killer = KillWorkerAt(client, workers[2], step=3 * steps * epochs // 2)
+        history = dasktf.fit(
+            "mnist-mlp", digits.x_train, digits.y_train, client=client, n_workers=3,
+            mode="async", validation_data=(digits.x_test, digits.y_test),
+            callbacks=[killer], **_options(epochs=epochs, learning_rate=0.005),
+        )
+        assert killer.killed_at is not None
+        (recovery,) = history.recoveries
+        assert recovery["lost"] == [workers[2]] and recovery["moved"][0][0] == 2
+        updates = history.updates
+        # every applied update once, numbered without a gap
+        assert list(updates["update"]) == list(range(1, len(updates) + 1))
+        # every batch of every shard's passes applied exactly once (the successor,
+        # identity 3, carried on shard 2)
+        shard = updates["worker"].replace({3: 2})
+        owed = updates[updates["shard_pass"] < epochs].assign(shard=shard)
+        assert not owed.duplicated(["shard", "shard_pass", "step"]).any()
+        assert (owed.groupby("shard").size() == steps * epochs).all()
+        assert (updates["worker"] == 3).sum() > 0  # the successor did work
+        assert history.history["val_accuracy"][-1] > ACCURACY
+    assert time.monotonic() - start < 240
+
+
+class _ScaleUpAfterFirstEpoch(keras.callbacks.Callback):
+    def __init__(self, cluster, client, n):
+        super().__init__()
+        self.cluster, self.client, self.n = cluster, client, n
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == 0:
+            self.cluster.scale(self.n)
+            self.client.wait_for_workers(self.n, timeout=120)
+
+
+def test_sync_run_grows_from_two_to_three_workers_with_scaled_lr(digits):
+    """A worker that joins mid-run gets a replica and a share of the data at the next
+    epoch boundary; with scale_lr the global batch and learning rate follow."""
+    start = time.monotonic()
+    with own_cluster(2) as (cluster, client):
+        before = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        history = dasktf.fit(
+            "mnist-mlp", digits.x_train, digits.y_train, client=client,
+            validation_data=(digits.x_test, digits.y_test), scale_lr=True,
+            callbacks=[_ScaleUpAfterFirstEpoch(cluster, client, 3)], **_options(epochs=3),
+        )
+        joined = [w for w in history.workers if w not in before]
+        assert len(history.workers) == 3 and len(joined) == 1
+        logs = history.applied_updates
+        assert sorted(logs) == [0, 1, 2]
+        total = len(logs[0])
+        steps = -(-len(digits.x_train) // 64) + 2 * -(-len(digits.x_train) // 96)
+        assert total == steps and all(log == list(range(total)) for log in logs.values())
+        records = [r for e in client.get_events("dasktf-metrics") for r in e[1]["records"]
+                   if r.get("run") == history.run_id]
+        (scaled,) = [r for r in records if r["kind"] == "lr_scaled"]
+        assert scaled["batch_size"] == 96 and scaled["learning_rate"] == pytest.approx(0.015)
+        # the new worker computed gradients after it joined
+        steps_of_new = [r for r in records if r["kind"] == "step" and r["worker"] == 2]
+        assert steps_of_new and all(r["epoch"] >= 1 for r in steps_of_new)
+        assert history.history["val_accuracy"][-1] > ACCURACY
+    assert time.monotonic() - start < 240
+
+
+def test_losing_the_last_worker_names_the_last_checkpoint(digits, tmp_path):
+    with own_cluster(1) as (cluster, client):
+        (worker,) = client.scheduler_info(n_workers=-1)["workers"]
+        steps = -(-len(digits.x_train) // 64)
+        with pytest.raises(dasktf.AllWorkersLostError, match="ckpt-") as info:
+            dasktf.fit("mnist-mlp", digits.x_train, digits.y_train, client=client,
+                       checkpoint_dir=str(tmp_path), checkpoint_every=5,
+                       callbacks=[KillWorkerAt(client, worker, step=steps + 3)],
+                       **_options(epochs=3))
+        assert worker in str(info.value) and str(tmp_path) in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [({"on_worker_loss": "ignore"}, "on_worker_loss must be one of"),
+     ({"checkpoint_every": 5}, "checkpoint_every needs checkpoint_dir"),
+     ({"resume": True}, "resume=True needs checkpoint_dir"),
+     ({"checkpoint_every": 0, "checkpoint_dir": "x"}, "positive number of steps")],
+)
+def test_bad_fault_options_fail_before_training(client, small_digits, kw, message):
+    with pytest.raises(ValueError, match=message):
+        dasktf.fit("mnist-mlp", *small_digits, client=client, verbose=0, **kw)
