@@ -114,21 +114,28 @@ class SyncEngine:
         self.ahead = max(1, int(config.get("submit-ahead")))
 
     def _reduce(self, parts: list[Future], epoch: int, step: int) -> Future:
-        client, level, depth = self.ctx.client, parts, 0
+        level, depth = parts, 0
         while len(level) > 1:
             level = [
-                client.submit(
-                    sum_gradients,
-                    *level[j : j + self.fan_in],
-                    key=f"dasktf-sum-{self.ctx.run_id}-{epoch}-{step}-{depth}-{j}",
+                self._submit_sum(
+                    level[j : j + self.fan_in],
+                    f"dasktf-sum-{self.ctx.run_id}-{epoch}-{step}-{depth}-{j}",
                 )
                 for j in range(0, len(level), self.fan_in)
             ]
             depth += 1
         return level[0]
 
+    def _submit_sum(self, parts: list[Future], key: str) -> Future:
+        """One reduction task (dasktf.topology's engine sums encoded packets)."""
+        return self.ctx.client.submit(sum_gradients, *parts, key=key)
+
     def submit_step(self, epoch: int, step: int, previous: Future | None) -> Future:
-        parts = [
+        return self._reduce(self._step_parts(epoch, step, previous), epoch, step)
+
+    def _step_parts(self, epoch: int, step: int, previous: Any) -> list[Future]:
+        """Every worker's step task of this step (their gradients, not yet summed)."""
+        return [
             self.ctx.client.submit(
                 step_task,
                 self.ctx.run_id,
@@ -143,7 +150,6 @@ class SyncEngine:
             )
             for i, w in enumerate(self.ctx.workers)
         ]
-        return self._reduce(parts, epoch, step)
 
     def run_epoch(
         self, epoch: int, on_step: Callable[[int], None] | None = None
@@ -178,7 +184,9 @@ class SyncEngine:
         self, item: tuple[int, Future], epoch: int, on_step: Callable[[int], None] | None
     ) -> None:
         step, future = item
-        wait_for(self.ctx, [future], f"step {step + 1} of epoch {epoch + 1}")
+        # A ring or sharded step ends in several futures (dasktf.topology).
+        futures = future if isinstance(future, list) else [future]
+        wait_for(self.ctx, futures, f"step {step + 1} of epoch {epoch + 1}")
         if on_step is not None:
             on_step(step)
 

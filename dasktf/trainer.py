@@ -8,6 +8,7 @@ callbacks on the client.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import functools
 import inspect
@@ -46,8 +47,9 @@ from dasktf.replica import (
     merge_metric_states,
     release_replicas,
 )
-from dasktf.sync import RunContext, SyncEngine, wait_for
+from dasktf.sync import RunContext, wait_for
 from dasktf.asynchronous import choose_holder, updates_frame, validate_mode_options
+from dasktf.comm import validate_comm_options
 
 if TYPE_CHECKING:
     from distributed import Client
@@ -227,6 +229,22 @@ class Trainer:
         scaling on GPUs, ``mixed_bfloat16`` on CPUs. Gradients are still summed and
         averaged in float32. It applies to models built on the workers (a name or a
         factory); a ``keras.Model`` instance keeps the dtype policy it was made with.
+    compression
+        Sync only: how gradients travel (:mod:`dasktf.compression`): ``"none"``
+        (default), ``"fp16"``, ``"bf16"``, ``"int8"`` or ``"topk:RATIO"``; lossy
+        codecs keep a per-worker error-feedback residual. Sums are taken in float32.
+        ``history.history["bytes_per_step"]`` has the bytes moved per worker.
+    weights_dtype
+        ``placement="ps"``: the servers send weights back as ``"fp16"`` or
+        ``"bf16"`` (their master copy stays float32); ``None``: float32.
+    num_ps, placement
+        Sync: ``placement="mirrored"`` (default) has every replica apply the mean
+        itself; ``"ps"`` (implied by ``num_ps``) splits the parameters over
+        ``num_ps`` servers (:mod:`dasktf.ps`) that apply the optimizer to their slice.
+    topology
+        Sync, mirrored: ``"tree"`` (default, ``dasktf.reduction-fan-in``),
+        ``"naive"`` (all-to-one) or ``"ring"`` (reduce-scatter / all-gather), see
+        :mod:`dasktf.topology`.
 
     Examples
     --------
@@ -260,9 +278,17 @@ class Trainer:
         staleness_lr: str | None = None,
         sync_quorum: int | None = None,
         slow_workers: dict[int, float] | None = None,
+        compression: str | None = None,
+        weights_dtype: str | None = None,
+        num_ps: int | None = None,
+        placement: str | None = None,
+        topology: str | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}; got {mode!r}.")
+        self.comm = validate_comm_options(
+            mode, compression, weights_dtype, num_ps, placement, topology, mixed_precision
+        )
         _positive_int("n_workers", n_workers, allow_none=True)
         self.slow_workers = validate_mode_options(
             mode, max_staleness, staleness_lr, sync_quorum, slow_workers, n_workers
@@ -491,6 +517,8 @@ class _Run:
             spec, t._optimizer, loss, t._metrics, t.seed,
             mixed_precision=t.mixed_precision,
             publish_metrics=bool(config.get("metrics")),
+            comm=dataclasses.replace(t.comm, n_workers=len(self.workers))
+            if t.mode == "sync" and t.sync_quorum is None else None,
         )
         val = (
             place_validation(self.client, *validation_data, self.workers)
@@ -587,7 +615,11 @@ class _Run:
         """The step engine of the trainer's mode (sync, async, or sync with quorum)."""
         t = self.trainer
         if t.mode == "sync" and t.sync_quorum is None:
-            return SyncEngine(self.ctx)
+            from dasktf.topology import CommEngine
+
+            spec = dataclasses.replace(t.comm, n_workers=len(self.workers))
+            shapes = [tuple(v.shape) for v in self.model.trainable_variables]
+            return CommEngine(self.ctx, spec, shapes)
         from dasktf.asynchronous import AsyncEngine
         from dasktf.quorum import QuorumEngine
 
@@ -702,6 +734,11 @@ def fit(
     staleness_lr: str | None = None,
     sync_quorum: int | None = None,
     slow_workers: dict[int, float] | None = None,
+    compression: str | None = None,
+    weights_dtype: str | None = None,
+    num_ps: int | None = None,
+    placement: str | None = None,
+    topology: str | None = None,
 ) -> History:
     """Train ``model`` data-parallel on a Dask cluster; return its :class:`History`.
 
@@ -734,6 +771,11 @@ def fit(
         staleness_lr=staleness_lr,
         sync_quorum=sync_quorum,
         slow_workers=slow_workers,
+        compression=compression,
+        weights_dtype=weights_dtype,
+        num_ps=num_ps,
+        placement=placement,
+        topology=topology,
     ) as trainer:
         return trainer.fit(
             x,
