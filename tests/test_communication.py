@@ -112,3 +112,36 @@ def test_topk_with_error_feedback_converges(client, digits):
 def test_bad_options_fail_before_any_work(kw, match):
     with pytest.raises(ValueError, match=match):
         dasktf.Trainer("mnist-mlp", client=None, scheduler="tcp://127.0.0.1:1", **kw)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--compression", "gzip"], "Unknown compression 'gzip'"),
+        (["--weights-dtype", "fp16"], "placement='ps'"),
+        (["--ps", "2", "--topology", "ring"], "topology"),
+    ],
+)
+def test_cli_bad_communication_options_exit_2(args, message):
+    from click.testing import CliRunner
+
+    from dasktf.cli import main
+
+    result = CliRunner().invoke(main, ["fit", *args])
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+
+
+@pytest.mark.slow
+def test_cli_ps_and_compression_end_to_end():
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "dasktf.cli", "fit", "--workers", "3", "--epochs", "1",
+         "--quiet", "--ps", "2", "--compression", "fp16", "--weights-dtype", "bf16",
+         "--no-validation"],
+        capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "MB/step/worker" in proc.stdout and "allreduce bound" in proc.stdout
