@@ -45,6 +45,7 @@ import numpy as np
 from distributed import as_completed
 
 from dasktf import config
+from dasktf.comm import as_gradient_sum, decode_weights, encode_push, encode_weights
 from dasktf.data import Shard
 from dasktf.exceptions import DasktfError, StepTimeoutError
 from dasktf.replica import (
@@ -212,6 +213,7 @@ class ParameterHolder:
         self._queue: deque[int] = deque()  # tickets of the pulls waiting, in order
         self._tickets = 0
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="dasktf-holder")
+        self._weights_dtype = getattr(config_.comm, "weights_dtype", None)
         self._cond: asyncio.Condition | None = None
         self._lock: asyncio.Lock | None = None
 
@@ -257,7 +259,10 @@ class ParameterHolder:
             version = self.version
             self._last_step[worker] = version
             token = self.gate.start(version) if self.quorum is None else 0
-        return token, version, None if have == version else self.flat
+        if have == version:
+            return token, version, None
+        # fp16/bf16 weights on the wire if asked; the master copy stays float32
+        return token, version, encode_weights(self.flat, self._weights_dtype)
 
     async def push(
         self, token: int, worker: int, grad: GradientSum, version_read: int,
@@ -266,6 +271,7 @@ class ParameterHolder:
         """Apply ``grad`` now (async) or as part of its quorum step, then admit the
         worker's next gradient: one round trip per update, returning the outcome and
         what :meth:`pull` would (so the worker's next read is the newest weights)."""
+        grad = as_gradient_sum(grad)  # decode a compressed push (dasktf.comm)
         outcome = await self._push(token, worker, grad, version_read, shard_pass, step)
         return outcome, await self.pull(worker, version_read)
 
@@ -420,7 +426,7 @@ def async_step_task(run_id: str, holder: Actor, shard_pass: int, step: int) -> S
             return StepResult(replica.index, shard_pass, step, None)
         token, version, flat = pulled
         if flat is not None:
-            replica.set_flat_weights(flat)
+            replica.set_flat_weights(decode_weights(flat))
         replica.holder_version = version
         start = time.perf_counter()
         grad = replica.gradient(shard_pass, step)
@@ -429,7 +435,7 @@ def async_step_task(run_id: str, holder: Actor, shard_pass: int, step: int) -> S
         states = replica.take_metric_states()
         pushed = time.perf_counter()
         outcome, replica.__dict__["_next_pull"] = holder.push(
-            token, replica.index, grad, version, shard_pass, step
+            token, replica.index, encode_push(replica, grad), version, shard_pass, step
         ).result(timeout=timeout)
     end = time.perf_counter()
     # Where an update's time goes: between tasks (the worker's own task hand-over),

@@ -121,21 +121,23 @@ def validate_comm_options(
         topology = "tree"
     if topology not in TOPOLOGIES:
         raise ValueError(f"topology must be one of {TOPOLOGIES}; got {topology!r}.")
-    if mode != "sync" and (
-        codec.name != "none" or wdtype or num_ps is not None or placement != "mirrored"
-        or topology != "tree"
-    ):
-        # Not built yet (issue 8): the async holder still moves float32 buffers.
-        raise ValueError(
-            f"compression, weights_dtype, num_ps, placement and topology apply to "
-            f"mode='sync' so far; got mode={mode!r}. Drop them or train with mode='sync'."
-        )
+    if mode != "sync":
+        if num_ps is not None or placement != "mirrored" or topology != "tree":
+            # Not built yet (issue 8): async runs have one parameter holder.
+            raise ValueError(
+                f"num_ps, placement and topology apply to mode='sync' so far; got "
+                f"mode={mode!r}. Drop them or train with mode='sync'."
+            )
+        name = compression if isinstance(compression, str) else codec.name
+        # The async holder is the one place weights travel from: it may send them
+        # in lower precision whatever the placement.
+        return CommSpec(name or "none", wdtype, "tree", "holder", 1)
     if placement == "mirrored" and num_ps is not None and num_ps > 1:
         raise ValueError(
             f"num_ps={num_ps} shards the parameters over servers, but placement="
             "'mirrored' keeps them on every replica; use placement='ps'."
         )
-    if placement == "mirrored" and wdtype is not None:
+    if placement == "mirrored" and wdtype is not None and mode == "sync":
         raise ValueError(
             f"weights_dtype={wdtype!r} sets how weights travel back to the replicas; "
             "with placement='mirrored' no weights travel (every replica applies the "
@@ -282,6 +284,30 @@ def send(replica: Replica, out: GradientSum) -> Any:
     packets = sent if isinstance(sent, list) else [sent]
     ch.last_bytes += sum(p.nbytes for p in packets)
     return sent
+
+
+def encode_push(replica: Replica, grad: GradientSum) -> Any:
+    """Async: the gradient as it leaves for the holder (codec, error feedback)."""
+    ch = channel(replica)
+    if ch is None or ch.spec.compression == "none":
+        return grad
+    return ch.send(grad, "")
+
+
+def as_gradient_sum(grad: Any) -> GradientSum:
+    """Async holder: a pushed gradient back in float32 (a GradientSum as is)."""
+    if isinstance(grad, GradientSum):
+        return grad
+    return GradientSum(grad.total(), grad.count, grad.loss_sum, grad.compute_seconds)
+
+
+def encode_weights(flat: np.ndarray, weights_dtype: str | None) -> Any:
+    """Weights on their way to a replica: float32 as is, else fp16/bf16."""
+    return flat if weights_dtype is None else get_codec(weights_dtype).encode(flat)
+
+
+def decode_weights(flat: Any) -> np.ndarray:
+    return decode(flat) if isinstance(flat, Encoded) else flat
 
 
 def pick(packets: list[Packet], index: int) -> Packet:

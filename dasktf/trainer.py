@@ -517,8 +517,7 @@ class _Run:
             spec, t._optimizer, loss, t._metrics, t.seed,
             mixed_precision=t.mixed_precision,
             publish_metrics=bool(config.get("metrics")),
-            comm=dataclasses.replace(t.comm, n_workers=len(self.workers))
-            if t.mode == "sync" and t.sync_quorum is None else None,
+            comm=dataclasses.replace(t.comm, n_workers=len(self.workers)),
         )
         val = (
             place_validation(self.client, *validation_data, self.workers)
