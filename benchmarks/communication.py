@@ -4,7 +4,9 @@ count and reduction topology, side by side in one run (issue 8).
 One 3-worker LocalCluster; two models: the built-in ``cnn`` (1.2M parameters) and a
 wide MLP (784-2048-2048-10, 5.8M parameters). Every case trains 2 epochs of the same
 MNIST subset (global batch 384) from the same initial weights; examples/s is taken
-over the second epoch (the first one traces the functions). Bytes are counted at
+over the second epoch (the first one traces the functions), the best of
+``--repeats`` rounds that run every case once, interleaved, so that a burst of load
+on the shared machine hits one round, not one case. Bytes are counted at
 the codec by dasktf (``history.history``): what each worker sends plus receives per
 step, and the busiest worker's busier direction over the allreduce lower bound
 ``2 (N-1)/N x P x 4 bytes``. Ratios to the first row of each model (``none``, tree
@@ -83,6 +85,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=384)
     parser.add_argument("--mnist", default=DEFAULT_MNIST)
     parser.add_argument("--models", default="cnn,wide")
+    parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
 
     import dask
@@ -103,12 +106,19 @@ def main() -> None:
             client.wait_for_workers(3, timeout=120)
             for name in args.models.split(","):
                 label = "cnn (1.2M params)" if name == "cnn" else "wide MLP (5.8M params)"
-                rows = []
-                for case, options in CASES:
-                    # a fresh model per case: a keras.Model passed in is trained in place
-                    model = "cnn" if name == "cnn" else wide_mlp()
-                    rows.append((case, run_case(client, model, x, y, args.batch, options)))
-                    print(f"  {label} {case}: done", flush=True)
+                best: dict[str, dict] = {}
+                for round_ in range(args.repeats):
+                    for case, options in CASES:
+                        # a fresh model per case: a keras.Model is trained in place
+                        model = "cnn" if name == "cnn" else wide_mlp()
+                        r = run_case(client, model, x, y, args.batch, options)
+                        if case not in best or (
+                            r["examples_per_sec"] > best[case]["examples_per_sec"]
+                        ):
+                            best[case] = r
+                        print(f"  {label} {case} (round {round_ + 1}): "
+                              f"{r['examples_per_sec']:,.0f} examples/s", flush=True)
+                rows = [(case, best[case]) for case, _ in CASES]
                 base = rows[0][1]
                 print(f"\n### {label}, 3 workers, global batch {args.batch}; "
                       f"allreduce bound {base['bound'] / 1e6:.2f} MB/worker/step each way\n")

@@ -367,8 +367,14 @@ def traffic_task(run_id: str, dask_worker: Any = None) -> dict[str, Any]:
     return {"received": int(ledger["received"]), "sent": dict(ledger["sent"])}
 
 
-def release_traffic(run_id: str, dask_worker: Any = None) -> None:
+def release_run(run_id: str) -> None:
+    """Drop this process's ledger and server slices of ``run_id`` (called by
+    :func:`dasktf.replica.release_replicas`: no extra broadcast, which would wait
+    on a dead worker)."""
+    from dasktf.ps import release_shards
+
     _TRAFFIC.pop(run_id, None)
+    release_shards(run_id)
 
 
 def collect_traffic(

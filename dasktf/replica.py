@@ -504,7 +504,10 @@ def end_epoch_task(run_id: str, previous: Any, with_weights: bool) -> EpochRepor
 
 def release_replicas(run_id: str, dask_worker: Any = None) -> int:
     """Drop this process's replicas of ``run_id`` (run through ``Client.run``)."""
+    from dasktf.comm import release_run
+
     keys = [k for k in _REPLICAS if k[0] == run_id]
     for k in keys:
         del _REPLICAS[k]
+    release_run(run_id)
     return len(keys)

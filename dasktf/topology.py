@@ -32,9 +32,8 @@ from dasktf.comm import (
     collect_traffic,
     pick,
     reduce_packets,
-    release_traffic,
 )
-from dasktf.ps import ps_apply_task, release_shards, server_workers
+from dasktf.ps import ps_apply_task, server_workers
 from dasktf.sync import RunContext, SyncEngine
 
 if TYPE_CHECKING:
@@ -147,13 +146,6 @@ class CommEngine(SyncEngine):
             "bytes_lower_bound": bound,
             "bytes_bound_ratio": busiest / bound if bound else 0.0,
         }
-
-    def close(self) -> None:
-        self.ctx.client.run(release_traffic, self.ctx.run_id, workers=self.ctx.workers,
-                            on_error="ignore")
-        self.ctx.client.run(release_shards, self.ctx.run_id, workers=self.ctx.workers,
-                            on_error="ignore")
-
 
 def _size(shape: tuple[int, ...]) -> int:
     n = 1
