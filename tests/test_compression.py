@@ -97,3 +97,26 @@ def test_weights_dtype():
     assert validate_weights_dtype("bf16") == "bf16"
     with pytest.raises(ValueError, match="weights_dtype"):
         validate_weights_dtype("int8")
+
+
+def test_shard_plan_is_balanced_and_covers_every_value():
+    from dasktf.ps import shard_plan
+
+    # a big embedding-like matrix, a dense layer, biases
+    shapes = [(5000, 64), (64, 100), (100,), (100, 10), (10,)]
+    total = sum(int(np.prod(s)) for s in shapes)
+    for k in (1, 2, 3):
+        plan = shard_plan(shapes, k)
+        covered = np.zeros(total, int)
+        for ranges in plan:
+            for a, b in ranges:
+                covered[a:b] += 1
+        assert np.all(covered == 1)
+        loads = [sum(b - a for a, b in r) for r in plan]
+        # the big matrix is cut along its first axis (whole rows), so no server
+        # carries much more than its fair share
+        assert max(loads) <= 1.05 * total / k
+    big = shard_plan(shapes, 3)
+    assert all(((a % 64) == 0) for r in big for a, b in r if b <= 5000 * 64)
+    with pytest.raises(ValueError, match="num_ps=3"):
+        shard_plan([(1,)], 3)
