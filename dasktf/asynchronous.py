@@ -45,7 +45,13 @@ import numpy as np
 from distributed import as_completed
 
 from dasktf import config
-from dasktf.comm import as_gradient_sum, decode_weights, encode_push, encode_weights
+from dasktf.comm import (
+    as_gradient_sum,
+    decode_weights,
+    encode_push,
+    encode_weights,
+    wire_nbytes,
+)
 from dasktf.data import Shard
 from dasktf.exceptions import DasktfError, StepTimeoutError
 from dasktf.replica import (
@@ -434,8 +440,9 @@ def async_step_task(run_id: str, holder: Actor, shard_pass: int, step: int) -> S
         straggle(replica, grad.compute_seconds)
         states = replica.take_metric_states()
         pushed = time.perf_counter()
+        packed = encode_push(replica, grad)
         outcome, replica.__dict__["_next_pull"] = holder.push(
-            token, replica.index, encode_push(replica, grad), version, shard_pass, step
+            token, replica.index, packed, version, shard_pass, step
         ).result(timeout=timeout)
     end = time.perf_counter()
     # Where an update's time goes: between tasks (the worker's own task hand-over),
@@ -447,6 +454,9 @@ def async_step_task(run_id: str, holder: Actor, shard_pass: int, step: int) -> S
         "push_s": end - pushed,
     }
     replica.__dict__["_task_end"] = end
+    # the record's "bytes": this update's push and the weights it started from,
+    # as they travelled (counted at the codec)
+    timings["bytes"] = wire_nbytes(packed) + wire_nbytes(flat)
     _emit(replica, outcome, shard_pass, step, grad, timings)
     return StepResult(replica.index, shard_pass, step, outcome, states)
 

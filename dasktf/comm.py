@@ -306,6 +306,15 @@ def encode_weights(flat: np.ndarray, weights_dtype: str | None) -> Any:
     return flat if weights_dtype is None else get_codec(weights_dtype).encode(flat)
 
 
+def wire_nbytes(obj: Any) -> int:
+    """Bytes of a gradient or weights buffer as it travels (``None``: nothing)."""
+    if obj is None:
+        return 0
+    if isinstance(obj, GradientSum):
+        return (obj.total.nbytes if obj.total is not None else 0) + _HEADER_BYTES
+    return int(obj.nbytes)
+
+
 def decode_weights(flat: Any) -> np.ndarray:
     return decode(flat) if isinstance(flat, Encoded) else flat
 

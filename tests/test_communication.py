@@ -77,6 +77,16 @@ def test_async_compressed_pushes_and_bf16_weights(client, small_digits):
     # one worker: the same updates in the same order; only the codecs differ
     assert _max_diff(packed.model.get_weights(), plain.model.get_weights()) < 0.05
     assert _max_diff(packed.model.get_weights(), plain.model.get_weights()) > 0
+    # the stream's update records carry the bytes as they travelled
+    from dasktf.events import TOPIC, unpack
+
+    def mean_bytes(run):
+        records = [r for e in client.get_events(TOPIC) for r in unpack(e)
+                   if r.get("run") == run and r.get("kind") == "update"]
+        assert records
+        return np.mean([r["bytes"] for r in records])
+
+    assert mean_bytes(packed.run_id) < 0.6 * mean_bytes(plain.run_id)
 
 
 class _StopAt(keras.callbacks.Callback):
