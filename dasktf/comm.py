@@ -107,6 +107,9 @@ def validate_comm_options(
 ) -> CommSpec:
     """Check the communication options at the public boundary; return a spec
     (``n_workers`` is filled in once the run's workers are known)."""
+    from dasktf import config
+
+    compression = config.get("communication.compression", compression)
     codec = get_codec(compression)
     wdtype = validate_weights_dtype(weights_dtype)
     if num_ps is not None and (
@@ -118,7 +121,11 @@ def validate_comm_options(
     if placement not in PLACEMENTS:
         raise ValueError(f"placement must be one of {PLACEMENTS}; got {placement!r}.")
     if topology is None:
-        topology = "tree"
+        # the configured default applies where a topology means something
+        topology = (
+            config.get("communication.topology")
+            if mode == "sync" and placement == "mirrored" else "tree"
+        )
     if topology not in TOPOLOGIES:
         raise ValueError(f"topology must be one of {TOPOLOGIES}; got {topology!r}.")
     if mode != "sync":

@@ -230,19 +230,21 @@ class Trainer:
         averaged in float32. It applies to models built on the workers (a name or a
         factory); a ``keras.Model`` instance keeps the dtype policy it was made with.
     compression
-        Sync only: how gradients travel (:mod:`dasktf.compression`): ``"none"``
-        (default), ``"fp16"``, ``"bf16"``, ``"int8"`` or ``"topk:RATIO"``; lossy
-        codecs keep a per-worker error-feedback residual. Sums are taken in float32.
+        How gradients travel (:mod:`dasktf.compression`): ``"none"`` (default:
+        ``dasktf.communication.compression``), ``"fp16"``, ``"bf16"``, ``"int8"`` or
+        ``"topk:RATIO"``; lossy codecs keep a per-worker error-feedback residual
+        (async: on the pushes to the holder). Sums are taken in float32.
         ``history.history["bytes_per_step"]`` has the bytes moved per worker.
     weights_dtype
-        ``placement="ps"``: the servers send weights back as ``"fp16"`` or
-        ``"bf16"`` (their master copy stays float32); ``None``: float32.
+        ``placement="ps"`` or async: the servers (the holder) send weights back as
+        ``"fp16"`` or ``"bf16"`` (the master copy stays float32); ``None``: float32.
     num_ps, placement
         Sync: ``placement="mirrored"`` (default) has every replica apply the mean
         itself; ``"ps"`` (implied by ``num_ps``) splits the parameters over
         ``num_ps`` servers (:mod:`dasktf.ps`) that apply the optimizer to their slice.
     topology
-        Sync, mirrored: ``"tree"`` (default, ``dasktf.reduction-fan-in``),
+        Sync, mirrored: ``"tree"`` (default: ``dasktf.communication.topology``;
+        ``dasktf.reduction-fan-in`` per reduction),
         ``"naive"`` (all-to-one) or ``"ring"`` (reduce-scatter / all-gather), see
         :mod:`dasktf.topology`.
 
