@@ -45,6 +45,13 @@ import numpy as np
 from distributed import as_completed
 
 from dasktf import config
+from dasktf.comm import (
+    as_gradient_sum,
+    decode_weights,
+    encode_push,
+    encode_weights,
+    wire_nbytes,
+)
 from dasktf.data import Shard
 from dasktf.exceptions import DasktfError, StepTimeoutError
 from dasktf.replica import (
@@ -217,6 +224,7 @@ class ParameterHolder:
         self.gone: set[int] = set()
         self._token_owner: dict[int, int] = {}
         self._applied_items: dict[tuple[int, int, int], UpdateRecord] = {}
+        self._weights_dtype = getattr(config_.comm, "weights_dtype", None)
         self._cond: asyncio.Condition | None = None
         self._lock: asyncio.Lock | None = None
 
@@ -266,7 +274,10 @@ class ParameterHolder:
             self._last_step[worker] = version
             token = self.gate.start(version) if self.quorum is None else 0
             self._token_owner[token] = worker
-        return token, version, None if have == version else self.flat
+        if have == version:
+            return token, version, None
+        # fp16/bf16 weights on the wire if asked; the master copy stays float32
+        return token, version, encode_weights(self.flat, self._weights_dtype)
 
     async def push(
         self, token: int, worker: int, grad: GradientSum, version_read: int,
@@ -275,6 +286,7 @@ class ParameterHolder:
         """Apply ``grad`` now (async) or as part of its quorum step, then admit the
         worker's next gradient: one round trip per update, returning the outcome and
         what :meth:`pull` would (so the worker's next read is the newest weights)."""
+        grad = as_gradient_sum(grad)  # decode a compressed push (dasktf.comm)
         outcome = await self._push(token, worker, grad, version_read, shard_pass, step)
         return outcome, await self.pull(worker, version_read)
 
@@ -458,7 +470,7 @@ def async_step_task(
             return StepResult(replica.identity, shard_pass, step, None)
         token, version, flat = pulled
         if flat is not None:
-            replica.set_flat_weights(flat)
+            replica.set_flat_weights(decode_weights(flat))
         replica.holder_version = version
         start = time.perf_counter()
         grad = replica.gradient(shard_pass, step)
@@ -466,8 +478,9 @@ def async_step_task(
         straggle(replica, grad.compute_seconds)
         states = replica.take_metric_states()
         pushed = time.perf_counter()
+        packed = encode_push(replica, grad)
         outcome, replica.__dict__["_next_pull"] = holder.push(
-            token, replica.identity, grad, version, shard_pass, step
+            token, replica.identity, packed, version, shard_pass, step
         ).result(timeout=timeout)
     end = time.perf_counter()
     # Where an update's time goes: between tasks (the worker's own task hand-over),
@@ -479,6 +492,9 @@ def async_step_task(
         "push_s": end - pushed,
     }
     replica.__dict__["_task_end"] = end
+    # the record's "bytes": this update's push and the weights it started from,
+    # as they travelled (counted at the codec)
+    timings["bytes"] = wire_nbytes(packed) + wire_nbytes(flat)
     _emit(replica, outcome, shard_pass, step, grad, timings)
     return StepResult(replica.identity, shard_pass, step, outcome, states)
 

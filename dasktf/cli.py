@@ -82,6 +82,20 @@ def main() -> None:
 @click.option("--slow-worker", "slow_worker", multiple=True, metavar="INDEX:FACTOR",
               help="Slow a worker down for demos: it sleeps (FACTOR-1) x its compute time "
               "each step, e.g. --slow-worker 0:4. Repeatable.")
+@click.option("--compression", default="none", show_default=True, metavar="CODEC",
+              help="sync: how gradients travel: none, fp16, bf16, int8 or topk:RATIO "
+              "(e.g. topk:0.01); lossy codecs keep an error-feedback residual.")
+@click.option("--ps", "num_ps", type=click.IntRange(min=1), default=None, metavar="K",
+              help="sync: shard the parameters over K parameter servers (placement ps).")
+@click.option("--placement", type=click.Choice(["mirrored", "ps"]), default=None,
+              help="sync: every replica applies the mean (mirrored, default) or "
+              "parameter servers do (ps).")
+@click.option("--topology", type=click.Choice(["tree", "naive", "ring"]), default=None,
+              help="sync, mirrored: how gradients are reduced (default tree).")
+@click.option("--weights-dtype", type=click.Choice(["float32", "fp16", "bf16"]),
+              default="float32", show_default=True,
+              help="ps: the dtype weights travel back to the replicas in (master copy "
+              "stays float32).")
 @click.option("--epochs", "-e", type=click.IntRange(min=1), default=None,
               help="Passes over the data. Default: the data set's own (digits: 5).")
 @click.option("--batch-size", "-b", type=click.IntRange(min=1), default=None,
@@ -154,9 +168,16 @@ def _fit(
     engine: str = "auto",
     checkpoint_dir: str | None = None, checkpoint_every: int | None = None,
     resume: bool = False, on_worker_loss: str = "recover", scale_lr: bool = False,
+    compression: str = "none", num_ps: int | None = None, placement: str | None = None,
+    topology: str | None = None, weights_dtype: str = "float32",
 ) -> None:
     import dasktf
     from dasktf.asynchronous import validate_mode_options
+    from dasktf.comm import validate_comm_options
+
+    comm = dict(compression=compression, weights_dtype=weights_dtype, num_ps=num_ps,
+                placement=placement, topology=topology)
+    validate_comm_options(mode, mixed_precision=mixed_precision, **comm)
 
     slow_workers = parse_slow_workers(slow_worker)
     # Before the data set and the cluster: a bad option fails in seconds.
@@ -191,6 +212,7 @@ def _fit(
         sync_quorum=sync_quorum,
         slow_workers=slow_workers,
         engine=engine,
+        **comm,
     )
     from dasktf.dashboard.cli import serve_dashboard, write_run_report
 
@@ -228,6 +250,10 @@ def _fit(
     if "accuracy" in result:
         summary.append(f"test accuracy {result['accuracy']:.4f}")
     summary += [f"wall time {wall:.1f}s", f"{examples / train_seconds:,.0f} examples/s"]
+    if "bytes_per_step" in history.history:
+        summary.append(f"{history.history['bytes_per_step'][-1] / 1e6:.3f} MB/step/worker "
+                       f"({history.history['bytes_bound_ratio'][-1]:.2f}x the allreduce "
+                       "bound)")
     click.echo("done: " + "  ".join(summary))
 
 

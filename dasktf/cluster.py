@@ -203,7 +203,11 @@ def cluster_client(
 
 def alive_workers(client: Client) -> list[str]:
     """Addresses of the workers the scheduler knows now, sorted."""
-    return sorted(client.scheduler_info(n_workers=-1)["workers"])
+    # Not client.scheduler_info(): it returns the client's cached identity, which
+    # the client's periodic refresh (n_workers=0: no workers listed) can overwrite
+    # between the fetch and the return; under load every worker then looks lost.
+    info = client.sync(client.scheduler.identity, n_workers=-1)
+    return sorted(info["workers"])
 
 
 def choose_workers(client: Client, n_workers: int | None, timeout: float = 30.0) -> list[str]:

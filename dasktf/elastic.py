@@ -44,7 +44,9 @@ from dasktf.data import (
 )
 from dasktf.exceptions import AllWorkersLostError, WorkerLostError
 from dasktf.replica import EpochReport, get_replica
-from dasktf.sync import RunContext, SyncEngine, wait_for
+from dasktf.comm import CommSpec
+from dasktf.sync import RunContext, wait_for
+from dasktf.topology import CommEngine
 
 if TYPE_CHECKING:
     from distributed import Client, Future
@@ -153,13 +155,22 @@ def reload_shard(
 
 
 # -- the client side ------------------------------------------------------------------
-class ElasticSyncEngine(SyncEngine):
-    """A :class:`~dasktf.sync.SyncEngine` that survives losing workers.
+class ElasticSyncEngine(CommEngine):
+    """A sync engine (:class:`~dasktf.topology.CommEngine`: codec, topology,
+    placement) that survives losing workers.
+
+    Recovery needs every survivor to hold the whole model state, so it covers the
+    mirrored placement with a tree or all-to-one reduction (any codec); a ring or
+    sharded-parameter-server run stops with :class:`WorkerLostError` instead (its
+    chunks and server slices were cut for the original workers).
 
     Parameters
     ----------
     ctx
         The run (its ``watcher`` reports removals).
+    spec, shapes
+        The run's communication spec and trainable variables' shapes (see
+        :class:`~dasktf.topology.CommEngine`).
     carried
         ``{worker address: [replica indices whose shards it trains on]}``.
     reload
@@ -174,6 +185,8 @@ class ElasticSyncEngine(SyncEngine):
     def __init__(
         self,
         ctx: RunContext,
+        spec: CommSpec,
+        shapes: list[tuple[int, ...]],
         schedule: np.ndarray,
         carried: dict[str, list[int]],
         reload: Callable[[int, str], tuple[Any, Any]],
@@ -181,7 +194,7 @@ class ElasticSyncEngine(SyncEngine):
         on_all_lost: Callable[[], str | None] | None = None,
         announce: Callable[[str], None] | None = None,
     ) -> None:
-        super().__init__(ctx)
+        super().__init__(ctx, spec, shapes)
         self.schedule = schedule
         self.carried = carried
         self.reload = reload
@@ -202,9 +215,14 @@ class ElasticSyncEngine(SyncEngine):
             try:
                 return super().run_epoch(epoch, on_step, start)
             except WorkerLostError as exc:
-                if self.policy == "raise":
+                if self.policy == "raise" or not self.recoverable:
                     raise
                 start = self.recover(exc.workers, epoch)
+
+    @property
+    def recoverable(self) -> bool:
+        """Mirrored placement with one reduced buffer per step (see the class)."""
+        return self.spec.placement != "ps" and self.spec.n_chunks == 1
 
     def recover(self, lost: list[str], epoch: int) -> int:
         """Reconcile the survivors, hand out the lost shards; the step to resume at."""
@@ -214,10 +232,10 @@ class ElasticSyncEngine(SyncEngine):
         lost = sorted(set(lost) | set(removals))
         survivors = [w for w in ctx.workers if w not in lost]
         finished = [s for s, (_, total) in sorted(self.in_flight.items())
-                    if total.status == "finished"]
+                    if all(f.status == "finished" for f in _futures(total))]
         # 1. nothing in flight may apply from here on
         for parts, total in self.in_flight.values():
-            client.cancel([*parts, total], force=True)
+            client.cancel([*parts, *_futures(total)], force=True)
         self.in_flight = {}
         if not survivors:
             path = self.on_all_lost() if self.on_all_lost is not None else None
@@ -421,3 +439,8 @@ def recover_async(engine: Any, lost: list[str]) -> None:
         f"worker(s) in {resumed - since:.2f}s, shard(s) "
         f"{', '.join(f'{i}->{a}' for i, a in moved)} (in-flight gradients dropped)"
     )
+
+
+def _futures(total: Any) -> list[Any]:
+    """A step's result: one future, or several (ring, sharded servers)."""
+    return total if isinstance(total, list) else [total]

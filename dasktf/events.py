@@ -57,8 +57,10 @@ class StepRecord(TypedDict, total=False):
     compute_s: float  #: apply + gradient on the worker
     communication_s: float  #: Dask-measured transfers of this step's inputs to the worker
     waiting_s: float  #: idle time since this worker's previous step, minus transfers
-    #: gradient bytes this step received and produced: what it moves at most (a
-    #: reduction that runs on the same worker moves less)
+    #: bytes this step received from other workers plus the bytes of the gradient
+    #: it produced, counted at the codec (dasktf.comm): what it moves at most (a
+    #: reduction that runs on the same worker moves less; the exact per-worker
+    #: figures are history.history["bytes_per_step"])
     bytes: int
     wall_time: float  #: time.time() on the worker when the record was made
 

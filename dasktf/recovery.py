@@ -10,6 +10,8 @@ workers alive now) and at the end (the final ``.keras`` model).
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import time
 from dataclasses import dataclass
@@ -77,8 +79,11 @@ class RunGuard:
     # -- engines ------------------------------------------------------------------
     def sync_engine(self) -> ElasticSyncEngine:
         run = self.run
+        spec = dataclasses.replace(run.trainer.comm, n_workers=len(run.workers))
+        shapes = [tuple(v.shape) for v in run.model.trainable_variables]
         engine = ElasticSyncEngine(
-            run.ctx, run.placed.schedule, {w: [i] for i, w in enumerate(run.workers)},
+            run.ctx, spec, shapes, run.placed.schedule,
+            {w: [i] for i, w in enumerate(run.workers)},
             self._reload, run._publish, self._on_all_lost, self._announce,
         )
         engine.policy = self.options.on_worker_loss
@@ -225,6 +230,8 @@ class RunGuard:
     # -- elastic growth / rebalancing at an epoch boundary --------------------------
     def maybe_reform(self, engine: ElasticSyncEngine) -> None:
         run = self.run
+        if not engine.recoverable:  # ring chunks / server slices belong to the workers
+            return
         watcher = run.ctx.watcher
         joined = watcher.added_since(self.started, run.ctx.workers) if watcher else []
         from dasktf.cluster import alive_workers

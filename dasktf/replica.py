@@ -48,6 +48,9 @@ class ReplicaConfig:
     mixed_precision: bool = False
     #: publish step records (the client's ``dasktf.metrics`` at run start)
     publish_metrics: bool = True
+    #: how gradients and weights travel (a :class:`dasktf.comm.CommSpec`); None:
+    #: plain float32 GradientSums (the async holder's own replica)
+    comm: Any = None
 
 
 @dataclass
@@ -174,6 +177,7 @@ class Replica:
         self.shuffle = shuffle
         self.seed = config.seed
         self.eval_batch_size = config.eval_batch_size
+        self.comm = config.comm
         keras.utils.set_random_seed(config.seed + index)
 
         # The model and its step live on this worker's one GPU if it has one (it was
@@ -349,6 +353,7 @@ class Replica:
         previous: GradientSum | None,
         out: GradientSum,
         timing: StepTiming | None = None,
+        moved: int | None = None,
     ) -> None:
         """Queue this step's record (schema: :class:`dasktf.events.StepRecord`); the
         global loss of the step before rides along (the summed gradient this replica
@@ -356,7 +361,7 @@ class Replica:
         if not self.events.enabled:
             return
         update = epoch * len(self.schedule) + step
-        moved = (
+        moved = moved if moved is not None else (
             (out.total.nbytes if out.total is not None else 0)
             + (previous.total.nbytes if previous is not None and previous.total is not None else 0)
         )
@@ -515,14 +520,18 @@ def create_replica_task(
 
 
 def step_task(
-    run_id: str, epoch: int, step: int, previous: GradientSum | None, update: int = -1
-) -> GradientSum:
+    run_id: str, epoch: int, step: int, previous: Any, update: int = -1
+) -> Any:
     """One fused sync step on one worker: apply the last summed gradient, then
-    compute the gradient of this step's local batch (global update ``update``)."""
+    compute the gradient of this step's local batch (global update ``update``),
+    encoded for the wire by :mod:`dasktf.comm`."""
+    from dasktf import comm
+
     start = time.perf_counter()
     replica = get_replica(run_id)
     timing = replica.timing.begin(epoch, start)
-    replica.apply(previous)
+    to_apply, previous = comm.receive(replica, previous, run_id)
+    replica.apply(to_apply)
     out = replica.gradient(epoch, step)
     out.update = update
     end = time.perf_counter()
@@ -530,8 +539,11 @@ def step_task(
     replica.timing.end(end)
     straggle(replica, out.compute_seconds)
     replica.step_seconds.append(out.compute_seconds)
-    replica.record_step(epoch, step, previous, out, timing)
-    return out
+    sent = comm.send(replica, out)
+    channel = comm.channel(replica)
+    replica.record_step(epoch, step, previous, out, timing,
+                        channel.last_bytes if channel is not None else None)
+    return sent
 
 
 def straggle(replica: Replica, compute_seconds: float) -> None:
@@ -548,14 +560,14 @@ def straggle(replica: Replica, compute_seconds: float) -> None:
     replica.__dict__["_traced"] = True
 
 
-def end_epoch_task(
-    run_id: str, previous: GradientSum | None, with_weights: bool
-) -> EpochReport:
+def end_epoch_task(run_id: str, previous: Any, with_weights: bool) -> EpochReport:
     """Apply the epoch's last gradient, then report metrics (and weights if asked)."""
     from distributed import get_worker
 
+    from dasktf import comm
+
     replica = get_replica(run_id)
-    replica.apply(previous)
+    replica.apply(comm.receive(replica, previous, run_id)[0])
     replica.events.flush()
     train = replica.metric_states()
     replica.model.reset_metrics()
@@ -568,7 +580,10 @@ def end_epoch_task(
 
 def release_replicas(run_id: str, dask_worker: Any = None) -> int:
     """Drop this process's replicas of ``run_id`` (run through ``Client.run``)."""
+    from dasktf.comm import release_run
+
     keys = [k for k in _REPLICAS if k[0] == run_id]
     for k in keys:
         del _REPLICAS[k]
+    release_run(run_id)
     return len(keys)

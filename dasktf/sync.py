@@ -137,24 +137,39 @@ class SyncEngine:
         self.key_suffix = ""
         #: This epoch's step futures: ``step -> (gradient parts, their sum)``; recovery
         #: (:mod:`dasktf.elastic`) cancels the unfinished ones and reuses the sums.
-        self.in_flight: dict[int, tuple[list[Future], Future]] = {}
+        self.in_flight: dict[int, tuple[list[Future], Any]] = {}
 
     def _reduce(self, parts: list[Future], epoch: int, step: int) -> Future:
-        client, level, depth = self.ctx.client, parts, 0
+        level, depth = parts, 0
         while len(level) > 1:
             level = [
-                client.submit(
-                    sum_gradients,
-                    *level[j : j + self.fan_in],
-                    key=f"dasktf-sum-{self.ctx.run_id}-{epoch}-{step}-{depth}-{j}{self.key_suffix}",
+                self._submit_sum(
+                    level[j : j + self.fan_in],
+                    f"dasktf-sum-{self.ctx.run_id}-{epoch}-{step}-{depth}-{j}{self.key_suffix}",
                 )
                 for j in range(0, len(level), self.fan_in)
             ]
             depth += 1
         return level[0]
 
-    def submit_step(self, epoch: int, step: int, previous: Future | None) -> Future:
-        parts = [
+    def _submit_sum(self, parts: list[Future], key: str) -> Future:
+        """One reduction task (dasktf.topology's engine sums encoded packets)."""
+        return self.ctx.client.submit(sum_gradients, *parts, key=key)
+
+    def submit_step(self, epoch: int, step: int, previous: Any) -> Any:
+        parts = self._step_parts(epoch, step, previous)
+        total = self._combine(parts, epoch, step)
+        self.in_flight[step] = (parts, total)
+        return total
+
+    def _combine(self, parts: list[Future], epoch: int, step: int) -> Any:
+        """What the next step receives: the summed gradient (a future), or several
+        futures for a ring or sharded step (:class:`dasktf.topology.CommEngine`)."""
+        return self._reduce(parts, epoch, step)
+
+    def _step_parts(self, epoch: int, step: int, previous: Any) -> list[Future]:
+        """Every worker's step task of this step (their gradients, not yet summed)."""
+        return [
             self.ctx.client.submit(
                 step_task,
                 self.ctx.run_id,
@@ -170,9 +185,6 @@ class SyncEngine:
             )
             for i, w in enumerate(self.ctx.workers)
         ]
-        total = self._reduce(parts, epoch, step)
-        self.in_flight[step] = (parts, total)
-        return total
 
     def run_epoch(
         self, epoch: int, on_step: Callable[[int], None] | None = None, start: int = 0
@@ -211,7 +223,9 @@ class SyncEngine:
         self, item: tuple[int, Future], epoch: int, on_step: Callable[[int], None] | None
     ) -> None:
         step, future = item
-        wait_for(self.ctx, [future], f"step {step + 1} of epoch {epoch + 1}")
+        # A ring or sharded step ends in several futures (dasktf.topology).
+        futures = future if isinstance(future, list) else [future]
+        wait_for(self.ctx, futures, f"step {step + 1} of epoch {epoch + 1}")
         for old in [s for s in self.in_flight if s < step - 1]:
             del self.in_flight[old]  # applied everywhere: never needed again
         if on_step is not None:

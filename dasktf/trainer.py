@@ -8,6 +8,7 @@ callbacks on the client.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import functools
 import inspect
@@ -51,6 +52,7 @@ from dasktf.sync import RunContext, wait_for
 from dasktf.asynchronous import choose_holder, updates_frame, validate_mode_options
 from dasktf.collective import validate_engine, validate_fault_options
 from dasktf.recovery import FaultOptions, RunGuard
+from dasktf.comm import validate_comm_options
 
 if TYPE_CHECKING:
     from distributed import Client
@@ -239,6 +241,24 @@ class Trainer:
         scaling on GPUs, ``mixed_bfloat16`` on CPUs. Gradients are still summed and
         averaged in float32. It applies to models built on the workers (a name or a
         factory); a ``keras.Model`` instance keeps the dtype policy it was made with.
+    compression
+        How gradients travel (:mod:`dasktf.compression`): ``"none"`` (default:
+        ``dasktf.communication.compression``), ``"fp16"``, ``"bf16"``, ``"int8"`` or
+        ``"topk:RATIO"``; lossy codecs keep a per-worker error-feedback residual
+        (async: on the pushes to the holder). Sums are taken in float32.
+        ``history.history["bytes_per_step"]`` has the bytes moved per worker.
+    weights_dtype
+        ``placement="ps"`` or async: the servers (the holder) send weights back as
+        ``"fp16"`` or ``"bf16"`` (the master copy stays float32); ``None``: float32.
+    num_ps, placement
+        Sync: ``placement="mirrored"`` (default) has every replica apply the mean
+        itself; ``"ps"`` (implied by ``num_ps``) splits the parameters over
+        ``num_ps`` servers (:mod:`dasktf.ps`) that apply the optimizer to their slice.
+    topology
+        Sync, mirrored: ``"tree"`` (default: ``dasktf.communication.topology``;
+        ``dasktf.reduction-fan-in`` per reduction),
+        ``"naive"`` (all-to-one) or ``"ring"`` (reduce-scatter / all-gather), see
+        :mod:`dasktf.topology`.
 
     Examples
     --------
@@ -274,9 +294,17 @@ class Trainer:
         slow_workers: dict[int, float] | None = None,
         engine: str = "auto",
         on_epoch_end: Callable[[list[Any], list[Any], int], None] | None = None,
+        compression: str | None = None,
+        weights_dtype: str | None = None,
+        num_ps: int | None = None,
+        placement: str | None = None,
+        topology: str | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}; got {mode!r}.")
+        self.comm = validate_comm_options(
+            mode, compression, weights_dtype, num_ps, placement, topology, mixed_precision
+        )
         _positive_int("n_workers", n_workers, allow_none=True)
         self.slow_workers = validate_mode_options(
             mode, max_staleness, staleness_lr, sync_quorum, slow_workers, n_workers
@@ -538,6 +566,7 @@ class _Run:
             spec, t._optimizer, loss, t._metrics, t.seed,
             mixed_precision=t.mixed_precision,
             publish_metrics=bool(config.get("metrics")),
+            comm=dataclasses.replace(t.comm, n_workers=len(self.workers)),
         )
         self._validation = validation_data
         self._create_replicas()
@@ -801,6 +830,11 @@ def fit(
     resume: bool = False,
     on_worker_loss: str = "recover",
     scale_lr: bool = False,
+    compression: str | None = None,
+    weights_dtype: str | None = None,
+    num_ps: int | None = None,
+    placement: str | None = None,
+    topology: str | None = None,
 ) -> History:
     """Train ``model`` data-parallel on a Dask cluster; return its :class:`History`.
 
@@ -835,6 +869,11 @@ def fit(
         slow_workers=slow_workers,
         engine=engine,
         on_epoch_end=on_epoch_end,
+        compression=compression,
+        weights_dtype=weights_dtype,
+        num_ps=num_ps,
+        placement=placement,
+        topology=topology,
     ) as trainer:
         return trainer.fit(
             x,

@@ -1,0 +1,410 @@
+"""What the sync step moves between workers, and how many bytes that is.
+
+Every gradient leaves its worker as a :class:`Packet`: a codec's :class:`Encoded`
+form (:mod:`dasktf.compression`) of the gradient sum, or of one *chunk* of it (a set
+of ranges of the flat buffer: ring reduction and sharded parameter servers move
+chunks, see :mod:`dasktf.topology` and :mod:`dasktf.ps`). Reductions decode their
+inputs, add them in float32 and re-encode the sum for its way back; a lossy codec
+keeps a per-worker, per-chunk error-feedback residual on the replica.
+
+Bytes are counted at the codec: every task that consumes packets adds the bytes of
+those made on *another* worker to its worker's ``received`` and to the producing
+worker's ``sent`` (a per-process ledger, read at each epoch end with
+:func:`collect_traffic`). So a reduction that runs where its input was made counts
+nothing, as no byte moved, and the figures hold for any topology.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from dask.sizeof import sizeof
+
+from dasktf.compression import (
+    Encoded,
+    ErrorFeedback,
+    decode,
+    get_codec,
+    validate_weights_dtype,
+)
+from dasktf.replica import GradientSum
+
+if TYPE_CHECKING:
+    from distributed import Client
+
+    from dasktf.replica import Replica
+
+TOPOLOGIES = ("tree", "naive", "ring")
+PLACEMENTS = ("mirrored", "ps")
+#: Bytes of the few scalars (count, loss) a packet carries besides its buffer.
+_HEADER_BYTES = 16
+
+Ranges = list[tuple[int, int]]
+
+
+@dataclass(frozen=True)
+class CommSpec:
+    """How a sync run's gradients and weights travel (small and picklable)."""
+
+    compression: str = "none"
+    weights_dtype: str | None = None
+    topology: str = "tree"
+    placement: str = "mirrored"
+    num_ps: int = 1
+    n_workers: int = 1
+
+    @property
+    def n_chunks(self) -> int:
+        """Pieces each gradient leaves its worker in (one per reducer)."""
+        if self.placement == "ps":
+            return self.num_ps
+        return self.n_workers if self.topology == "ring" and self.n_workers > 1 else 1
+
+
+@dataclass
+class Packet:
+    """A gradient sum (``kind="grad"``) or weights (``"weights"``) on the wire.
+
+    ``mean``: the buffer holds ``total / count`` (lossy codecs: keeps fp16 in
+    range whatever the batch size); the receiver multiplies back in float32.
+    """
+
+    values: Encoded | None
+    count: int
+    loss_sum: float
+    compute_seconds: float = 0.0
+    origin: str = ""
+    kind: str = "grad"
+    mean: bool = False
+    #: the global update the sum makes when applied (-1: untracked); replicas apply
+    #: each update once (dasktf.elastic's recovery hands sums over again)
+    update: int = -1
+
+    @property
+    def nbytes(self) -> int:
+        return (self.values.nbytes if self.values is not None else 0) + _HEADER_BYTES
+
+    def total(self) -> np.ndarray | None:
+        if self.values is None:
+            return None
+        out = decode(self.values)
+        return out * np.float32(self.count) if self.mean else out
+
+
+@sizeof.register(Packet)
+def _sizeof_packet(p: Packet) -> int:
+    return p.nbytes + 64
+
+
+def validate_comm_options(
+    mode: str,
+    compression: Any,
+    weights_dtype: Any,
+    num_ps: Any,
+    placement: Any,
+    topology: Any,
+    mixed_precision: bool = False,
+) -> CommSpec:
+    """Check the communication options at the public boundary; return a spec
+    (``n_workers`` is filled in once the run's workers are known)."""
+    from dasktf import config
+
+    compression = config.get("communication.compression", compression)
+    codec = get_codec(compression)
+    wdtype = validate_weights_dtype(weights_dtype)
+    if num_ps is not None and (
+        isinstance(num_ps, bool) or not isinstance(num_ps, (int, np.integer)) or num_ps < 1
+    ):
+        raise ValueError(f"num_ps must be a positive integer; got {num_ps!r}.")
+    if placement is None:
+        placement = "ps" if num_ps is not None else "mirrored"
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement must be one of {PLACEMENTS}; got {placement!r}.")
+    if topology is None:
+        # the configured default applies where a topology means something
+        topology = (
+            config.get("communication.topology")
+            if mode == "sync" and placement == "mirrored" else "tree"
+        )
+    if topology not in TOPOLOGIES:
+        raise ValueError(f"topology must be one of {TOPOLOGIES}; got {topology!r}.")
+    if mode != "sync":
+        if num_ps is not None or placement != "mirrored" or topology != "tree":
+            # Not built yet (issue 8): async runs have one parameter holder.
+            raise ValueError(
+                f"num_ps, placement and topology apply to mode='sync' so far; got "
+                f"mode={mode!r}. Drop them or train with mode='sync'."
+            )
+        name = compression if isinstance(compression, str) else codec.name
+        # The async holder is the one place weights travel from: it may send them
+        # in lower precision whatever the placement.
+        return CommSpec(name or "none", wdtype, "tree", "holder", 1)
+    if placement == "mirrored" and num_ps is not None and num_ps > 1:
+        raise ValueError(
+            f"num_ps={num_ps} shards the parameters over servers, but placement="
+            "'mirrored' keeps them on every replica; use placement='ps'."
+        )
+    if placement == "mirrored" and wdtype is not None and mode == "sync":
+        raise ValueError(
+            f"weights_dtype={wdtype!r} sets how weights travel back to the replicas; "
+            "with placement='mirrored' no weights travel (every replica applies the "
+            "mean itself). Use placement='ps' (or num_ps=K)."
+        )
+    if placement == "ps" and topology != "tree":
+        raise ValueError(
+            f"topology={topology!r} is how mirrored replicas reduce; with placement="
+            "'ps' each server reduces its own slice. Drop topology."
+        )
+    if placement == "ps" and mixed_precision:
+        raise ValueError(
+            "placement='ps' applies the optimizer on the servers in float32 and has no "
+            "loss scaling; drop mixed_precision or use placement='mirrored'."
+        )
+    name = compression if isinstance(compression, str) else codec.name
+    return CommSpec(name or "none", wdtype, topology, placement, int(num_ps or 1))
+
+
+def allreduce_lower_bound(n_params: int, n_workers: int, bytes_per_value: float = 4) -> float:
+    """Bytes each worker must send and receive per step to allreduce ``n_params``
+    values: ``2 (N-1)/N x P x bytes_per_value`` (reduce-scatter then all-gather)."""
+    if n_workers <= 1:
+        return 0.0
+    return 2.0 * (n_workers - 1) / n_workers * n_params * bytes_per_value
+
+
+# -- the worker side -------------------------------------------------------------------
+def chunk_ranges(spec: CommSpec, sizes: list[int], shapes: list[tuple[int, ...]]) -> list[Ranges]:
+    """The flat-buffer ranges of each chunk a gradient is split into."""
+    total = int(sum(sizes))
+    if spec.placement == "ps":
+        from dasktf.ps import shard_plan
+
+        return shard_plan(shapes, spec.num_ps)
+    n = spec.n_chunks
+    edges = [round(total * c / n) for c in range(n + 1)]
+    return [[(edges[c], edges[c + 1])] for c in range(n)]
+
+
+def gather_ranges(flat: np.ndarray, ranges: Ranges) -> np.ndarray:
+    if len(ranges) == 1:
+        a, b = ranges[0]
+        return flat[a:b]
+    return np.concatenate([flat[a:b] for a, b in ranges])
+
+
+def scatter_ranges(out: np.ndarray, ranges: Ranges, values: np.ndarray) -> None:
+    i = 0
+    for a, b in ranges:
+        out[a:b] = values[i : i + b - a]
+        i += b - a
+
+
+@dataclass
+class Channel:
+    """A replica's end of the wire: codec, chunks, error-feedback residuals."""
+
+    spec: CommSpec
+    chunks: list[Ranges]
+    size: int
+    feedback: list[ErrorFeedback] = field(default_factory=list)
+    #: codec bytes of the last step: sent (made here) and received (made elsewhere)
+    last_bytes: int = 0
+
+    @classmethod
+    def for_replica(cls, replica: Replica) -> Channel:
+        spec: CommSpec = replica.comm
+        chunks = chunk_ranges(spec, replica.sizes, replica.shapes)
+        codec = get_codec(spec.compression)
+        return cls(spec, chunks, int(sum(replica.sizes)),
+                   [ErrorFeedback(codec) for _ in chunks])
+
+    def send(self, out: GradientSum, origin: str) -> Packet | list[Packet]:
+        """Encode this step's gradient (chunk by chunk, with error feedback)."""
+        packets = []
+        lossy = self.feedback[0].codec.lossy
+        for ranges, feedback in zip(self.chunks, self.feedback):
+            values = None
+            if out.total is not None and out.count:
+                part = gather_ranges(out.total, ranges)
+                values = feedback.encode(part / np.float32(out.count) if lossy else part)
+            packets.append(
+                Packet(values, out.count, out.loss_sum, out.compute_seconds, origin,
+                       mean=lossy, update=out.update)
+            )
+        return packets[0] if self.spec.n_chunks == 1 else packets
+
+
+def channel(replica: Replica) -> Channel | None:
+    if getattr(replica, "comm", None) is None:
+        return None
+    ch = replica.__dict__.get("_channel")
+    if ch is None:
+        ch = replica.__dict__["_channel"] = Channel.for_replica(replica)
+    return ch  # type: ignore[no-any-return]
+
+
+def receive(
+    replica: Replica, previous: Any, run_id: str
+) -> tuple[GradientSum | None, GradientSum | None]:
+    """Decode what the last step's reduction sent: ``(to_apply, seen)``.
+
+    ``to_apply`` is the float32 gradient sum the replica applies (``None`` under
+    ``placement="ps"``: the weights were set here from the servers' slices);
+    ``seen`` carries the step's count and loss for the step record.
+    """
+    ch = channel(replica)
+    if ch is not None:
+        ch.last_bytes = 0
+    if ch is None or previous is None or isinstance(previous, GradientSum):
+        return previous, previous
+    packets = previous if isinstance(previous, list) else [previous]
+    ch.last_bytes = account(run_id, packets)
+    first = packets[0]
+    if first.kind == "weights":
+        flat = np.empty(ch.size, np.float32)
+        for ranges, p in zip(ch.chunks, packets):
+            assert p.values is not None
+            scatter_ranges(flat, ranges, decode(p.values))
+        replica.set_flat_weights(flat)
+        return None, GradientSum(None, first.count, first.loss_sum)
+    if len(packets) == 1:
+        total = first.total()
+    elif first.values is None:
+        total = None
+    else:
+        total = np.empty(ch.size, np.float32)
+        for ranges, p in zip(ch.chunks, packets):
+            scatter_ranges(total, ranges, p.total())  # type: ignore[arg-type]
+    summed = GradientSum(total, first.count, first.loss_sum, update=first.update)
+    return summed, summed
+
+
+def send(replica: Replica, out: GradientSum) -> Any:
+    """This step's gradient as it leaves the worker (unchanged without a channel)."""
+    ch = channel(replica)
+    if ch is None:
+        return out
+    from distributed import get_worker
+
+    origin = get_worker().address
+    sent = ch.send(out, origin)
+    packets = sent if isinstance(sent, list) else [sent]
+    ch.last_bytes += sum(p.nbytes for p in packets)
+    return sent
+
+
+def encode_push(replica: Replica, grad: GradientSum) -> Any:
+    """Async: the gradient as it leaves for the holder (codec, error feedback)."""
+    ch = channel(replica)
+    if ch is None or ch.spec.compression == "none":
+        return grad
+    return ch.send(grad, "")
+
+
+def as_gradient_sum(grad: Any) -> GradientSum:
+    """Async holder: a pushed gradient back in float32 (a GradientSum as is)."""
+    if isinstance(grad, GradientSum):
+        return grad
+    return GradientSum(grad.total(), grad.count, grad.loss_sum, grad.compute_seconds)
+
+
+def encode_weights(flat: np.ndarray, weights_dtype: str | None) -> Any:
+    """Weights on their way to a replica: float32 as is, else fp16/bf16."""
+    return flat if weights_dtype is None else get_codec(weights_dtype).encode(flat)
+
+
+def wire_nbytes(obj: Any) -> int:
+    """Bytes of a gradient or weights buffer as it travels (``None``: nothing)."""
+    if obj is None:
+        return 0
+    if isinstance(obj, GradientSum):
+        return (obj.total.nbytes if obj.total is not None else 0) + _HEADER_BYTES
+    return int(obj.nbytes)
+
+
+def decode_weights(flat: Any) -> np.ndarray:
+    return decode(flat) if isinstance(flat, Encoded) else flat
+
+
+def pick(packets: list[Packet], index: int) -> Packet:
+    """One chunk of a step's packets (runs where they were made: moves nothing)."""
+    return packets[index]
+
+
+def reduce_packets(run_id: str, compression: str, *parts: Packet) -> Packet:
+    """The sync reduction: decode, add in float32, encode the sum for its way back."""
+    from distributed import get_worker
+
+    account(run_id, parts)
+    total, count, loss_sum = _sum(parts)
+    codec = get_codec(compression)
+    values = None
+    if total is not None and count:
+        values = codec.encode_sum(total / np.float32(count) if codec.lossy else total)
+    return Packet(values, count, loss_sum, max(p.compute_seconds for p in parts),
+                  get_worker().address, mean=codec.lossy,
+                  update=max(p.update for p in parts))
+
+
+def _sum(parts: tuple[Packet, ...] | list[Packet]) -> tuple[np.ndarray | None, int, float]:
+    total = None
+    for p in parts:
+        t = p.total()
+        if t is None:
+            continue
+        if total is None:
+            total = np.array(t, np.float32, copy=True)
+        else:
+            total += t
+    return total, sum(p.count for p in parts), sum(p.loss_sum for p in parts)
+
+
+# -- the byte ledger -------------------------------------------------------------------
+_TRAFFIC: dict[str, dict[str, Any]] = {}
+
+
+def account(run_id: str, packets: Any) -> int:
+    """Count packets made on another worker as received here and sent there."""
+    from distributed import get_worker
+
+    here = get_worker().address
+    ledger = _TRAFFIC.setdefault(run_id, {"received": 0, "sent": {}})
+    moved = 0
+    for p in packets:
+        if isinstance(p, Packet) and p.origin and p.origin != here:
+            ledger["received"] += p.nbytes
+            ledger["sent"][p.origin] = ledger["sent"].get(p.origin, 0) + p.nbytes
+            moved += p.nbytes
+    return moved
+
+
+def traffic_task(run_id: str, dask_worker: Any = None) -> dict[str, Any]:
+    """This process's ledger of ``run_id`` (run through ``Client.run``)."""
+    ledger = _TRAFFIC.get(run_id, {"received": 0, "sent": {}})
+    return {"received": int(ledger["received"]), "sent": dict(ledger["sent"])}
+
+
+def release_run(run_id: str) -> None:
+    """Drop this process's ledger and server slices of ``run_id`` (called by
+    :func:`dasktf.replica.release_replicas`: no extra broadcast, which would wait
+    on a dead worker)."""
+    from dasktf.ps import release_shards
+
+    _TRAFFIC.pop(run_id, None)
+    release_shards(run_id)
+
+
+def collect_traffic(
+    client: Client, run_id: str, workers: list[str]
+) -> dict[str, tuple[int, int]]:
+    """``{worker: (bytes sent, bytes received)}`` since the run started."""
+    ledgers = client.run(traffic_task, run_id, workers=workers)
+    received = {w: int(ledgers.get(w, {}).get("received", 0)) for w in workers}
+    sent = dict.fromkeys(workers, 0)
+    for ledger in ledgers.values():
+        for origin, n in ledger["sent"].items():
+            sent[origin] = sent.get(origin, 0) + int(n)
+    return {w: (sent.get(w, 0), received.get(w, 0)) for w in workers}
