@@ -249,7 +249,8 @@ class ElasticSyncEngine(CommEngine):
         ctx.workers = survivors
         self.attempt += 1
         self.key_suffix = f"-r{self.attempt}"  # the cancelled keys may linger
-        fences = [client.submit(fence_task, ctx.run_id, key=f"dasktf-fence-{ctx.run_id}-{self.attempt}-{i}",
+        fences = [client.submit(fence_task, ctx.run_id,
+                                key=f"dasktf-fence-{ctx.run_id}-{self.attempt}-{i}",
                                 workers=[w], allow_other_workers=False, pure=False)
                   for i, w in enumerate(survivors)]
         wait_for(ctx, fences, "fencing the surviving replicas")

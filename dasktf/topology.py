@@ -9,7 +9,8 @@ codec (:mod:`dasktf.comm`). Its step graph is one of:
     each where most of its inputs already are. The reducing worker receives
     ``fan_in - 1`` gradients and sends the sum to every other worker.
 ``topology="naive"``
-    all-to-one: one task sums all N gradients.
+    all-to-one: one task, pinned to the first worker (the master), sums all N
+    gradients.
 ``topology="ring"``
     reduce-scatter / all-gather in the graph: each gradient leaves its worker as N
     chunks; worker c sums chunk c of all gradients (pinned there), and every
@@ -70,8 +71,15 @@ class CommEngine(SyncEngine):
 
     # -- the graph --------------------------------------------------------------
     def _submit_sum(self, parts: list[Future], key: str) -> Future:
+        # all-to-one means one master: pin it (Dask would otherwise move the sum to
+        # whichever worker holds most inputs, spreading the load like a tree)
+        where = (
+            {"workers": [self.ctx.workers[0]], "allow_other_workers": False}
+            if self.spec.topology == "naive" else {}
+        )
         return self.ctx.client.submit(
-            reduce_packets, self.ctx.run_id, self.spec.compression, *parts, key=key
+            reduce_packets, self.ctx.run_id, self.spec.compression, *parts, key=key,
+            **where,
         )
 
     def _combine(self, parts: list[Future], epoch: int, step: int) -> Any:
@@ -95,7 +103,8 @@ class CommEngine(SyncEngine):
             else:
                 inputs = [
                     client.submit(
-                        pick, p, c, key=f"dasktf-take-{run}-{epoch}-{step}-{i}-{c}{self.key_suffix}",
+                        pick, p, c,
+                        key=f"dasktf-take-{run}-{epoch}-{step}-{i}-{c}{self.key_suffix}",
                         # The packets are on worker i: taking one there moves nothing.
                         workers=[w], allow_other_workers=False,
                     )
