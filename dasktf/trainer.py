@@ -439,6 +439,14 @@ class Trainer:
         options = FaultOptions(checkpoint_dir, checkpoint_every, bool(resume),
                                on_worker_loss, bool(scale_lr))
         validate_fault_options(self.engine, options)
+        if self.comm.placement == "ps" and (options.checkpoint_every or options.resume):
+            # the optimizer state lives in the servers' slices, which checkpoints
+            # (read from a replica) do not hold yet
+            raise ValueError(
+                "checkpoint_every/resume are not supported with placement='ps' yet "
+                "(the optimizer state lives on the parameter servers); use the "
+                "mirrored placement to checkpoint and resume."
+            )
         if validation_data is not None and (
             not isinstance(validation_data, (tuple, list)) or len(validation_data) != 2
         ):

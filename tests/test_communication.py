@@ -167,3 +167,10 @@ def test_cli_ps_and_compression_end_to_end():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "MB/step/worker" in proc.stdout and "allreduce bound" in proc.stdout
+
+
+def test_ps_runs_refuse_checkpoints_they_could_not_restore(client, small_digits, tmp_path):
+    x, y = small_digits
+    with pytest.raises(ValueError, match="not supported with placement='ps'"):
+        dasktf.fit("mnist-mlp", x, y, client=client, n_workers=2, num_ps=2,
+                   checkpoint_dir=str(tmp_path), checkpoint_every=5, verbose=0)
