@@ -224,6 +224,7 @@ class ParameterHolder:
         self.gone: set[int] = set()
         self._token_owner: dict[int, int] = {}
         self._applied_items: dict[tuple[int, int, int], UpdateRecord] = {}
+        self._restored: set[tuple[int, int, int]] = set()  # applied before a resume
         self._weights_dtype = getattr(config_.comm, "weights_dtype", None)
         self._cond: asyncio.Condition | None = None
         self._lock: asyncio.Lock | None = None
@@ -416,6 +417,45 @@ class ParameterHolder:
                 lambda: [np.asarray(w) for w in self.replica.model.get_weights()]
             )
 
+    def _snapshot(self) -> dict[str, Any]:
+        model = self.replica.model
+        return {
+            "weights": [np.asarray(w) for w in model.get_weights()],
+            "optimizer": [np.asarray(v.numpy()) for v in model.optimizer.variables],
+            "version": self.version,
+            "items": sorted(set(self._applied_items) | self._restored),
+        }
+
+    async def snapshot(self) -> dict[str, Any]:
+        """A checkpoint's consistent cut (between two applies): weights, optimizer
+        variables, version and every applied ``(worker, pass, step)``."""
+        _, lock = self._sync_objects()
+        async with lock:
+            return await self._run(self._snapshot)  # type: ignore[no-any-return]
+
+    def _restore(self, weights: list[np.ndarray], optimizer: list[np.ndarray]) -> None:
+        model = self.replica.model
+        model.set_weights(weights)
+        for v, value in zip(model.optimizer.variables, optimizer):
+            v.assign(value)
+        self.flat = self.replica.flat_weights()
+
+    async def restore(
+        self, weights: list[np.ndarray], optimizer: list[np.ndarray], version: int,
+        done: dict[int, list[tuple[int, int]]],
+    ) -> None:
+        """Load a checkpoint (:mod:`dasktf.async_checkpoint`) before the first pull:
+        the applied items of each worker count against its budget."""
+        _, lock = self._sync_objects()
+        async with lock:
+            await self._run(self._restore, weights, optimizer)
+            self.version = int(version)
+            for worker, items in done.items():
+                self._restored.update((worker, int(p), int(s)) for p, s in items)
+                for p, _ in items:
+                    if self.passes is None or p < self.passes:
+                        self._spend(worker)
+
     async def stop(self) -> None:
         """Refuse new gradients: pulls return ``None`` from now on."""
         cond, _ = self._sync_objects()
@@ -548,6 +588,16 @@ class _WorkerCursor:
     #: False once its worker is lost (a successor cursor carries on).
     active: bool = True
 
+    def restore(self, done: set[tuple[int, int]]) -> None:
+        """Resume after the items ``done`` (a checkpoint's): the gaps first, then on
+        from the pass after the furthest one reached."""
+        last = max((p for p, _ in done), default=-1)
+        self.retry = [(p, s) for p in range(last + 1) for s in self.steps
+                      if (p, s) not in done]
+        self.shard_pass, self.position = last + 1, 0
+        # the running count, as _account keeps it: results over passes
+        self.completed_passes, self.done_in_pass = divmod(len(done), len(self.steps))
+
     def take(self) -> tuple[int, int]:
         if self.retry:
             return self.retry.pop(0)
@@ -633,6 +683,7 @@ class AsyncEngine:
         self.publish: Callable[[dict[str, Any]], None] = lambda record: None
         self.announce: Callable[[str], None] = lambda line: logger.warning("%s", line)
         self._stopped = False
+        self._started = False
         self._epoch = 0
         self.discarded = 0
         self.final_weights: list[np.ndarray] | None = None
@@ -761,7 +812,8 @@ class AsyncEngine:
         self, epoch: int, on_step: Callable[[int], None] | None = None
     ) -> list[EpochReport]:
         """Train until every shard has been consumed once more; evaluate."""
-        if epoch == 0:
+        if not self._started:  # epoch 0, or the first epoch of a resumed run
+            self._started = True
             for i in range(len(self.cursors)):
                 self._submit(i)
         self._epoch = epoch
