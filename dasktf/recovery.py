@@ -95,6 +95,10 @@ class RunGuard:
         engine.publish, engine.announce = self.run._publish, self._announce
         engine.reload, engine.shuffle = self._reload, self.run.shuffle
         engine.last_checkpoint = self._on_all_lost
+        if self.options.on_worker_loss == "recover":  # and grow: a joined worker helps
+            from dasktf.async_elastic import grow_async
+
+            engine.grow = grow_async
         return engine
 
     def scheduler_lost(self, exc: BaseException) -> Exception | None:
