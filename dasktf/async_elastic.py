@@ -15,7 +15,7 @@ budget (:meth:`~dasktf.asynchronous.ParameterHolder.add_helper`).
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from dasktf import config
 from dasktf.sync import wait_for
@@ -76,8 +76,3 @@ def grow_async(engine: AsyncEngine) -> None:
                         f"{identity} (async, at once; ready in {record['join_s']:.2f}s)")
     engine.grow_since = time.time()
 
-
-def helper_owner(engine: Any, identity: int) -> int:
-    """The cursor whose batches (and progress) ``identity`` computes."""
-    feeds = engine.cursors[identity].feeds
-    return identity if feeds is None else int(feeds)
