@@ -13,14 +13,18 @@ from .test_fault import ACCURACY, _options, own_cluster
 
 
 class _ScaleUpAtBatch(keras.callbacks.Callback):
-    def __init__(self, cluster, n, batch):
+    def __init__(self, cluster, client, n, batch):
         super().__init__()
-        self.cluster, self.n, self.batch, self.done = cluster, n, batch, False
+        self.cluster, self.client, self.n, self.batch = cluster, client, n, batch
+        self.done = False
 
     def on_train_batch_end(self, batch, logs=None):
         if not self.done and batch >= self.batch:
             self.done = True
-            self.cluster.scale(self.n)  # returns at once; the worker joins mid-epoch
+            self.cluster.scale(self.n)
+            # mid-epoch: a new process takes seconds to start, which the short run
+            # need not last otherwise
+            self.client.wait_for_workers(self.n, timeout=120)
 
 
 def test_async_run_grows_from_two_to_three_workers_at_once(digits):
@@ -31,7 +35,7 @@ def test_async_run_grows_from_two_to_three_workers_at_once(digits):
         history = dasktf.fit(
             "mnist-mlp", digits.x_train, digits.y_train, client=client, n_workers=2,
             mode="async", slow_workers={1: 3}, validation_data=(digits.x_test, digits.y_test),
-            callbacks=[_ScaleUpAtBatch(cluster, 3, 2)],
+            callbacks=[_ScaleUpAtBatch(cluster, client, 3, 2)],
             **_options(epochs=epochs, learning_rate=0.005),
         )
         joined = [w for w in history.workers if w not in before]
