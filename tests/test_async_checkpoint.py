@@ -50,3 +50,14 @@ def test_async_resume_from_a_mid_run_checkpoint_applies_each_remaining_batch_onc
     assert resumed.history["val_accuracy"][-1] > ACCURACY
     assert (ckpt / "model.keras").exists()
     assert time.monotonic() - start < 120
+
+
+def test_a_restored_cursor_computes_the_gaps_first_then_goes_on():
+    from dasktf.asynchronous import _WorkerCursor
+
+    cursor = _WorkerCursor([0, 1, 2])
+    # pass 0 done but step 1 (in flight at the cut); pass 1 begun with step 0
+    cursor.restore({(0, 0), (0, 2), (1, 0)})
+    taken = [cursor.take() for _ in range(6)]
+    assert taken == [(0, 1), (1, 1), (1, 2), (2, 0), (2, 1), (2, 2)]
+    assert (cursor.completed_passes, cursor.done_in_pass) == (1, 0)
