@@ -411,7 +411,9 @@ class Trainer:
         checkpoint_dir, checkpoint_every
             Write a checkpoint (weights, optimizer state, counters, seed, config;
             :mod:`dasktf.checkpoint`) into ``checkpoint_dir`` at every epoch end and,
-            sync, every ``checkpoint_every`` steps; the final model is also saved
+            every ``checkpoint_every`` steps (sync) or updates (async: the holder's
+            state and the batches applied, :mod:`dasktf.async_checkpoint`); the
+            final model is also saved
             there as ``model.keras``.
         resume
             Continue from the newest valid checkpoint in ``checkpoint_dir`` up to
