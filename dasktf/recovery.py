@@ -161,7 +161,8 @@ class RunGuard:
             self._announce(f"no checkpoint in {self.options.checkpoint_dir}; starting afresh")
             return 0, 0
         state, manifest, path = found
-        self.set_state(state)
+        # The collective engine's state lives in its TensorFlow children.
+        getattr(engine, "load_state", self.set_state)(state)
         self.last_checkpoint = path
         epoch, step = int(manifest["next_epoch"]), int(manifest["next_step"])
         if hasattr(engine, "update_base"):
