@@ -92,13 +92,13 @@ def test_resume_continues_to_the_uninterrupted_result_across_engines(
 
     x, y = digits.x_train[:301], digits.y_train[:301]
 
-    def fit(engine, epochs, directory=None, resume=False):
+    def fit(engine, epochs, directory=None, resume=False, **kw):
         # Momentum: the optimizer state must travel with the weights to match.
         return dasktf.fit(
             "mnist-mlp", x, y, client=client, n_workers=2, engine=engine,
             epochs=epochs, batch_size=64, seed=3, verbose=0,
             optimizer=keras.optimizers.SGD(0.3, momentum=0.9),
-            checkpoint_dir=directory and str(directory), resume=resume,
+            checkpoint_dir=directory and str(directory), resume=resume, **kw,
         )
 
     full = fit("collective", 4).model.get_weights()
@@ -118,6 +118,19 @@ def test_resume_continues_to_the_uninterrupted_result_across_engines(
     graph = fit("graph", 4, tmp_path / "copy", resume=True)
     assert graph.engine == "graph" and len(graph.history["loss"]) == 2
     for a, b in zip(graph.model.get_weights(), full):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    # And the collective engine resumes a graph-engine checkpoint taken mid-epoch:
+    # the newest three are after updates 5, 8 and 10; without the last, 8 (epoch 2,
+    # step 3).
+    mid = tmp_path / "graph"
+    fit("graph", 2, mid, checkpoint_every=3)
+    kept = list_checkpoints(mid)
+    assert [p.name for p in kept] == [f"ckpt-{n:09d}.json" for n in (10, 8, 5)]
+    kept[0].unlink()
+    resumed = fit("collective", 4, mid, resume=True)
+    assert len(resumed.history["loss"]) == 3  # the rest of epoch 2, then 3 and 4
+    assert list_checkpoints(mid)[0].name == "ckpt-000000020.json"
+    for a, b in zip(resumed.model.get_weights(), full):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
