@@ -171,3 +171,10 @@ def test_a_killed_worker_gives_a_clear_error_fast(digits, tmp_path):
             # The survivor's child is gone too: nothing is left blocked in a ring.
             left = c.run(lambda: len(__import__("dasktf.collective").collective._CHILDREN))
             assert all(n == 0 for n in left.values()), left
+            # As the error says: resume from that checkpoint (on the worker left).
+            history = dasktf.fit("mnist-mlp", digits.x_train, digits.y_train, client=c,
+                                 n_workers=1, engine="collective", epochs=3,
+                                 batch_size=32, seed=0, verbose=0, resume=True,
+                                 checkpoint_dir=str(tmp_path))
+            assert len(history.history["loss"]) == 2  # epochs 2 and 3
+            assert list_checkpoints(tmp_path)[0] != newest[0]
