@@ -24,8 +24,8 @@ MNIST = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "m
 def main(batch: int, reps: int) -> None:
     import keras
     import numpy as np
-    import tensorflow as tf
 
+    from dasktf.bench import fused_train_step
     from dasktf.data import Shard
     from dasktf.datasets import load_dataset, load_mnist_npz
     from dasktf.models import model_spec
@@ -44,16 +44,7 @@ def main(batch: int, reps: int) -> None:
     batches = [rep.batch(0, i) for i in range(reps)]
 
     model = spec.build()
-    opt = keras.optimizers.SGD()
-    loss_fn = keras.losses.SparseCategoricalCrossentropy()
-
-    @tf.function
-    def fused(xb, yb):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(yb, model(xb, training=True))
-        grads = tape.gradient(loss, model.trainable_variables)
-        opt.apply_gradients(zip(grads, model.trainable_variables))
-        return loss
+    fused = fused_train_step(model, keras.optimizers.SGD())
 
     fused(*batches[0])
     parts = [rep.gradient(0, i) for i in range(2)]

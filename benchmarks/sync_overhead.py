@@ -49,6 +49,7 @@ def single_process(model_name: str, x, y, batch: int, steps: int) -> float:
     import keras
     import tensorflow as tf
 
+    from dasktf.bench import fused_train_step
     from dasktf.models import BUILTIN_MODELS
 
     n = batch * steps
@@ -60,16 +61,7 @@ def single_process(model_name: str, x, y, batch: int, steps: int) -> float:
     model.fit(x[:n], y[:n], batch_size=batch, epochs=1, verbose=0, shuffle=False)
     fit_rate = n / (time.perf_counter() - t)
 
-    loss_fn = keras.losses.SparseCategoricalCrossentropy()
-    opt = keras.optimizers.SGD()
-
-    @tf.function
-    def step(xb, yb):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(yb, model(xb, training=True))
-        grads = tape.gradient(loss, model.trainable_variables)
-        opt.apply_gradients(zip(grads, model.trainable_variables))
-        return loss
+    step = fused_train_step(model, keras.optimizers.SGD())
 
     batches = [(tf.constant(x[i:i + batch]), tf.constant(y[i:i + batch])) for i in range(0, n, batch)]
     step(*batches[0]).numpy()

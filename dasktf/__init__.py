@@ -6,21 +6,60 @@ task graph. Start with :func:`fit`, or :class:`Trainer` for more control.
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from dasktf import config  # noqa: F401  (loads dasktf.yaml into dask.config first)
-from dasktf.asynchronous import UpdateRecord
-from dasktf.callbacks import History
-from dasktf.cluster import make_local_cluster
-from dasktf.datasets import Dataset, load_dataset
-from dasktf.exceptions import (
-    AllWorkersLostError,
-    DasktfError,
-    ReplicaError,
-    SchedulerUnreachableError,
-    StepTimeoutError,
-    WorkerLostError,
-)
-from dasktf.tfconfig import check_tf_config, run_tf_distributed, tf_config
-from dasktf.trainer import Trainer, fit
+# The public names load on first use (PEP 562): ``dasktf --help`` and the worker-side
+# imports of small modules must not pay TensorFlow's ~3 s import.
+_EXPORTS = {
+    "UpdateRecord": "dasktf.asynchronous",
+    "History": "dasktf.callbacks",
+    "make_local_cluster": "dasktf.cluster",
+    "Dataset": "dasktf.datasets",
+    "load_dataset": "dasktf.datasets",
+    "AllWorkersLostError": "dasktf.exceptions",
+    "DasktfError": "dasktf.exceptions",
+    "ReplicaError": "dasktf.exceptions",
+    "SchedulerUnreachableError": "dasktf.exceptions",
+    "StepTimeoutError": "dasktf.exceptions",
+    "WorkerLostError": "dasktf.exceptions",
+    "check_tf_config": "dasktf.tfconfig",
+    "run_tf_distributed": "dasktf.tfconfig",
+    "tf_config": "dasktf.tfconfig",
+    "Trainer": "dasktf.trainer",
+    "fit": "dasktf.trainer",
+}
+
+if TYPE_CHECKING:
+    from dasktf.asynchronous import UpdateRecord
+    from dasktf.callbacks import History
+    from dasktf.cluster import make_local_cluster
+    from dasktf.datasets import Dataset, load_dataset
+    from dasktf.exceptions import (
+        AllWorkersLostError,
+        DasktfError,
+        ReplicaError,
+        SchedulerUnreachableError,
+        StepTimeoutError,
+        WorkerLostError,
+    )
+    from dasktf.tfconfig import check_tf_config, run_tf_distributed, tf_config
+    from dasktf.trainer import Trainer, fit
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dasktf' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
 
 __version__ = "0.1.0"
 

@@ -224,6 +224,9 @@ class ParameterHolder:
         self.gone: set[int] = set()
         self._token_owner: dict[int, int] = {}
         self._applied_items: dict[tuple[int, int, int], UpdateRecord] = {}
+        self._restored: set[tuple[int, int, int]] = set()  # applied before a resume
+        #: A joined worker helping a shard (dasktf.async_elastic): identity -> owner.
+        self.helps: dict[int, int] = {}
         self._weights_dtype = getattr(config_.comm, "weights_dtype", None)
         self._cond: asyncio.Condition | None = None
         self._lock: asyncio.Lock | None = None
@@ -320,6 +323,11 @@ class ParameterHolder:
             self.gone.add(worker)
             if worker in self.budget:
                 self.budget[successor] = self.budget.pop(worker)
+            for helper, owner in list(self.helps.items()):  # they now help the successor
+                if owner == worker:
+                    self.helps[helper] = successor
+            if worker in self.helps:  # a lost helper's successor helps the same shard
+                self.helps[successor] = self.helps[worker]
             applied = [self._applied_items[(worker, p, s)] for p, s in items
                        if (worker, p, s) in self._applied_items]
         async with cond:
@@ -340,7 +348,7 @@ class ParameterHolder:
         self._applied_items[(worker, shard_pass, step)] = record
         self.version += 1
         if self.passes is None or shard_pass < self.passes:
-            self._spend(worker)
+            self._spend(self.helps.get(worker, worker))
         return PushOutcome("applied", [record])
 
     def _spend(self, key: int) -> None:
@@ -415,6 +423,52 @@ class ParameterHolder:
             return await self._run(  # type: ignore[no-any-return]
                 lambda: [np.asarray(w) for w in self.replica.model.get_weights()]
             )
+
+    def _snapshot(self) -> dict[str, Any]:
+        model = self.replica.model
+        return {
+            "weights": [np.asarray(w) for w in model.get_weights()],
+            "optimizer": [np.asarray(v.numpy()) for v in model.optimizer.variables],
+            "version": self.version,
+            "items": sorted(set(self._applied_items) | self._restored),
+        }
+
+    async def snapshot(self) -> dict[str, Any]:
+        """A checkpoint's consistent cut (between two applies): weights, optimizer
+        variables, version and every applied ``(worker, pass, step)``."""
+        _, lock = self._sync_objects()
+        async with lock:
+            return await self._run(self._snapshot)  # type: ignore[no-any-return]
+
+    def _restore(self, weights: list[np.ndarray], optimizer: list[np.ndarray]) -> None:
+        model = self.replica.model
+        model.set_weights(weights)
+        for v, value in zip(model.optimizer.variables, optimizer):
+            v.assign(value)
+        self.flat = self.replica.flat_weights()
+
+    async def restore(
+        self, weights: list[np.ndarray], optimizer: list[np.ndarray], version: int,
+        done: dict[int, list[tuple[int, int]]],
+    ) -> None:
+        """Load a checkpoint (:mod:`dasktf.async_checkpoint`) before the first pull:
+        the applied items of each worker count against its budget."""
+        _, lock = self._sync_objects()
+        async with lock:
+            await self._run(self._restore, weights, optimizer)
+            self.version = int(version)
+            for worker, items in done.items():
+                self._restored.update((worker, int(p), int(s)) for p, s in items)
+                for p, _ in items:
+                    if self.passes is None or p < self.passes:
+                        self._spend(worker)
+
+    async def add_helper(self, identity: int, owner: int) -> None:
+        """``identity`` (a worker that joined) computes batches of ``owner``'s shard:
+        its updates count against that shard's budget."""
+        _, lock = self._sync_objects()
+        async with lock:
+            self.helps[identity] = owner
 
     async def stop(self) -> None:
         """Refuse new gradients: pulls return ``None`` from now on."""
@@ -547,6 +601,19 @@ class _WorkerCursor:
     retry: list[tuple[int, int]] = field(default_factory=list)
     #: False once its worker is lost (a successor cursor carries on).
     active: bool = True
+    #: A joined worker's cursor: the index of the cursor whose batches it takes
+    #: (and whose progress it advances; dasktf.async_elastic).
+    feeds: int | None = None
+
+    def restore(self, done: set[tuple[int, int]]) -> None:
+        """Resume after the items ``done`` (a checkpoint's): the gaps first, then on
+        from the pass after the furthest one reached."""
+        last = max((p for p, _ in done), default=-1)
+        self.retry = [(p, s) for p in range(last + 1) for s in self.steps
+                      if (p, s) not in done]
+        self.shard_pass, self.position = last + 1, 0
+        # the running count, as _account keeps it: results over passes
+        self.completed_passes, self.done_in_pass = divmod(len(done), len(self.steps))
 
     def take(self) -> tuple[int, int]:
         if self.retry:
@@ -633,6 +700,11 @@ class AsyncEngine:
         self.publish: Callable[[dict[str, Any]], None] = lambda record: None
         self.announce: Callable[[str], None] = lambda line: logger.warning("%s", line)
         self._stopped = False
+        self._started = False
+        #: Elastic growth (dasktf.async_elastic.grow_async; the trainer's RunGuard
+        #: sets it): called between results, takes in the workers that joined.
+        self.grow: Callable[[AsyncEngine], None] | None = None
+        self.grow_since = time.time()
         self._epoch = 0
         self.discarded = 0
         self.final_weights: list[np.ndarray] | None = None
@@ -661,8 +733,10 @@ class AsyncEngine:
     # -- submission ---------------------------------------------------------------
     def _submit(self, i: int) -> None:
         cursor = self.cursors[i]
+        source = cursor if cursor.feeds is None else self.cursors[cursor.feeds]
         while cursor.queued < self.ahead and cursor.steps:
-            shard_pass, step = cursor.take()
+            # a helper's own retries (of a lost helper) first, then its owner's batches
+            shard_pass, step = cursor.take() if cursor.retry else source.take()
             future = self.ctx.client.submit(
                 async_step_task, self.ctx.run_id, self.holder, shard_pass, step,
                 self.slots.get(i),
@@ -761,7 +835,8 @@ class AsyncEngine:
         self, epoch: int, on_step: Callable[[int], None] | None = None
     ) -> list[EpochReport]:
         """Train until every shard has been consumed once more; evaluate."""
-        if epoch == 0:
+        if not self._started:  # epoch 0, or the first epoch of a resumed run
+            self._started = True
             for i in range(len(self.cursors)):
                 self._submit(i)
         self._epoch = epoch
@@ -772,10 +847,13 @@ class AsyncEngine:
                 self.cursors[result.worker].queued -= 1
                 if not self._stopped and result.outcome is not None:
                     self._submit(result.worker)
+            if self.grow is not None:
+                self.grow(self)
         return [self._end_epoch(epoch)]
 
     def _epoch_done(self, epoch: int) -> bool:
-        return min(c.completed_passes for c in self.cursors if c.active) > epoch
+        return min(c.completed_passes for c in self.cursors
+                   if c.active and c.feeds is None) > epoch
 
     def _account(
         self, result: StepResult, epoch: int, on_step: Callable[[int], None] | None
@@ -785,6 +863,8 @@ class AsyncEngine:
             return
         self.tasks["computed"] += 1
         cursor = self.cursors[result.worker]
+        if cursor.feeds is not None:  # a helper advances the shard it helps
+            cursor = self.cursors[cursor.feeds]
         cursor.done_in_pass += 1
         if cursor.done_in_pass == len(cursor.steps):
             cursor.completed_passes, cursor.done_in_pass = cursor.completed_passes + 1, 0

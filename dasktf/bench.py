@@ -40,6 +40,25 @@ DEFAULT_MNIST = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "d
                              "mnist.npz")
 
 
+def fused_train_step(model: Any, optimizer: Any) -> Any:
+    """The single-process reference: one ``tf.function`` doing forward, gradient and
+    apply (sparse categorical cross-entropy), as a hand-written Keras loop would."""
+    import keras
+    import tensorflow as tf
+
+    loss_fn = keras.losses.SparseCategoricalCrossentropy()
+
+    @tf.function
+    def step(xb: Any, yb: Any) -> Any:
+        with tf.GradientTape() as tape:
+            loss = loss_fn(yb, model(xb, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    return step
+
+
 def load_data(name: str, train_size: int, test_size: int) -> dict[str, Any]:
     """``mnist`` (the Keras-layout npz, if found) or ``digits``, cut to size."""
     import dasktf
@@ -102,17 +121,7 @@ def _keras_train(kind: str, model_name: str, data: dict[str, Any], batch: int,
             acc.append(model.evaluate(data["x_val"], data["y_val"], verbose=0)[1])
             seconds.append(time.perf_counter() - t)
         return seconds, acc
-    loss_fn = keras.losses.SparseCategoricalCrossentropy()
-    opt = model.optimizer
-
-    @tf.function
-    def step(xb: Any, yb: Any) -> Any:
-        with tf.GradientTape() as tape:
-            loss = loss_fn(yb, model(xb, training=True))
-        grads = tape.gradient(loss, model.trainable_variables)
-        opt.apply_gradients(zip(grads, model.trainable_variables))
-        return loss
-
+    step = fused_train_step(model, model.optimizer)
     n = len(data["x"])
     rng = np.random.default_rng(0)
     for _ in range(epochs):

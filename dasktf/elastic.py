@@ -394,8 +394,12 @@ def recover_async(engine: Any, lost: list[str]) -> None:
         old.active = False
         cursor = _WorkerCursor(old.steps, old.shard_pass, old.position, 0,
                                old.completed_passes, old.done_in_pass,
-                               [it for it in old.retry + items if it not in done])
+                               [it for it in old.retry + items if it not in done],
+                               feeds=old.feeds)
         engine.cursors.append(cursor)
+        for c in engine.cursors:  # the workers that joined to help i help its successor
+            if c.feeds == i:
+                c.feeds = new
         engine.dropped[new] = 0
         index = engine.shard_index.get(i, i)
         engine.shard_index[new] = index

@@ -95,6 +95,10 @@ class RunGuard:
         engine.publish, engine.announce = self.run._publish, self._announce
         engine.reload, engine.shuffle = self._reload, self.run.shuffle
         engine.last_checkpoint = self._on_all_lost
+        if self.options.on_worker_loss == "recover":  # and grow: a joined worker helps
+            from dasktf.async_elastic import grow_async
+
+            engine.grow = grow_async
         return engine
 
     def scheduler_lost(self, exc: BaseException) -> Exception | None:
@@ -144,23 +148,29 @@ class RunGuard:
     # -- resume -------------------------------------------------------------------
     def begin(self, engine: Any) -> tuple[int, int]:
         """Load the newest valid checkpoint into the replicas; (epoch, step) to start at."""
+        if getattr(engine, "mode", None) == "async":  # the holder's state and progress
+            from dasktf.async_checkpoint import resume_async
+
+            return resume_async(self, engine) if self.options.resume else (0, 0)
         if self.options.checkpoint_every is not None and not hasattr(engine, "state"):
             raise ValueError(
-                "checkpoint_every checkpoints sync steps (mode='sync' without "
-                "sync_quorum); an async run's checkpoint_dir receives the final model.keras."
+                "checkpoint_every checkpoints sync steps and async updates; a "
+                "sync_quorum run's checkpoint_dir receives the final model.keras."
             )
         if not self.options.resume:
             return 0, 0
         if not hasattr(engine, "update_base"):
             raise ValueError(
-                "resume=True continues sync runs (mode='sync' without sync_quorum); an "
-                "async run's checkpoint_dir only receives the final model.keras."
+                "resume=True continues sync and async runs; a sync_quorum run's "
+                "checkpoint_dir only receives the final model.keras."
             )
         found = ckpt.load_latest(self.options.checkpoint_dir)  # type: ignore[arg-type]
         if found is None:
             self._announce(f"no checkpoint in {self.options.checkpoint_dir}; starting afresh")
             return 0, 0
         state, manifest, path = found
+        if manifest.get("mode") == "async":
+            raise ValueError(f"{path} is an async run's checkpoint; resume it with mode='async'.")
         # The collective engine's state lives in its TensorFlow children.
         getattr(engine, "load_state", self.set_state)(state)
         self.last_checkpoint = path
@@ -183,15 +193,24 @@ class RunGuard:
     # -- checkpoints --------------------------------------------------------------
     def after_step(self, engine: Any, epoch: int) -> None:
         every = self.options.checkpoint_every
-        if every is None or not hasattr(engine, "state"):
+        is_async = getattr(engine, "mode", None) == "async"
+        if every is None or not (hasattr(engine, "state") or is_async):
             return
         self._since_checkpoint += 1
         if self._since_checkpoint >= every:
             self.checkpoint(engine, epoch)
 
+    def _checkpoint_async(self, engine: Any, epoch: int, epoch_end: bool) -> Path:
+        from dasktf.async_checkpoint import save_async_checkpoint
+
+        self._since_checkpoint = 0
+        return save_async_checkpoint(self, engine, epoch + 1 if epoch_end else epoch)
+
     def checkpoint(self, engine: Any, epoch: int, epoch_end: bool = False) -> Path | None:
         if self.options.checkpoint_dir is None:
             return None
+        if getattr(engine, "mode", None) == "async":
+            return self._checkpoint_async(engine, epoch, epoch_end)
         state = engine.state()
         base = engine.update_base
         step = state["applied"] + 1 - base
@@ -213,7 +232,9 @@ class RunGuard:
         return self.last_checkpoint
 
     def end_epoch(self, engine: Any, epoch: int) -> None:
-        if self.options.checkpoint_dir is not None and hasattr(engine, "state"):
+        if self.options.checkpoint_dir is not None and (
+            hasattr(engine, "state") or getattr(engine, "mode", None) == "async"
+        ):
             self.checkpoint(engine, epoch, epoch_end=True)
         if epoch + 1 < self.epochs and isinstance(engine, ElasticSyncEngine):
             self.maybe_reform(engine)
