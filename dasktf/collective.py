@@ -19,7 +19,14 @@ the graph engine applies, so both engines train the same model on the same batch
 
 Failure: a worker that leaves is seen by the client's ``wait_for`` within
 ``dasktf.poll-interval``; the engine then kills every child (a child whose Dask
-worker died exits on its own), so nothing is left blocked in a collective.
+worker died exits on its own), so nothing is left blocked in a collective, and
+raises :class:`~dasktf.exceptions.WorkerLostError` naming the worker and the last
+checkpoint. There is no in-run recovery: TensorFlow's collective runtime cannot
+re-form a ring inside a running process, so a run resumes from its checkpoint.
+
+Checkpoints are the graph engine's (:mod:`dasktf.checkpoint`, driven by
+:class:`~dasktf.recovery.RunGuard`), written at epoch ends from replica 0's weights
+and optimizer variables, so either engine resumes the other's checkpoints.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ import numpy as np
 
 from dasktf import config
 from dasktf._tfprocess import ChildError, ChildProcess
-from dasktf.exceptions import DasktfError
+from dasktf.exceptions import DasktfError, WorkerLostError
 from dasktf.replica import EpochReport, ReplicaConfig
 
 if TYPE_CHECKING:
@@ -55,16 +62,16 @@ _CHILDREN: dict[str, ChildProcess] = {}
 
 # -- choosing an engine --------------------------------------------------------
 def validate_fault_options(engine: str, options: Any) -> None:
-    """``engine="collective"`` has no checkpoints, resume or ``scale_lr`` (yet): say
-    so before anything starts, instead of silently ignoring them."""
-    asked = [name for name in ("checkpoint_dir", "resume", "scale_lr")
-             if getattr(options, name)]
+    """``engine="collective"`` checkpoints and resumes at epoch ends only and keeps
+    its worker count: say so before anything starts, instead of silently ignoring
+    ``checkpoint_every`` or ``scale_lr``."""
+    asked = [name for name in ("checkpoint_every", "scale_lr") if getattr(options, name)]
     if engine == "collective" and asked:
         raise ValueError(
-            f"engine='collective' does not support {', '.join(asked)}: a lost worker "
-            "ends a collective run with WorkerLostError. Use engine='graph' (it "
-            "recovers from lost workers and writes checkpoints), or save from the "
-            "on_epoch_end hook."
+            f"engine='collective' does not support {', '.join(asked)}: it checkpoints "
+            "at every epoch end (checkpoint_dir, resume=True) and a lost worker ends "
+            "the run with WorkerLostError. Use engine='graph' for step checkpoints "
+            "and in-run recovery."
         )
 
 
@@ -94,7 +101,9 @@ def choose_engine(engine: str, mode: str, sync_quorum: int | None,
     (under ``dasktf.collective.auto-max-params`` parameters, where the hop is a
     large share of the step) with enough steps (``auto-min-steps``) to pay back
     its start-up, unless checkpoints, resume or ``scale_lr`` were asked for
-    (``fault_options``: only the graph engine has them); otherwise the graph engine.
+    (``fault_options``: the graph engine also recovers from a lost worker inside
+    the run, the collective engine only resumes from its epoch checkpoints);
+    otherwise the graph engine.
     """
     if engine != "auto":
         return engine
@@ -164,6 +173,21 @@ class _CollectiveReplica:
         local = strategy.experimental_local_results
         return local(y_pred)[0], local(loss)[0]
 
+    def load_state(self, weights: list[np.ndarray], optimizer: list[np.ndarray]) -> int:
+        """Assign a checkpoint's weights and optimizer variables (the optimizer was
+        built in ``__init__``, so its variables exist and are mirrored)."""
+        variables = self.model.optimizer.variables
+        if len(optimizer) != len(variables):
+            raise ValueError(
+                f"The checkpoint holds {len(optimizer)} optimizer variables but this "
+                f"run's optimizer has {len(variables)}: resume with the optimizer the "
+                "checkpoint was written with."
+            )
+        self.model.set_weights(weights)
+        for v, value in zip(variables, optimizer):
+            v.assign(value)
+        return len(variables)
+
     def _update_metrics(self, x: Any, y: Any, y_pred: Any, loss: Any) -> None:
         import tensorflow as tf
 
@@ -171,22 +195,23 @@ class _CollectiveReplica:
         self.local.model.compute_metrics(x, y, y_pred, sample_weight=None)
 
     def run_epoch(self, conn: Any, run_id: str, epoch: int, with_weights: bool,
-                  with_optimizer: bool) -> dict[str, Any]:
+                  with_optimizer: bool, start: int = 0) -> dict[str, Any]:
         interval = config.get_seconds("metrics-interval")
         publish = bool(config.get("metrics"))
         steps = len(self.totals)
         pending: list[tuple[int, int, Any, float]] = []
         last_send = time.monotonic()
         seconds = []
-        for step in range(steps):
-            start = time.perf_counter()
+        # ``start`` > 0: resuming from a graph-engine checkpoint taken mid-epoch.
+        for step in range(start, steps):
+            began = time.perf_counter()
             x, y = self.local.batch(epoch, step)
             y_pred, loss = self._step(x, y, self.totals[step])
             if len(x):
                 self._metrics(x, y, y_pred, loss)
             # No .numpy() here: reading the loss every step would wait for the
             # step and stop TensorFlow from overlapping the next one's input.
-            compute = time.perf_counter() - start
+            compute = time.perf_counter() - began
             seconds.append(compute)
             if publish:
                 pending.append((step, len(x), loss, compute))
@@ -249,9 +274,12 @@ def _child_main(conn: Any, cfg: ReplicaConfig, index: int, shard: Any,
         if message[0] == "stop":
             conn.send(("reply", None))
             return
-        _, epoch, with_weights, with_optimizer = message
+        if message[0] == "load":
+            conn.send(("reply", replica.load_state(*message[1:])))
+            continue
+        _, epoch, with_weights, with_optimizer, start = message
         conn.send(("reply", replica.run_epoch(conn, run_id, epoch, with_weights,
-                                              with_optimizer)))
+                                              with_optimizer, start)))
 
 
 # -- the Dask tasks (run on the workers) ----------------------------------------
@@ -295,19 +323,31 @@ def _worker_threads() -> int:
     return int(os.environ.get("TF_NUM_INTRAOP_THREADS", "0")) or (os.cpu_count() or 1)
 
 
-def collective_epoch_task(run_id: str, epoch: int, with_weights: bool,
-                          with_optimizer: bool) -> EpochReport:
-    """Run one epoch in this worker's child; forward its step records meanwhile."""
+def _child(run_id: str) -> tuple[Any, ChildProcess]:
     from distributed import get_worker
-
-    from dasktf.events import TOPIC
 
     worker = get_worker()
     child = _CHILDREN.get(_key(run_id, worker.address))
     if child is None:
         raise ChildError(f"No collective replica of run {run_id} on {worker.address} "
                          "(the worker restarted mid-run?).")
-    child.send(("epoch", epoch, with_weights, with_optimizer))
+    return worker, child
+
+
+def collective_load_task(run_id: str, state: dict[str, Any]) -> int:
+    """Load a checkpoint's weights and optimizer variables into this worker's child."""
+    _, child = _child(run_id)
+    child.send(("load", state["weights"], state["optimizer"]))
+    return int(child.wait_reply(config.get_seconds("step-timeout"), "loading the checkpoint"))
+
+
+def collective_epoch_task(run_id: str, epoch: int, with_weights: bool,
+                          with_optimizer: bool, start: int = 0) -> EpochReport:
+    """Run one epoch in this worker's child; forward its step records meanwhile."""
+    from dasktf.events import TOPIC
+
+    worker, child = _child(run_id)
+    child.send(("epoch", epoch, with_weights, with_optimizer, start))
 
     def forward(records: list[dict[str, Any]]) -> None:
         if records:
@@ -344,9 +384,13 @@ class CollectiveEngine:
     cfg, shards, schedule, weights, val_shards, shuffle
         What the graph engine's replicas are built from (see :class:`_Run`).
     on_epoch_end
-        Checkpoint hook ``(weights, optimizer_variables, epoch)``, called on the
-        client after every epoch with replica 0's state (every replica holds the
-        same). Restoring is done by passing the weights in (a ``keras.Model``).
+        User hook ``(weights, optimizer_variables, epoch)``, called on the client
+        after every epoch with replica 0's state (every replica holds the same).
+    keep_state
+        Fetch replica 0's optimizer state every epoch for :meth:`state` (the
+        run's :class:`~dasktf.recovery.RunGuard` checkpoints it).
+    last_checkpoint
+        Returns the newest checkpoint written (named when a worker is lost).
     """
 
     mode = "sync"
@@ -354,12 +398,19 @@ class CollectiveEngine:
 
     def __init__(self, ctx: RunContext, cfg: ReplicaConfig, shards: list[Future],
                  schedule: np.ndarray, weights: Any, val_shards: list[Any],
-                 shuffle: bool, on_epoch_end: EpochEndHook | None = None) -> None:
+                 shuffle: bool, on_epoch_end: EpochEndHook | None = None,
+                 keep_state: bool = False,
+                 last_checkpoint: Callable[[], Any] | None = None) -> None:
         from dasktf.sync import wait_for
         from dasktf.tfconfig import tf_config
 
         self.ctx = ctx
         self.on_epoch_end = on_epoch_end
+        self.keep_state = keep_state
+        self.last_checkpoint = last_checkpoint or (lambda: None)
+        #: The first global update of the epoch under way (the RunGuard's counter).
+        self.update_base = 0
+        self._state: dict[str, Any] | None = None
         timeout = config.get_seconds("collective.start-timeout")
         configs = tf_config(ctx.client, ctx.workers, timeout=timeout)
         started = time.perf_counter()
@@ -385,16 +436,18 @@ class CollectiveEngine:
         logger.info("Collective engine of run %s ready in %.1fs on %s", ctx.run_id,
                     self.start_seconds, ctx.workers)
 
-    def run_epoch(self, epoch: int,
-                  on_step: Callable[[int], None] | None = None) -> list[EpochReport]:
-        """Train one epoch; every replica's report (metric states, weights)."""
+    def run_epoch(self, epoch: int, on_step: Callable[[int], None] | None = None,
+                  start: int = 0) -> list[EpochReport]:
+        """Train one epoch from step ``start``; every replica's report (metric
+        states, weights)."""
         from dasktf.sync import check_alive, wait_for
 
         client = self.ctx.client
+        with_optimizer = self.on_epoch_end is not None or self.keep_state
         futures = [
             client.submit(
                 collective_epoch_task, self.ctx.run_id, epoch, i == 0,
-                i == 0 and self.on_epoch_end is not None,
+                i == 0 and with_optimizer, start,
                 key=f"dasktf-collective-epoch-{self.ctx.run_id}-{epoch}-{i}",
                 workers=[w], allow_other_workers=False, resources=self.ctx.resources,
             )
@@ -412,21 +465,65 @@ class CollectiveEngine:
             # gave up on the task): name the lost worker rather than the symptom.
             # The scheduler may learn of the death a moment after a peer's ring
             # broke, hence a short, bounded look.
-            for _ in range(5):
-                check_alive(self.ctx, what)
-                time.sleep(config.get_seconds("poll-interval") / 2)
+            try:
+                for _ in range(5):
+                    check_alive(self.ctx, what)
+                    time.sleep(config.get_seconds("poll-interval") / 2)
+            except WorkerLostError as exc:
+                raise self._lost(exc) from exc
             raise
         reports: list[EpochReport] = client.gather(futures)
         if on_step is not None:
             # The steps ran in the children; Keras batch callbacks (the progress bar
             # among them) hear of them at the epoch's end, in order.
-            for step in range(self.ctx.steps_per_epoch):
+            for step in range(start, self.ctx.steps_per_epoch):
                 on_step(step)
+        first = reports[0]
+        optimizer = getattr(first, "optimizer_variables", None) or []
+        steps = self.ctx.steps_per_epoch
+        self.update_base = (epoch + 1) * steps
+        if self.keep_state:
+            self._state = {"weights": first.weights or [], "optimizer": optimizer,
+                           "applied": self.update_base - 1}
         if self.on_epoch_end is not None:
-            first = reports[0]
-            self.on_epoch_end(first.weights or [],
-                              getattr(first, "optimizer_variables", None) or [], epoch)
+            self.on_epoch_end(first.weights or [], optimizer, epoch)
         return reports
+
+    def _lost(self, exc: WorkerLostError) -> WorkerLostError:
+        """The lost worker(s) and what to do: resume from the last checkpoint."""
+        path = self.last_checkpoint()
+        advice = (f"Nothing new was saved; the last checkpoint is {path}: restart or "
+                  "replace the worker(s), then resume with resume=True (dasktf fit "
+                  "--resume)." if path else
+                  "No checkpoint was written; pass checkpoint_dir= (--checkpoint-dir) "
+                  "to be able to resume a collective run.")
+        return WorkerLostError(
+            f"Worker(s) {exc.workers} left the cluster during a collective run; its "
+            f"ring all-reduce cannot go on without them, so every child was stopped. "
+            f"{advice}", exc.workers,
+        )
+
+    # -- checkpoints (driven by the run's RunGuard) --------------------------------
+    def state(self) -> dict[str, Any]:
+        """The training state after the last epoch (or the one loaded): weights,
+        optimizer variables and ``applied``, the last global update."""
+        if self._state is None:
+            raise RuntimeError("The collective engine keeps its state only with "
+                               "keep_state=True, after an epoch or a load_state.")
+        return self._state
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Load a checkpoint (of either engine) into every child."""
+        from dasktf.sync import wait_for
+
+        client = self.ctx.client
+        big = client.scatter(state, broadcast=True, hash=False)
+        futures = [client.submit(collective_load_task, self.ctx.run_id, big,
+                                 key=f"dasktf-collective-load-{self.ctx.run_id}-{i}",
+                                 workers=[w], allow_other_workers=False)
+                   for i, w in enumerate(self.ctx.workers)]
+        wait_for(self.ctx, futures, "loading the checkpoint into the collective children")
+        self._state = state
 
     def close(self) -> None:
         """Kill every child of the run on the workers still alive; never raises."""
@@ -448,8 +545,8 @@ def make_engine(run: Any, epochs: int, graph: Callable[[], Any]) -> Any:
     fault-tolerant task-graph engine; see :func:`choose_engine`)."""
     t = run.trainer
     n_params = sum(int(np.prod(w.shape)) for w in run.model.trainable_weights)
-    # Checkpoints, resume and learning-rate rescaling live in the graph engine's
-    # recovery (dasktf.recovery): asking for them rules the collective engine out.
+    # The graph engine also recovers from a lost worker inside the run; with
+    # checkpoints asked for, ``auto`` keeps to it (not measured otherwise).
     options = run.options
     fault_options = bool(options.checkpoint_dir or options.resume or options.scale_lr)
     name = choose_engine(t.engine, t.mode, t.sync_quorum, t.slow_workers, n_params,
@@ -459,7 +556,9 @@ def make_engine(run: Any, epochs: int, graph: Callable[[], Any]) -> Any:
         return graph()
     cfg, weights, val = run._engine_inputs
     return CollectiveEngine(run.ctx, cfg, run.placed.shards, run.placed.schedule,
-                            weights, val, run.shuffle, on_epoch_end=t.on_epoch_end)
+                            weights, val, run.shuffle, on_epoch_end=t.on_epoch_end,
+                            keep_state=options.checkpoint_dir is not None,
+                            last_checkpoint=lambda: run.guard.last_checkpoint)
 
 
 def dask_config(values: dict[str, Any]) -> Any:

@@ -171,7 +171,8 @@ class RunGuard:
         state, manifest, path = found
         if manifest.get("mode") == "async":
             raise ValueError(f"{path} is an async run's checkpoint; resume it with mode='async'.")
-        self.set_state(state)
+        # The collective engine's state lives in its TensorFlow children.
+        getattr(engine, "load_state", self.set_state)(state)
         self.last_checkpoint = path
         epoch, step = int(manifest["next_epoch"]), int(manifest["next_step"])
         if hasattr(engine, "update_base"):

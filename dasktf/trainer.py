@@ -411,10 +411,10 @@ class Trainer:
         checkpoint_dir, checkpoint_every
             Write a checkpoint (weights, optimizer state, counters, seed, config;
             :mod:`dasktf.checkpoint`) into ``checkpoint_dir`` at every epoch end and,
-            every ``checkpoint_every`` steps (sync) or updates (async: the holder's
-            state and the batches applied, :mod:`dasktf.async_checkpoint`); the
-            final model is also saved
-            there as ``model.keras``.
+            every ``checkpoint_every`` steps (sync; not with ``engine="collective"``,
+            which checkpoints at epoch ends) or updates (async: the holder's state
+            and the batches applied, :mod:`dasktf.async_checkpoint`); the final model
+            is also saved there as ``model.keras``.
         resume
             Continue from the newest valid checkpoint in ``checkpoint_dir`` up to
             ``epochs`` epochs in all.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import time
 
@@ -13,9 +14,10 @@ import dask
 from distributed import Client
 
 import dasktf
+from dasktf.checkpoint import list_checkpoints
 from dasktf.collective import choose_engine
 from dasktf.events import TOPIC, unpack
-from dasktf.exceptions import DasktfError
+from dasktf.exceptions import WorkerLostError
 
 
 @pytest.mark.timeout(240)
@@ -75,15 +77,65 @@ def test_engine_choice():
         dasktf.Trainer("mnist-mlp", engine="ring")
 
 
-def test_collective_engine_refuses_checkpoints(client, small_digits, tmp_path):
+def test_collective_engine_refuses_step_checkpoints(client, small_digits, tmp_path):
     x, y = small_digits
-    with pytest.raises(ValueError, match="engine='collective' does not support checkpoint_dir"):
+    with pytest.raises(ValueError, match="does not support checkpoint_every"):
         dasktf.fit("mnist-mlp", x, y, client=client, n_workers=2, engine="collective",
-                   checkpoint_dir=str(tmp_path), verbose=0)
+                   checkpoint_dir=str(tmp_path), checkpoint_every=3, verbose=0)
+
+
+@pytest.mark.timeout(300)
+def test_resume_continues_to_the_uninterrupted_result_across_engines(
+    client, digits, tmp_path
+):
+    import keras
+
+    x, y = digits.x_train[:301], digits.y_train[:301]
+
+    def fit(engine, epochs, directory=None, resume=False, **kw):
+        # Momentum: the optimizer state must travel with the weights to match.
+        return dasktf.fit(
+            "mnist-mlp", x, y, client=client, n_workers=2, engine=engine,
+            epochs=epochs, batch_size=64, seed=3, verbose=0,
+            optimizer=keras.optimizers.SGD(0.3, momentum=0.9),
+            checkpoint_dir=directory and str(directory), resume=resume, **kw,
+        )
+
+    full = fit("collective", 4).model.get_weights()
+    # Collective, 2 epochs + resume to 4 == uninterrupted 4.
+    part = tmp_path / "collective"
+    fit("collective", 2, part)
+    newest = list_checkpoints(part)[0]
+    assert newest.name == "ckpt-000000010.json"  # 5 steps an epoch, 2 epochs
+    shutil.copytree(part, tmp_path / "copy")
+    resumed = fit("collective", 4, part, resume=True)
+    assert resumed.engine == "collective"
+    assert len(resumed.history["loss"]) == 2  # epochs 3 and 4 only
+    assert list_checkpoints(part)[0].name == "ckpt-000000020.json"
+    for a, b in zip(resumed.model.get_weights(), full):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    # The graph engine resumes the collective engine's checkpoint to the same result.
+    graph = fit("graph", 4, tmp_path / "copy", resume=True)
+    assert graph.engine == "graph" and len(graph.history["loss"]) == 2
+    for a, b in zip(graph.model.get_weights(), full):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    # And the collective engine resumes a graph-engine checkpoint taken mid-epoch:
+    # the newest three are after updates 5, 8 and 10; without the last, 8 (epoch 2,
+    # step 3).
+    mid = tmp_path / "graph"
+    fit("graph", 2, mid, checkpoint_every=3)
+    kept = list_checkpoints(mid)
+    assert [p.name for p in kept] == [f"ckpt-{n:09d}.json" for n in (10, 8, 5)]
+    kept[0].unlink()
+    resumed = fit("collective", 4, mid, resume=True)
+    assert len(resumed.history["loss"]) == 3  # the rest of epoch 2, then 3 and 4
+    assert list_checkpoints(mid)[0].name == "ckpt-000000020.json"
+    for a, b in zip(resumed.model.get_weights(), full):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.timeout(240)
-def test_a_killed_worker_gives_a_clear_error_fast(digits):
+def test_a_killed_worker_gives_a_clear_error_fast(digits, tmp_path):
     import keras
 
     with dask.config.set({"distributed.scheduler.allowed-failures": 0}):
@@ -101,14 +153,28 @@ def test_a_killed_worker_gives_a_clear_error_fast(digits):
                         os.kill(pid, signal.SIGKILL)
                         killed.append(time.monotonic())
 
-            with pytest.raises(DasktfError, match="left the cluster") as info:
+            with pytest.raises(WorkerLostError, match="left the cluster") as info:
                 dasktf.fit("mnist-mlp", digits.x_train, digits.y_train, client=c,
                            engine="collective", epochs=3, batch_size=32, seed=0,
-                           verbose=0, callbacks=[KillAtEpoch2()])
+                           verbose=0, callbacks=[KillAtEpoch2()],
+                           checkpoint_dir=str(tmp_path))
             elapsed = time.monotonic() - killed[0]
             print(f"kill to error: {elapsed:.2f}s")
-            assert victim in str(info.value)
+            assert victim in str(info.value) and info.value.workers == [victim]
             assert elapsed < 30, elapsed
+            # Nothing new was saved: the epoch-1 checkpoint is the newest, and the
+            # error names it and says how to go on.
+            newest = list_checkpoints(tmp_path)
+            assert len(newest) == 1, newest
+            assert str(newest[0]) in str(info.value)
+            assert "resume=True" in str(info.value)
             # The survivor's child is gone too: nothing is left blocked in a ring.
             left = c.run(lambda: len(__import__("dasktf.collective").collective._CHILDREN))
             assert all(n == 0 for n in left.values()), left
+            # As the error says: resume from that checkpoint (on the worker left).
+            history = dasktf.fit("mnist-mlp", digits.x_train, digits.y_train, client=c,
+                                 n_workers=1, engine="collective", epochs=3,
+                                 batch_size=32, seed=0, verbose=0, resume=True,
+                                 checkpoint_dir=str(tmp_path))
+            assert len(history.history["loss"]) == 2  # epochs 2 and 3
+            assert list_checkpoints(tmp_path)[0] != newest[0]
