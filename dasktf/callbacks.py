@@ -99,6 +99,8 @@ def format_epoch_line(epoch: int, epochs: Any, logs: dict[str, Any]) -> str:
     order = ["loss", "val_loss", "val_accuracy", "accuracy"]
     keys = [k for k in order if k in logs] + sorted(
         k for k in logs if k not in order and k not in ("examples_per_sec", "epoch_seconds")
+        # the byte counts stay in history; the run's summary line prints MB/step
+        and not k.startswith("bytes_")
     )
     parts += [_format_value(k, logs[k]) for k in keys if isinstance(logs[k], (int, float))]
     if "examples_per_sec" in logs:

@@ -400,6 +400,10 @@ def _configure_logging() -> None:
     import os
 
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    # distributed configures its loggers (INFO) when first imported; with the lazy
+    # public API that can happen after this function, so import it first.
+    import distributed  # noqa: F401
+
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     for noisy in ("distributed", "tensorflow", "absl"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
