@@ -494,6 +494,77 @@ class ParameterHolder:
 # -- the worker side ------------------------------------------------------------------
 _LOCK = threading.Lock()
 _FIRST = object()
+#: Keys of holders the client declared lost (:func:`abandon_holder_task`): a call to
+#: one of them gives up at once instead of waiting for a worker that is gone.
+_LOST_HOLDERS: set[str] = set()
+
+
+class HolderLostError(DasktfError):
+    """The parameter holder a gradient task talks to was lost (the client restores
+    it on a survivor and recomputes what was not applied)."""
+
+
+@dataclass(frozen=True)
+class HolderRef:
+    """Where a run's :class:`ParameterHolder` lives: what the gradient tasks get
+    instead of the :class:`~distributed.actor.Actor`.
+
+    An Actor argument makes the holder's task a *dependency* of every gradient task,
+    so losing the holder's worker sends them all into the scheduler's recomputation
+    of a task pinned to a worker that is gone; and a call to a dead actor waits for
+    the actor's future forever. A call through this reference fails within a poll
+    interval once the client has declared the holder lost, and within ``timeout``
+    otherwise.
+    """
+
+    address: str
+    key: str
+
+    def call(self, method: str, *args: Any, timeout: float) -> Any:
+        """``holder.method(*args)`` from a task on a worker (blocking)."""
+        from distributed import get_worker
+        from distributed.protocol import to_serialize
+        from distributed.utils import sync
+
+        worker = get_worker()
+        poll = min(0.1, config.get_seconds("poll-interval"))
+
+        async def call() -> Any:
+            request = asyncio.ensure_future(worker.rpc(self.address).actor_execute(
+                function=method, actor=self.key, args=[to_serialize(a) for a in args],
+                kwargs={},
+            ))
+            deadline = time.monotonic() + timeout
+            while True:
+                done, _ = await asyncio.wait({request}, timeout=poll)
+                if done:
+                    break
+                if self.key in _LOST_HOLDERS or time.monotonic() > deadline:
+                    request.cancel()
+                    if self.key in _LOST_HOLDERS:
+                        raise HolderLostError(f"the parameter holder on {self.address} was lost")
+                    raise StepTimeoutError(
+                        f"The parameter holder on {self.address} did not answer "
+                        f"{method} within {timeout:g}s (dasktf.step-timeout); check "
+                        "that worker's log."
+                    )
+            try:
+                response = request.result()
+            except OSError as exc:  # its worker is gone (connection refused or closed)
+                raise HolderLostError(
+                    f"the parameter holder on {self.address} is unreachable: {exc}"
+                ) from exc
+            if response["status"] != "OK":
+                raise response["exception"]
+            return response["result"]
+
+        return sync(worker.loop, call)
+
+
+def abandon_holder_task(key: str) -> None:
+    """Run on the survivors (``Client.run``) when a holder was lost: calls to it stop
+    waiting, so the worker threads blocked in them are free for the new holder."""
+    _LOST_HOLDERS.add(key)
 
 
 def _replica_lock(replica: Replica) -> threading.Lock:
@@ -506,7 +577,7 @@ def _replica_lock(replica: Replica) -> threading.Lock:
 
 
 def async_step_task(
-    run_id: str, holder: Actor, shard_pass: int, step: int, slot: int | None = None
+    run_id: str, holder: HolderRef, shard_pass: int, step: int, slot: int | None = None
 ) -> StepResult:
     """One update of one worker: pull the newest weights, compute, push. ``slot``:
     a replica adopted from a lost worker (:func:`dasktf.elastic.adopt_async_task`)."""
@@ -518,7 +589,8 @@ def async_step_task(
         # a worker's first task asks for them.
         pulled = replica.__dict__.pop("_next_pull", _FIRST)
         if pulled is _FIRST:
-            pulled = holder.pull(replica.identity, replica.holder_version).result(timeout=timeout)
+            pulled = holder.call("pull", replica.identity, replica.holder_version,
+                                 timeout=timeout)
         if pulled is None:  # the run has stopped: stay stopped
             replica.__dict__["_next_pull"] = None
             return StepResult(replica.identity, shard_pass, step, None)
@@ -533,9 +605,10 @@ def async_step_task(
         states = replica.take_metric_states()
         pushed = time.perf_counter()
         packed = encode_push(replica, grad)
-        outcome, replica.__dict__["_next_pull"] = holder.push(
-            token, replica.identity, packed, version, shard_pass, step
-        ).result(timeout=timeout)
+        outcome, replica.__dict__["_next_pull"] = holder.call(
+            "push", token, replica.identity, packed, version, shard_pass, step,
+            timeout=timeout,
+        )
     end = time.perf_counter()
     # Where an update's time goes: between tasks (the worker's own task hand-over),
     # in the task before and after the gradient, and in the push round trip.
@@ -723,6 +796,7 @@ class AsyncEngine:
         wait_for(ctx, [holder], "building the parameter holder")
         self._holder_future = holder
         self.holder: Actor = holder.result()
+        self.holder_ref = HolderRef(holder_worker, holder.key)
 
     def _budget(self, epochs: int | None) -> tuple[dict[int, int] | None, int | None]:
         """The holder stops by itself after the last epoch's updates (not one more)."""
@@ -738,7 +812,7 @@ class AsyncEngine:
             # a helper's own retries (of a lost helper) first, then its owner's batches
             shard_pass, step = cursor.take() if cursor.retry else source.take()
             future = self.ctx.client.submit(
-                async_step_task, self.ctx.run_id, self.holder, shard_pass, step,
+                async_step_task, self.ctx.run_id, self.holder_ref, shard_pass, step,
                 self.slots.get(i),
                 key=f"dasktf-async-step-{self.ctx.run_id}-{i}-{shard_pass}-{step}",
                 # The replica and its shard live on this worker alone.
