@@ -34,7 +34,7 @@ def save_async_checkpoint(guard: RunGuard, engine: AsyncEngine, epoch: int) -> P
     """Write the holder's consistent cut into the run's checkpoint directory."""
     run = guard.run
     timeout = config.get_seconds("step-timeout")
-    snap = engine.holder.snapshot().result(timeout=timeout)
+    snap = engine.holder.snapshot(engine.known_through()).result(timeout=timeout)
     done: dict[str, list[list[int]]] = {}
     for worker, shard_pass, step in snap["items"]:
         shard = engine.shard_index.get(worker, worker)  # a lost worker's successor
@@ -50,6 +50,7 @@ def save_async_checkpoint(guard: RunGuard, engine: AsyncEngine, epoch: int) -> P
     }
     path = ckpt.save_checkpoint(guard.options.checkpoint_dir, state, meta)  # type: ignore[arg-type]
     guard.last_checkpoint = path
+    engine.take_restore_point(snap, str(path))  # the newest state a lost holder is rebuilt from
     return path
 
 

@@ -18,7 +18,6 @@ import time
 from typing import TYPE_CHECKING
 
 from dasktf import config
-from dasktf.sync import wait_for
 
 if TYPE_CHECKING:
     from dasktf.asynchronous import AsyncEngine
@@ -45,9 +44,8 @@ def grow_async(engine: AsyncEngine) -> None:
         started = time.time()
         owners = [i for i, c in enumerate(engine.cursors) if c.active and c.feeds is None]
         # the shard with the most batches still to hand out in the run's passes
-        donor = min(owners, key=lambda i: (engine.cursors[i].shard_pass,
-                                           engine.cursors[i].position,
-                                           sum(c.feeds == i for c in engine.cursors)))
+        left = {i: _batches_left(engine, i) for i in owners}
+        donor = max(owners, key=lambda i: (left[i], -sum(c.feeds == i for c in engine.cursors)))
         index = engine.shard_index.get(donor, donor)
         identity = len(engine.cursors)
         shard, _ = engine.reload(index, worker)  # type: ignore[misc]
@@ -57,7 +55,7 @@ def grow_async(engine: AsyncEngine) -> None:
                               identity, shard, engine.schedule[:, index], weights,
                               engine.shuffle, workers=[worker], allow_other_workers=False,
                               pure=False)
-        wait_for(ctx, [built], f"building a replica of shard {index} on {worker}")
+        engine.building[identity] = (built,)  # its step tasks wait for it, not the client
         engine.holder.add_helper(identity, donor).result(timeout=timeout)
         owner = engine.cursors[donor]
         engine.cursors.append(_WorkerCursor(owner.steps, feeds=donor))
@@ -68,11 +66,19 @@ def grow_async(engine: AsyncEngine) -> None:
         ctx.workers = sorted(set(ctx.workers) | {worker})
         engine._submit(identity)
         record = {"run": ctx.run_id, "kind": "worker_joined", "worker_address": worker,
-                  "worker": identity, "shard": index, "helps": donor,
+                  "worker": identity, "shard": index, "helps": donor, "left": left,
                   "join_s": time.time() - started, "wall_time": time.time()}
         engine.publish(record)
         engine.losses.append(record)
         engine.announce(f"worker joined: {worker} helps shard {index} as worker "
-                        f"{identity} (async, at once; ready in {record['join_s']:.2f}s)")
+                        f"{identity} (async, at once: its tasks queued {record['join_s']:.2f}s after "
+                        "it was seen, behind its replica's build)")
     engine.grow_since = time.time()
 
+
+def _batches_left(engine: AsyncEngine, owner: int) -> int:
+    """Batches of ``owner``'s shard not handed out yet in the run's passes."""
+    cursor = engine.cursors[owner]
+    passes = engine.epochs if engine.epochs is not None else cursor.shard_pass + 1
+    ahead = max(0, passes - cursor.shard_pass) * len(cursor.steps) - cursor.position
+    return max(0, ahead) + len(cursor.retry)

@@ -224,6 +224,9 @@ class ParameterHolder:
         self.gone: set[int] = set()
         self._token_owner: dict[int, int] = {}
         self._applied_items: dict[tuple[int, int, int], UpdateRecord] = {}
+        #: The "applied" outcome of each push that completed an update, by the
+        #: pushing (worker, pass, step): what the client learns from that push's task.
+        self._outcomes: dict[tuple[int, int, int], PushOutcome] = {}
         self._restored: set[tuple[int, int, int]] = set()  # applied before a resume
         #: A joined worker helping a shard (dasktf.async_elastic): identity -> owner.
         self.helps: dict[int, int] = {}
@@ -313,11 +316,12 @@ class ParameterHolder:
 
     async def release_worker(
         self, worker: int, successor: int, items: list[tuple[int, int]]
-    ) -> list[UpdateRecord]:
+    ) -> tuple[list[PushOutcome], list[tuple[int, int]]]:
         """``worker`` was lost: drop its admission (nobody waits for its gradient),
-        refuse anything it still sends, hand what it owes to ``successor``; return
-        the records of those of its in-flight ``(pass, step)`` items that were
-        applied before it died (the client never heard of them)."""
+        refuse anything it still sends, hand what it owes to ``successor``. Return
+        the outcomes of its in-flight ``(pass, step)`` pushes that completed an
+        update before it died (the client never heard of them) and those of the
+        items whose gradient went into an applied update (never computed again)."""
         cond, lock = self._sync_objects()
         async with lock:  # after any apply in progress
             self.gone.add(worker)
@@ -328,15 +332,16 @@ class ParameterHolder:
                     self.helps[helper] = successor
             if worker in self.helps:  # a lost helper's successor helps the same shard
                 self.helps[successor] = self.helps[worker]
-            applied = [self._applied_items[(worker, p, s)] for p, s in items
-                       if (worker, p, s) in self._applied_items]
+            outcomes = [self._outcomes[(worker, p, s)] for p, s in items
+                        if (worker, p, s) in self._outcomes]
+            applied = [(p, s) for p, s in items if (worker, p, s) in self._applied_items]
         async with cond:
             for token, owner in list(self._token_owner.items()):
                 if owner == worker:
                     self.gate.finish(token)
                     del self._token_owner[token]
             cond.notify_all()
-        return applied
+        return outcomes, applied
 
     async def _apply_now(
         self, worker: int, grad: GradientSum, version_read: int, shard_pass: int, step: int
@@ -349,7 +354,8 @@ class ParameterHolder:
         self.version += 1
         if self.passes is None or shard_pass < self.passes:
             self._spend(self.helps.get(worker, worker))
-        return PushOutcome("applied", [record])
+        outcome = self._outcomes[(worker, shard_pass, step)] = PushOutcome("applied", [record])
+        return outcome
 
     def _spend(self, key: int) -> None:
         """Count one update against the budget; stop once the whole run is done."""
@@ -372,9 +378,12 @@ class ParameterHolder:
         del self._pending[version_read]
         self._apply(sum_gradients(*(p[1] for p in pending)), 1.0)
         records = [self._record(w, g, version_read, p, s, 1.0) for w, g, p, s in pending]
+        for r in records:
+            self._applied_items[(r.worker, r.shard_pass, r.step)] = r
         self.version += 1
         self._spend(-1)
-        return PushOutcome("applied", records)
+        outcome = self._outcomes[(worker, shard_pass, step)] = PushOutcome("applied", records)
+        return outcome
 
     def _record(
         self, worker: int, grad: GradientSum, version_read: int, shard_pass: int,
@@ -424,21 +433,23 @@ class ParameterHolder:
                 lambda: [np.asarray(w) for w in self.replica.model.get_weights()]
             )
 
-    def _snapshot(self) -> dict[str, Any]:
+    def _snapshot(self, since: int) -> dict[str, Any]:
         model = self.replica.model
         return {
             "weights": [np.asarray(w) for w in model.get_weights()],
             "optimizer": [np.asarray(v.numpy()) for v in model.optimizer.variables],
             "version": self.version,
             "items": sorted(set(self._applied_items) | self._restored),
+            "records": [r for r in self._applied_items.values() if r.update > since],
         }
 
-    async def snapshot(self) -> dict[str, Any]:
+    async def snapshot(self, since: int = 0) -> dict[str, Any]:
         """A checkpoint's consistent cut (between two applies): weights, optimizer
-        variables, version and every applied ``(worker, pass, step)``."""
+        variables, version, every applied ``(worker, pass, step)`` and the records of
+        the updates after ``since`` (the client may not have heard of the last ones)."""
         _, lock = self._sync_objects()
         async with lock:
-            return await self._run(self._snapshot)  # type: ignore[no-any-return]
+            return await self._run(self._snapshot, since)  # type: ignore[no-any-return]
 
     def _restore(self, weights: list[np.ndarray], optimizer: list[np.ndarray]) -> None:
         model = self.replica.model
@@ -457,6 +468,9 @@ class ParameterHolder:
         async with lock:
             await self._run(self._restore, weights, optimizer)
             self.version = int(version)
+            if self.quorum is not None:  # quorum steps count against one budget
+                for _ in range(self.version):
+                    self._spend(-1)
             for worker, items in done.items():
                 self._restored.update((worker, int(p), int(s)) for p, s in items)
                 for p, _ in items:
@@ -577,14 +591,22 @@ def _replica_lock(replica: Replica) -> threading.Lock:
 
 
 def async_step_task(
-    run_id: str, holder: HolderRef, shard_pass: int, step: int, slot: int | None = None
+    run_id: str, holder: HolderRef, shard_pass: int, step: int, slot: int | None = None,
+    *after: Any,
 ) -> StepResult:
     """One update of one worker: pull the newest weights, compute, push. ``slot``:
-    a replica adopted from a lost worker (:func:`dasktf.elastic.adopt_async_task`)."""
+    a replica adopted from a lost worker (:func:`dasktf.elastic.adopt_async_task`);
+    ``after``: the task building it, a dependency only."""
     begin = time.perf_counter()
     replica = get_replica(run_id, slot)
     timeout = config.get_seconds("step-timeout")
     with _replica_lock(replica):
+        if replica.__dict__.get("_holder_key", holder.key) != holder.key:
+            # a restored holder: its versions restart from its restore point, so
+            # what this replica read from the lost one says nothing
+            replica.holder_version = -1
+            replica.__dict__.pop("_next_pull", None)
+        replica.__dict__["_holder_key"] = holder.key
         # The previous push admitted this gradient and brought the weights back;
         # a worker's first task asks for them.
         pulled = replica.__dict__.pop("_next_pull", _FIRST)
@@ -766,6 +788,11 @@ class AsyncEngine:
         #: replica slot, the item every outstanding task computes, lost futures.
         self.addresses: dict[int, str] = dict(enumerate(ctx.workers))
         self.slots: dict[int, int | None] = {}
+        #: The task building a successor's or helper's replica: its step tasks
+        #: depend on it, so the client never blocks on it. (A worker thread may wait
+        #: in the holder for the others' gradients, quorum or bounded staleness;
+        #: a client waiting for a replica queued behind it would stop feeding them.)
+        self.building: dict[int, tuple[Future]] = {}
         self._items: dict[str, tuple[int, int, int, Future]] = {}
         self._dead: set[str] = set()
         self.losses: list[dict[str, Any]] = []
@@ -785,24 +812,64 @@ class AsyncEngine:
         #: found the run stopped: ``computed == applied contributions + dropped +
         #: discarded`` (checked by the tests).
         self.tasks = {"computed": 0, "stopped": 0}
-        holder = ctx.client.submit(
-            ParameterHolder, replica_config, weights, probe, val_shards,
-            max_staleness, staleness_lr, quorum, config.get_seconds("step-timeout"),
-            *self._budget(epochs),
-            key=f"dasktf-holder-{ctx.run_id}",
+        self.epochs = epochs
+        self._holder_args = (replica_config, max_staleness, staleness_lr, quorum)
+        #: Holders built so far (a lost holder is rebuilt on a survivor:
+        #: dasktf.async_recovery), and the newest state to rebuild it from: a
+        #: snapshot taken at the start, at every epoch end and with every checkpoint.
+        self.generation = 0
+        self.restore_point: dict[str, Any] | None = None
+        #: Applied updates undone by a holder restore (they went with the holder).
+        self.undone = 0
+        self._dropped_base: dict[int, int] = {}
+        #: (probe, validation shards) for a new holder on a worker (the RunGuard's).
+        self.holder_inputs: Callable[[str], tuple[Any, list[Any]]] | None = None
+        self.start_holder(holder_worker, weights, probe, val_shards)
+
+    def start_holder(self, worker: str, weights: Any, probe: Any, val_shards: list[Any]) -> None:
+        """Build the run's :class:`ParameterHolder` on ``worker``."""
+        cfg, max_staleness, staleness_lr, quorum = self._holder_args
+        key = f"dasktf-holder-{self.ctx.run_id}"
+        holder = self.ctx.client.submit(
+            ParameterHolder, cfg, weights, probe, val_shards, max_staleness,
+            staleness_lr, quorum, config.get_seconds("step-timeout"),
+            *self._budget(self.epochs),
+            key=key if not self.generation else f"{key}-{self.generation}",
             # The holder's state lives on this worker for the whole run.
-            workers=[holder_worker], allow_other_workers=False, actor=True,
+            workers=[worker], allow_other_workers=False, actor=True,
         )
-        wait_for(ctx, [holder], "building the parameter holder")
+        wait_for(self.ctx, [holder], f"building the parameter holder on {worker}")
+        self.generation += 1
+        self.holder_worker = worker
         self._holder_future = holder
         self.holder: Actor = holder.result()
-        self.holder_ref = HolderRef(holder_worker, holder.key)
+        self.holder_ref = HolderRef(worker, holder.key)
+
+    def known_through(self) -> int:
+        """The last update ``u`` such that the client has the records of 1..u."""
+        known = {r.update for r in self.updates} | {r.update for r in self._epoch_records}
+        last = 0
+        while last + 1 in known:
+            last += 1
+        return last
+
+    def take_restore_point(self, snapshot: dict[str, Any] | None = None,
+                           source: str = "the last epoch end") -> None:
+        """Keep the holder's state (or ``snapshot`` of it) to rebuild it from."""
+        if snapshot is None:
+            if self.policy != "recover":
+                return
+            snapshot = self.holder.snapshot(self.known_through()).result(
+                timeout=config.get_seconds("step-timeout"))
+        if self.restore_point is None or snapshot["version"] >= self.restore_point["version"]:
+            self.restore_point = {**snapshot, "source": source}
 
     def _budget(self, epochs: int | None) -> tuple[dict[int, int] | None, int | None]:
         """The holder stops by itself after the last epoch's updates (not one more)."""
         if epochs is None:
             return None, None
-        return {i: len(c.steps) * epochs for i, c in enumerate(self.cursors)}, epochs
+        return {i: len(c.steps) * epochs for i, c in enumerate(self.cursors)
+                if c.active and c.feeds is None}, epochs
 
     # -- submission ---------------------------------------------------------------
     def _submit(self, i: int) -> None:
@@ -813,8 +880,10 @@ class AsyncEngine:
             shard_pass, step = cursor.take() if cursor.retry else source.take()
             future = self.ctx.client.submit(
                 async_step_task, self.ctx.run_id, self.holder_ref, shard_pass, step,
-                self.slots.get(i),
-                key=f"dasktf-async-step-{self.ctx.run_id}-{i}-{shard_pass}-{step}",
+                self.slots.get(i), *self.building.get(i, ()),
+                # a restored holder recomputes items: a key of its own generation
+                key=f"dasktf-async-step-{self.ctx.run_id}-{i}-{shard_pass}-{step}"
+                    f"-g{self.generation}",
                 # The replica and its shard live on this worker alone.
                 workers=[self.addresses[i]], allow_other_workers=False,
                 pure=False, resources=self.ctx.resources,
@@ -851,11 +920,33 @@ class AsyncEngine:
         if self._lost_now() or any(f.status != "finished" for f in done):
             self._recover_lost(what)
             done = [f for f in done if f.key not in self._dead]
+        if any(f.status == "error" for f in done) and self._await_holder_loss(done, what):
+            done = [f for f in done if f.key not in self._dead]
         for f in done:
             self._outstanding.discard(f)
             if f.status == "error":
                 raise_task_error(f, what)
         return self._gather(done, what)
+
+    def _await_holder_loss(self, done: list[Future], what: str) -> bool:
+        """A task that found the holder unreachable may report it before the
+        scheduler reports its worker removed: wait (bounded) for that, and recover.
+        ``False`` if no task failed that way."""
+        if not any(f.status == "error" and isinstance(f.exception(), HolderLostError)
+                   for f in done):
+            return False
+        poll = config.get_seconds("poll-interval")
+        deadline = time.monotonic() + config.get_seconds("worker-loss-timeout")
+        while not self._recover_lost(what):
+            if time.monotonic() > deadline:
+                raise HolderLostError(
+                    f"During {what} the workers could not reach the parameter holder on "
+                    f"{self.holder_worker}, yet the scheduler still lists that worker "
+                    "(dasktf.worker-loss-timeout). Check its log and the network "
+                    "between the workers."
+                )
+            time.sleep(poll / 5)
+        return True
 
     def _gather(self, done: list[Future], what: str) -> list[StepResult]:
         """Gather finished tasks' results, never waiting on one that died with its
@@ -911,6 +1002,7 @@ class AsyncEngine:
         """Train until every shard has been consumed once more; evaluate."""
         if not self._started:  # epoch 0, or the first epoch of a resumed run
             self._started = True
+            self.take_restore_point(source="the start of the run")
             for i in range(len(self.cursors)):
                 self._submit(i)
         self._epoch = epoch
@@ -966,6 +1058,7 @@ class AsyncEngine:
     def _end_epoch(self, epoch: int) -> EpochReport:
         timeout = config.get_seconds("step-timeout")
         _, val_states, weights = self.holder.evaluate().result(timeout=timeout)
+        self.take_restore_point()
         train = self._epoch_states or []
         self._epoch_states = None
         return EpochReport(self.holder_worker, train, val_states, weights)
@@ -1003,7 +1096,14 @@ class AsyncEngine:
         self._epoch_records = []
         self.updates.extend(late)
         self.updates.sort(key=lambda r: (r.update, r.worker))
-        if counters["version"] != self.applied or self.dropped != {
+        # A lost worker's last pushes may have been dropped after it died: the
+        # holder's count is the only one.
+        for i, cursor in enumerate(self.cursors):
+            if not cursor.active:
+                self.dropped[i] = self._dropped_base.get(i, 0) + counters["dropped"].get(i, 0)
+        # drops counted by this holder (a restored holder starts from zero)
+        dropped = {i: n - self._dropped_base.get(i, 0) for i, n in self.dropped.items()}
+        if counters["version"] != self.applied or dropped != {
             **{i: 0 for i in self.dropped}, **counters["dropped"]
         }:
             raise DasktfError(

@@ -361,7 +361,7 @@ def recover_async(engine: Any, lost: list[str]) -> None:
     each lost shard is reloaded on a survivor, whose new replica carries on where the
     lost one was (its unfinished batches first).
     """
-    from dasktf.asynchronous import PushOutcome, StepResult, _WorkerCursor
+    from dasktf.asynchronous import StepResult, _WorkerCursor
 
     detected = time.time()
     client, ctx = engine.ctx.client, engine.ctx
@@ -369,7 +369,8 @@ def recover_async(engine: Any, lost: list[str]) -> None:
     removals = {c.worker: c for c in ctx.watcher.removed(lost)} if ctx.watcher else {}
     survivors = sorted({a for a in engine.addresses.values() if a not in lost})
     checkpoint = engine.last_checkpoint() if hasattr(engine, "last_checkpoint") else None
-    if engine.holder_worker in lost or not survivors:
+    holder_lost = engine.holder_worker in lost
+    if not survivors or (holder_lost and engine.restore_point is None):
         what = ("the parameter holder's worker" if survivors else "every worker of the run")
         raise (WorkerLostError if survivors else AllWorkersLostError)(
             f"{what} was lost ({', '.join(lost)}); the master weights went with it. "
@@ -377,6 +378,10 @@ def recover_async(engine: Any, lost: list[str]) -> None:
                if checkpoint else "Pass checkpoint_dir= to keep checkpoints to resume from."),
             lost,
         )
+    if holder_lost:  # its applies went with it: everything in flight is void
+        from dasktf.async_recovery import abandon_holder
+
+        abandon_holder(engine, survivors)
     moved = []
     for i in [i for i, a in engine.addresses.items() if a in lost and engine.cursors[i].active]:
         # every task of i not yet gathered, finished or not: its result may be lost
@@ -388,8 +393,9 @@ def recover_async(engine: Any, lost: list[str]) -> None:
             engine._outstanding.discard(f)
             engine._dead.add(f.key)
         new = len(engine.cursors)
-        applied = engine.holder.release_worker(i, new, items).result(timeout=timeout)
-        done = {(r.shard_pass, r.step) for r in applied}
+        outcomes, applied = (([], []) if holder_lost else
+                             engine.holder.release_worker(i, new, items).result(timeout=timeout))
+        done = set(map(tuple, applied))
         old = engine.cursors[i]
         old.active = False
         cursor = _WorkerCursor(old.steps, old.shard_pass, old.position, 0,
@@ -409,21 +415,27 @@ def recover_async(engine: Any, lost: list[str]) -> None:
         shard, _ = engine.reload(index, adopter)
         # The holder's weights, not the run's initial ones: Dask's memory manager may
         # have left the only copy of those on the lost worker.
-        weights = client.scatter(engine.holder.weights().result(timeout=timeout),
+        weights = client.scatter(engine.restore_point["weights"] if holder_lost else
+                                 engine.holder.weights().result(timeout=timeout),
                                  workers=[adopter], hash=False)
         built = client.submit(adopt_async_task, ctx.run_id, engine.replica_config, index, new,
                               shard, engine.schedule[:, index], weights,
                               engine.shuffle, workers=[adopter], allow_other_workers=False,
                               pure=False)
         ctx.workers = survivors
-        wait_for(ctx, [built], f"rebuilding replica {index} on {adopter}")
+        engine.building[new] = (built,)  # its step tasks wait for it, not the client
         engine.addresses[new] = adopter
         engine.slots[new] = new
-        for r in applied:  # applied before the loss, never reported: count them now
-            engine._account(StepResult(new, r.shard_pass, r.step, PushOutcome("applied", [r])),
-                            engine._epoch, None)
-        engine._submit(new)
+        for outcome in outcomes:  # applied before the loss, never reported: count them now
+            engine._account(StepResult(new, -1, -1, outcome), engine._epoch, None)
+        if not holder_lost:
+            engine._submit(new)
         moved.append((index, adopter))
+    restored = None
+    if holder_lost:  # a new holder on a survivor, from the newest restore point
+        from dasktf.async_recovery import restore_holder
+
+        restored = restore_holder(engine, survivors)
     resumed = time.time()
     since = min((c.seen_time for c in removals.values()), default=detected)
     for w in lost:
@@ -437,12 +449,17 @@ def recover_async(engine: Any, lost: list[str]) -> None:
     recovered = {"run": ctx.run_id, "kind": "recovered", "workers": survivors,
                  "lost": list(lost), "moved": [[i, a] for i, a in moved],
                  "steps_lost": 0, "resume_s": resumed - since, "wall_time": time.time()}
+    if restored is not None:
+        recovered["holder"] = restored
     engine.publish(recovered)
     engine.losses.append(recovered)
     engine.announce(
         f"worker lost: {', '.join(lost)}; async run goes on with {len(survivors)} "
         f"worker(s) in {resumed - since:.2f}s, shard(s) "
         f"{', '.join(f'{i}->{a}' for i, a in moved)} (in-flight gradients dropped)"
+        + (f"; parameter holder rebuilt on {restored['worker']} from update "
+           f"{restored['version']} ({restored['source']}), {restored['redone']} "
+           "update(s) to redo" if restored else "")
     )
 
 

@@ -95,7 +95,9 @@ class RunGuard:
         engine.publish, engine.announce = self.run._publish, self._announce
         engine.reload, engine.shuffle = self._reload, self.run.shuffle
         engine.last_checkpoint = self._on_all_lost
-        if self.options.on_worker_loss == "recover":  # and grow: a joined worker helps
+        engine.holder_inputs = self._holder_inputs
+        if self.options.on_worker_loss == "recover" and engine.mode == "async":
+            # and grow: a joined worker helps a shard (quorum runs keep their workers)
             from dasktf.async_elastic import grow_async
 
             engine.grow = grow_async
@@ -141,6 +143,19 @@ class RunGuard:
             val = run.client.scatter(Shard(x[part], y[part]), workers=[worker],
                                      direct=True, hash=False)
         return shard, val
+
+    def _holder_inputs(self, worker: str) -> tuple[Any, list[Any]]:
+        """What a parameter holder rebuilt on ``worker`` starts from: a probe batch
+        (to build its model) and the whole validation set, placed there."""
+        run = self.run
+        val = None
+        if run.validation_data is not None:
+            from dasktf.data import Shard
+
+            x, y = (np.asarray(a) for a in run.validation_data)
+            val = run.client.scatter(Shard(x, y), workers=[worker], direct=True, hash=False)
+        probe = val if val is not None else self._reload(0, worker)[0]
+        return probe, [val]
 
     def _on_all_lost(self) -> str | None:
         return str(self.last_checkpoint) if self.last_checkpoint else None

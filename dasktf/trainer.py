@@ -425,6 +425,7 @@ class Trainer:
         scale_lr
             When the worker count changes, rescale the global batch and the learning
             rate by the linear scaling rule, with a short warm-up (logged as an event).
+            Sync mode only: an async update is one worker's batch, whatever the count.
 
         Raises
         ------
@@ -441,6 +442,16 @@ class Trainer:
         options = FaultOptions(checkpoint_dir, checkpoint_every, bool(resume),
                                on_worker_loss, bool(scale_lr))
         validate_fault_options(self.engine, options)
+        if options.scale_lr and (self.mode != "sync" or self.sync_quorum is not None):
+            # An async update (or a quorum step's share) is one worker's batch, whose
+            # size a change of the worker count does not touch: there is no global
+            # batch for the linear scaling rule to follow.
+            raise ValueError(
+                "scale_lr follows the global batch of sync steps when the worker count "
+                "changes; an async or sync_quorum update is one worker's batch, which "
+                "does not change with the worker count. Use mode='sync' without "
+                "sync_quorum, or leave scale_lr off (the learning rate stays as given)."
+            )
         if self.comm.placement == "ps" and (options.checkpoint_every or options.resume):
             # the optimizer state lives in the servers' slices, which checkpoints
             # (read from a replica) do not hold yet
@@ -714,7 +725,7 @@ class _Run:
                 *args, max_staleness=t.max_staleness, staleness_lr=t.staleness_lr,
                 epochs=epochs,
             ))
-        return QuorumEngine(*args, quorum=t.sync_quorum, epochs=epochs)
+        return self.guard.attach_async(QuorumEngine(*args, quorum=t.sync_quorum, epochs=epochs))
 
     def _epoch_logs(self, reports: list[Any], seconds: float) -> dict[str, float]:
         logs = merge_metric_states(self.model, [r.train_states for r in reports])

@@ -269,6 +269,13 @@ def test_trainer_checks_quorum_against_the_cluster(client, small_digits):
         dasktf.fit(_mlp(), x, y, client=client, sync_quorum=4, verbose=0)
 
 
+@pytest.mark.parametrize("mode", [{"mode": "async"}, {"sync_quorum": 2}])
+def test_scale_lr_is_refused_outside_plain_sync(client, small_digits, mode):
+    x, y = small_digits
+    with pytest.raises(ValueError, match="scale_lr follows the global batch of sync"):
+        dasktf.fit(_mlp(), x, y, client=client, scale_lr=True, verbose=0, **mode)
+
+
 def test_cli_rejects_bad_async_options():
     runner = CliRunner()
     for args, text in [

@@ -93,6 +93,76 @@ def test_async_run_survives_sigkill_of_one_of_three_workers(digits):
     assert time.monotonic() - start < 240
 
 
+@pytest.mark.parametrize("checkpoint", [False, True], ids=["epoch-snapshot", "checkpoint"])
+def test_async_run_survives_sigkill_of_the_parameter_holders_worker(digits, tmp_path, checkpoint):
+    """Async: the holder's own worker (index 0) is SIGKILLed halfway. The holder is
+    rebuilt on a survivor from the newest restore point (the last epoch end, or a
+    checkpoint every 10 updates), the updates after it are redone, and over the run
+    every batch of every shard's passes is applied exactly once."""
+    start = time.monotonic()
+    epochs = 3
+    with own_cluster(3) as (cluster, client):
+        workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        steps = -(-len(digits.x_train) // 64)
+        killer = KillWorkerAt(client, workers[0], step=3 * steps * epochs // 2)
+        extra = dict(checkpoint_dir=str(tmp_path), checkpoint_every=10) if checkpoint else {}
+        history = dasktf.fit(
+            "mnist-mlp", digits.x_train, digits.y_train, client=client, n_workers=3,
+            mode="async", validation_data=(digits.x_test, digits.y_test),
+            callbacks=[killer], **_options(epochs=epochs, learning_rate=0.005), **extra,
+        )
+        assert killer.killed_at is not None
+        (recovery,) = history.recoveries
+        assert recovery["lost"] == [workers[0]] and recovery["moved"][0][0] == 0
+        holder = recovery["holder"]
+        assert holder["worker"] in workers[1:]
+        print("holder restore:", recovery)
+        if not checkpoint:
+            assert holder["source"] == "the last epoch end"
+        else:  # at most one checkpoint interval (and the in-flight ones) redone
+            assert str(tmp_path) in holder["source"] and holder["redone"] <= 10 + 3 * 2
+        updates = history.updates
+        assert list(updates["update"]) == list(range(1, len(updates) + 1))
+        shard = updates["worker"].replace({3: 0})  # identity 3 carried on shard 0
+        owed = updates[updates["shard_pass"] < epochs].assign(shard=shard)
+        assert not owed.duplicated(["shard", "shard_pass", "step"]).any()
+        assert (owed.groupby("shard").size() == steps * epochs).all()
+        assert history.history["val_accuracy"][-1] > ACCURACY
+        records = [r for e in client.get_events("dasktf-metrics") for r in e[1]["records"]
+                   if r.get("run") == history.run_id]
+        (event,) = [r for r in records if r["kind"] == "recovered"]
+        assert event["holder"]["worker"] == holder["worker"]
+    assert time.monotonic() - start < 240
+
+
+@pytest.mark.parametrize("victim", [2, 0], ids=["worker", "holder"])
+def test_quorum_run_survives_sigkill(digits, victim):
+    """sync_quorum=2 of 3: losing a worker (or the holder's) mid-run leaves enough
+    workers for the quorum; the run applies every one of its steps, each made of
+    2 gradients read at that step's version."""
+    start = time.monotonic()
+    epochs = 3
+    with own_cluster(3) as (cluster, client):
+        workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        steps = -(-len(digits.x_train) // 64)
+        killer = KillWorkerAt(client, workers[victim], step=steps * epochs // 2)
+        history = dasktf.fit(
+            "mnist-mlp", digits.x_train, digits.y_train, client=client, n_workers=3,
+            sync_quorum=2, validation_data=(digits.x_test, digits.y_test),
+            callbacks=[killer], **_options(epochs=epochs),
+        )
+        assert killer.killed_at is not None
+        (recovery,) = history.recoveries
+        assert recovery["lost"] == [workers[victim]]
+        assert ("holder" in recovery) == (victim == 0)
+        updates = history.updates
+        assert sorted(set(updates["update"])) == list(range(1, steps * epochs + 1))
+        assert (updates.groupby("update").size() == 2).all()
+        assert (updates["version_read"] == updates["update"] - 1).all()
+        assert history.history["val_accuracy"][-1] > ACCURACY
+    assert time.monotonic() - start < 240
+
+
 class _ScaleUpAfterFirstEpoch(keras.callbacks.Callback):
     def __init__(self, cluster, client, n):
         super().__init__()
