@@ -210,13 +210,21 @@ def alive_workers(client: Client) -> list[str]:
     return sorted(info["workers"])
 
 
+def _all_requested_up(client: Client, workers: list[str]) -> bool:
+    """True when the client's own cluster object (a LocalCluster, ...) has started
+    every worker it was asked for: waiting longer would not bring more."""
+    cluster = getattr(client, "cluster", None)
+    requested = getattr(cluster, "requested", None)
+    return bool(workers) and requested is not None and len(requested) <= len(workers)
+
+
 def choose_workers(client: Client, n_workers: int | None, timeout: float = 30.0) -> list[str]:
     """The workers a run uses: the first ``n_workers`` (all if None), waiting briefly
     for a cluster that is still starting."""
     deadline = time.monotonic() + timeout
     workers = alive_workers(client)
     while not workers or (n_workers and len(workers) < n_workers):
-        if time.monotonic() > deadline:
+        if time.monotonic() > deadline or _all_requested_up(client, workers):
             break
         time.sleep(0.2)
         workers = alive_workers(client)
