@@ -261,6 +261,11 @@ def receive(
     if ch is None or previous is None or isinstance(previous, GradientSum):
         return previous, previous
     packets = previous if isinstance(previous, list) else [previous]
+    if len(packets) != len(ch.chunks):
+        raise RuntimeError(
+            f"received {len(packets)} chunk(s) for a replica cut into {len(ch.chunks)}; "
+            "this is a dasktf bug (engine and replicas disagree on the ring)."
+        )
     ch.last_bytes = account(run_id, packets)
     first = packets[0]
     if first.kind == "weights":

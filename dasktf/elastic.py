@@ -160,9 +160,10 @@ class ElasticSyncEngine(CommEngine):
     placement) that survives losing workers.
 
     Recovery needs every survivor to hold the whole model state, so it covers the
-    mirrored placement with a tree or all-to-one reduction (any codec); a ring or
-    sharded-parameter-server run stops with :class:`WorkerLostError` instead (its
-    chunks and server slices were cut for the original workers).
+    mirrored placement with any reduction (tree, all-to-one, ring: the survivors take
+    the lost worker's ring chunks until the run re-forms at the epoch boundary) and
+    any codec; a sharded-parameter-server run stops with :class:`WorkerLostError`
+    instead (a server's optimizer slice goes with its worker).
 
     Parameters
     ----------
@@ -221,8 +222,9 @@ class ElasticSyncEngine(CommEngine):
 
     @property
     def recoverable(self) -> bool:
-        """Mirrored placement with one reduced buffer per step (see the class)."""
-        return self.spec.placement != "ps" and self.spec.n_chunks == 1
+        """Mirrored placement (tree, naive or ring): every replica holds the whole
+        state. Sharded servers hold optimizer slices that go with their worker."""
+        return self.spec.placement != "ps"
 
     def recover(self, lost: list[str], epoch: int) -> int:
         """Reconcile the survivors, hand out the lost shards; the step to resume at."""

@@ -288,6 +288,7 @@ class RunGuard:
             batch = max(n, round(self.batch0 * n / self.n0))
             lr_change = (batch / run.batch_size)
         run.reform(workers, batch)
+        engine.respec(n)
         engine.carried = {w: [i] for i, w in enumerate(workers)}
         engine.schedule = run.placed.schedule
         engine.reform_needed = False

@@ -64,10 +64,19 @@ class CommEngine(SyncEngine):
         self.n_params = int(sum(_size(s) for s in shapes))
         if spec.topology == "naive":
             self.fan_in = max(2, len(ctx.workers))
+        self._shapes = shapes
         self.chunks = chunk_ranges(spec, [_size(s) for s in shapes], shapes)
         self.servers = server_workers(ctx.workers, spec.num_ps)
         self._bytes_before: dict[str, tuple[int, int]] = {}
         self._epoch_bytes: dict[str, tuple[int, int]] = {}
+
+    def respec(self, n_workers: int) -> None:
+        """The run re-formed on ``n_workers`` (new replicas): cut the ring's chunks
+        as theirs are."""
+        import dataclasses
+
+        self.spec = dataclasses.replace(self.spec, n_workers=n_workers)
+        self.chunks = chunk_ranges(self.spec, [_size(s) for s in self._shapes], self._shapes)
 
     # -- the graph --------------------------------------------------------------
     def _submit_sum(self, parts: list[Future], key: str) -> Future:
@@ -86,7 +95,11 @@ class CommEngine(SyncEngine):
         if self.spec.placement == "ps":
             return self._scatter(parts, epoch, step, self.servers, "ps")
         if self.spec.n_chunks > 1:
-            return self._scatter(parts, epoch, step, self.ctx.workers, "ring")
+            # chunk c on worker c; after a loss (until the run re-forms at the epoch
+            # boundary) the survivors take the N chunks round the ring
+            workers = self.ctx.workers
+            targets = [workers[c % len(workers)] for c in range(len(self.chunks))]
+            return self._scatter(parts, epoch, step, targets, "ring")
         return self._reduce(parts, epoch, step)
 
     def _scatter(

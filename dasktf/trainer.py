@@ -769,6 +769,9 @@ class _Run:
         self.ctx.workers = list(workers)
         self.ctx.steps_per_epoch = self.placed.steps_per_epoch
         self._generation += 1
+        # a ring's chunks are cut for the worker count
+        self._cfg = dataclasses.replace(
+            self._cfg, comm=dataclasses.replace(self._cfg.comm, n_workers=len(workers)))
         self._create_replicas()
 
     def release(self) -> None:

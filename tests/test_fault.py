@@ -33,9 +33,11 @@ def _options(**kw):
     return options
 
 
-def test_sync_run_survives_sigkill_of_one_of_three_workers(digits):
+@pytest.mark.parametrize("topology", ["tree", "ring"])
+def test_sync_run_survives_sigkill_of_one_of_three_workers(digits, topology):
     """Worker 2 of 3 is SIGKILLed halfway: the run finishes on 2, reaches the target,
-    and every survivor applied every global step exactly once."""
+    and every survivor applied every global step exactly once (ring: the survivors
+    take the lost worker's chunk, then the run re-forms as a 2-worker ring)."""
     start = time.monotonic()
     with own_cluster(3) as (cluster, client):
         workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
@@ -44,7 +46,7 @@ def test_sync_run_survives_sigkill_of_one_of_three_workers(digits):
         history = dasktf.fit(
             "mnist-mlp", digits.x_train, digits.y_train, client=client, n_workers=3,
             validation_data=(digits.x_test, digits.y_test), callbacks=[killer],
-            **_options(),
+            topology=topology, **_options(),
         )
         assert killer.killed_at is not None
         (recovery,) = history.recoveries
