@@ -50,6 +50,7 @@ from dasktf.comm import (
     decode_weights,
     encode_push,
     encode_weights,
+    holder_nbytes,
     wire_nbytes,
 )
 from dasktf.data import Shard
@@ -118,6 +119,8 @@ class StepResult:
     step: int
     outcome: PushOutcome | None  # None: the holder had stopped; nothing computed
     metric_states: list[np.ndarray] | None = None
+    #: per holder: the push and the weights pulled for it, as they travelled
+    nbytes: list[int] = field(default_factory=list)
 
 
 class StalenessGate:
@@ -623,7 +626,8 @@ def async_step_task(
     # as they travelled (counted at the codec)
     timings["bytes"] = wire_nbytes(packed) + wire_nbytes(flat)
     _emit(replica, outcome, shard_pass, step, grad, timings)
-    return StepResult(replica.identity, shard_pass, step, outcome, states)
+    return StepResult(replica.identity, shard_pass, step, outcome, states,
+                      holder_nbytes(packed, flat))
 
 
 def flush_events(run_id: str, dask_worker: Any = None) -> None:
@@ -741,6 +745,8 @@ class AsyncEngine:
         staleness_lr: str | None = None,
         quorum: int | None = None,
         epochs: int | None = None,
+        holders: list[str] | None = None,
+        plan: list[list[tuple[int, int]]] | None = None,
     ) -> None:
         self.ctx = ctx
         self.holder_worker = holder_worker
@@ -785,18 +791,31 @@ class AsyncEngine:
         #: found the run stopped: ``computed == applied contributions + dropped +
         #: discarded`` (checked by the tests).
         self.tasks = {"computed": 0, "stopped": 0}
-        holder = ctx.client.submit(
-            ParameterHolder, replica_config, weights, probe, val_shards,
-            max_staleness, staleness_lr, quorum, config.get_seconds("step-timeout"),
-            *self._budget(epochs),
-            key=f"dasktf-holder-{ctx.run_id}",
-            # The holder's state lives on this worker for the whole run.
-            workers=[holder_worker], allow_other_workers=False, actor=True,
-        )
-        wait_for(ctx, [holder], "building the parameter holder")
+        holder_args = (replica_config, weights, probe, val_shards, max_staleness,
+                       staleness_lr, quorum, config.get_seconds("step-timeout"),
+                       *self._budget(epochs))
+        #: num_ps=K: the flat-buffer ranges of each holder's slice (dasktf.async_ps)
+        self.plan = plan or []
+        self.sharded: Any = None
+        self._epoch_bytes: list[list[int]] = []
+        if len(self.plan) > 1:
+            from dasktf.async_ps import ShardedHolders
+
+            self.sharded = ShardedHolders(self, holders or [holder_worker], self.plan,
+                                          holder_args)
+            holder = self.sharded.coordinator
+            self.holder_ref: HolderRef = self.sharded.ref
+        else:
+            holder = ctx.client.submit(
+                ParameterHolder, *holder_args,
+                key=f"dasktf-holder-{ctx.run_id}",
+                # The holder's state lives on this worker for the whole run.
+                workers=[holder_worker], allow_other_workers=False, actor=True,
+            )
+            wait_for(ctx, [holder], "building the parameter holder")
+            self.holder_ref = HolderRef(holder_worker, holder.key)
         self._holder_future = holder
         self.holder: Actor = holder.result()
-        self.holder_ref = HolderRef(holder_worker, holder.key)
 
     def _budget(self, epochs: int | None) -> tuple[dict[int, int] | None, int | None]:
         """The holder stops by itself after the last epoch's updates (not one more)."""
@@ -898,6 +917,8 @@ class AsyncEngine:
             self.ctx.workers = workers
             check_alive(self.ctx, what)
             return False
+        if self.sharded is not None:  # a slice's holder lost: raise (dasktf.async_ps)
+            self.sharded.check_lost(self, lost)
         if self.policy == "raise":
             self.ctx.workers = workers
             check_alive(self.ctx, what)
@@ -936,6 +957,7 @@ class AsyncEngine:
             self.tasks["stopped"] += 1
             return
         self.tasks["computed"] += 1
+        self._epoch_bytes.append(result.nbytes)
         cursor = self.cursors[result.worker]
         if cursor.feeds is not None:  # a helper advances the shard it helps
             cursor = self.cursors[cursor.feeds]
@@ -985,6 +1007,11 @@ class AsyncEngine:
         if self.mode == "quorum":
             logs["dropped"] = float(self._epoch_dropped)
         self._epoch_dropped = 0
+        if self.plan:  # bytes per update, counted at the codec (dasktf.async_ps)
+            from dasktf.async_ps import byte_logs
+
+            logs.update(byte_logs(self.plan, self._epoch_bytes))
+        self._epoch_bytes = []
         return logs
 
     def finish(self) -> None:
@@ -1027,6 +1054,8 @@ class AsyncEngine:
             f.cancel()
         self._outstanding.clear()
         self._holder_future.release()
+        if self.sharded is not None:
+            self.sharded.close()
 
 
 def updates_frame(records: list[UpdateRecord]) -> Any:
