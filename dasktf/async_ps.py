@@ -105,10 +105,7 @@ def plan_holders(
     size = int(sum(int(np.prod(s)) if len(s) else 1 for s in shapes))
     if num_ps <= 1:
         return [workers[choose_holder(workers, slow_workers)]], [[(0, size)]]
-    try:
-        plan = shard_plan(shapes, num_ps)
-    except ValueError as exc:
-        raise ValueError(f"{exc} (async mode: num_ps holders)") from None
+    plan = shard_plan(shapes, num_ps)
     first = choose_holder(workers, slow_workers)
     order = [(first + j) % len(workers) for j in range(len(workers))]
     fast = [i for i in order if slow_workers.get(i, 1.0) <= 1.0] or order

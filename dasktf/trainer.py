@@ -581,6 +581,10 @@ class _Run:
             comm=dataclasses.replace(t.comm, n_workers=len(self.workers)),
         )
         self._validation = validation_data
+        if t.comm.num_ps > 1:  # refuse a num_ps the parameters cannot be split over
+            from dasktf.ps import shard_plan
+
+            shard_plan([tuple(v.shape) for v in model.trainable_variables], t.comm.num_ps)
         self._create_replicas()
 
     def _create_replicas(self) -> None:
