@@ -88,7 +88,9 @@ Item = tuple[int, int, int]  # (worker identity, pass, step): one update's key
 
 
 def plan_holders(
-    workers: list[str], slow_workers: dict[int, float], shapes: list[tuple[int, ...]],
+    workers: list[str],
+    slow_workers: dict[int, float],
+    shapes: list[tuple[int, ...]],
     num_ps: int,
 ) -> tuple[list[str], list[Ranges]]:
     """The worker of each holder and the flat-buffer ranges of each slice.
@@ -113,15 +115,25 @@ def plan_holders(
 
 
 async def _actor_call(
-    worker: Any, address: str, key: str, method: str, args: tuple[Any, ...], timeout: float
+    worker: Any,
+    address: str,
+    key: str,
+    method: str,
+    args: tuple[Any, ...],
+    timeout: float,
 ) -> Any:
     """``actor.method(*args)`` on ``address``, awaited on this worker's loop; fails
     like :meth:`HolderRef.call` (a lost holder, a timeout)."""
     from distributed.protocol import to_serialize
 
-    request = asyncio.ensure_future(worker.rpc(address).actor_execute(
-        function=method, actor=key, args=[to_serialize(a) for a in args], kwargs={},
-    ))
+    request = asyncio.ensure_future(
+        worker.rpc(address).actor_execute(
+            function=method,
+            actor=key,
+            args=[to_serialize(a) for a in args],
+            kwargs={},
+        )
+    )
     poll = min(0.1, config.get_seconds("poll-interval"))
     deadline = time.monotonic() + timeout
     while True:
@@ -139,21 +151,27 @@ async def _actor_call(
     try:
         response = request.result()
     except OSError as exc:
-        raise HolderLostError(f"the parameter holder on {address} is unreachable: {exc}") from exc
+        raise HolderLostError(
+            f"the parameter holder on {address} is unreachable: {exc}"
+        ) from exc
     if response["status"] != "OK":
         raise response["exception"]
     return response["result"]
 
 
 def _build_shard(
-    config_: ReplicaConfig, weights: list[np.ndarray], probe: Shard, ranges: Ranges,
+    config_: ReplicaConfig,
+    weights: list[np.ndarray],
+    probe: Shard,
+    ranges: Ranges,
     index: int,
 ) -> tuple[Any, PSShard]:
     from dasktf.replica import Replica
 
     shard = Shard(probe.x[:1], probe.y[:1])
-    replica = Replica(config_, _HOLDER_INDEX + index, shard, np.ones((1,), int), weights,
-                      None, False)
+    replica = Replica(
+        config_, _HOLDER_INDEX + index, shard, np.ones((1,), int), weights, None, False
+    )
     return replica, PSShard(replica, ranges)
 
 
@@ -162,8 +180,13 @@ class SliceHolder:
     slice and its optimizer state; applies what the coordinator orders, in order."""
 
     def __init__(
-        self, config_: ReplicaConfig, weights: list[np.ndarray], probe: Shard,
-        ranges: Ranges, index: int, timeout: float,
+        self,
+        config_: ReplicaConfig,
+        weights: list[np.ndarray],
+        probe: Shard,
+        ranges: Ranges,
+        index: int,
+        timeout: float,
     ) -> None:
         _, self.shard = _build_shard(config_, weights, probe, ranges, index)
         self.index = index
@@ -203,8 +226,9 @@ class SliceHolder:
         cond = self._condition()
         async with cond:
             try:
-                await asyncio.wait_for(cond.wait_for(lambda: item in self.offers),
-                                       self.timeout)
+                await asyncio.wait_for(
+                    cond.wait_for(lambda: item in self.offers), self.timeout
+                )
             except TimeoutError:
                 raise StepTimeoutError(
                     f"holder {self.index} never received worker {item[0]}'s slice of "
@@ -234,7 +258,9 @@ class SliceHolder:
         """The float32 slice and its optimizer state (evaluation, checkpoints)."""
         return self.flat, self.shard.state()
 
-    async def load(self, values: np.ndarray, optimizer: list[np.ndarray], version: int) -> None:
+    async def load(
+        self, values: np.ndarray, optimizer: list[np.ndarray], version: int
+    ) -> None:
         self.flat = self.shard.load(values, optimizer)
         self.version = int(version)
         self.kept.clear()
@@ -257,7 +283,11 @@ class CoordinatingHolder(ParameterHolder):
     holders' applies. See the module docstring."""
 
     def __init__(
-        self, *args: Any, plan: list[Ranges], peers: list[tuple[str, str]], **kwargs: Any
+        self,
+        *args: Any,
+        plan: list[Ranges],
+        peers: list[tuple[str, str]],
+        **kwargs: Any,
     ) -> None:
         from distributed import get_worker
 
@@ -276,9 +306,11 @@ class CoordinatingHolder(ParameterHolder):
         return await _actor_call(self._worker, address, key, method, args, self.timeout)
 
     async def _all(self, method: str, *args: Any) -> list[Any]:
-        return list(await asyncio.gather(
-            *(self._peer(s, method, *args) for s in range(len(self.peers)))
-        ))
+        return list(
+            await asyncio.gather(
+                *(self._peer(s, method, *args) for s in range(len(self.peers)))
+            )
+        )
 
     # -- the per-update path ------------------------------------------------------
     async def pull(self, worker: int, have: int) -> tuple[int, int, Any] | None:
@@ -292,20 +324,32 @@ class CoordinatingHolder(ParameterHolder):
         return await super().push(token, worker, grad, *args)
 
     async def _apply_now(
-        self, worker: int, grad: GradientSum, version_read: int, shard_pass: int, step: int
+        self,
+        worker: int,
+        grad: GradientSum,
+        version_read: int,
+        shard_pass: int,
+        step: int,
     ) -> PushOutcome:
-        scale = (1.0 / max(1, self.version - version_read)
-                 if self.staleness_lr == "inverse" else 1.0)
+        scale = (
+            1.0 / max(1, self.version - version_read)
+            if self.staleness_lr == "inverse"
+            else 1.0
+        )
         # the versions gradients in flight still read (this one's included)
         oldest = min(self.gate.in_flight.values(), default=self.version)
-        await self._all("apply", (worker, shard_pass, step), self.version, scale, oldest)
+        await self._all(
+            "apply", (worker, shard_pass, step), self.version, scale, oldest
+        )
         return await super()._apply_now(worker, grad, version_read, shard_pass, step)
 
     def _apply(self, grad: GradientSum, scale: float) -> None:  # slice 0
         if grad.total is not None and grad.count:
             self.flat = self.shard.apply(grad.total, grad.count, scale)
 
-    async def release_worker(self, worker: int, successor: int, items: list[Any]) -> Any:
+    async def release_worker(
+        self, worker: int, successor: int, items: list[Any]
+    ) -> Any:
         applied = await super().release_worker(worker, successor, items)
         await self._all("forget", [(worker, p, s) for p, s in items])
         return applied
@@ -316,7 +360,7 @@ class CoordinatingHolder(ParameterHolder):
         parts = await self._all("current")
         full = np.empty(self.size, np.float32)
         scatter_ranges(full, self.plan[0], self.flat)
-        for ranges, (values, _) in zip(self.plan[1:], parts):
+        for ranges, (values, _) in zip(self.plan[1:], parts, strict=True):
             scatter_ranges(full, ranges, values)
         return full, [self.shard.state()] + [opt for _, opt in parts]
 
@@ -337,7 +381,8 @@ class CoordinatingHolder(ParameterHolder):
 
     async def weights(self) -> list[np.ndarray]:
         return await self._with_model(  # type: ignore[no-any-return]
-            lambda _: [np.asarray(w) for w in self.replica.model.get_weights()])
+            lambda _: [np.asarray(w) for w in self.replica.model.get_weights()]
+        )
 
     async def snapshot(self) -> dict[str, Any]:
         def snap(optimizers: list[list[np.ndarray]]) -> dict[str, Any]:
@@ -348,16 +393,19 @@ class CoordinatingHolder(ParameterHolder):
         return await self._with_model(snap)  # type: ignore[no-any-return]
 
     async def restore(
-        self, weights: list[np.ndarray], optimizer: list[np.ndarray], version: int,
+        self,
+        weights: list[np.ndarray],
+        optimizer: list[np.ndarray],
+        version: int,
         done: dict[int, list[tuple[int, int]]],
     ) -> None:
         n = len(self.shard.state())
         k = len(self.plan)
         if len(optimizer) != n * k:
             raise ValueError(
-                f"The checkpoint holds {len(optimizer)} optimizer variables; a run with "
-                f"num_ps={k} expects {n * k} ({n} per holder). Resume with the num_ps "
-                "of the run that wrote it."
+                f"The checkpoint holds {len(optimizer)} optimizer variables; a run "
+                f"with num_ps={k} expects {n * k} ({n} per holder). Resume with the "
+                "num_ps of the run that wrote it."
             )
 
         def full_of(w: list[np.ndarray]) -> np.ndarray:
@@ -365,11 +413,18 @@ class CoordinatingHolder(ParameterHolder):
             return self.replica.flat_weights()
 
         full = await self._run(full_of, weights)
-        await asyncio.gather(*(
-            self._peer(s - 1, "load", gather_ranges(full, self.plan[s]).copy(),
-                       optimizer[s * n:(s + 1) * n], version)
-            for s in range(1, k)
-        ))
+        await asyncio.gather(
+            *(
+                self._peer(
+                    s - 1,
+                    "load",
+                    gather_ranges(full, self.plan[s]).copy(),
+                    optimizer[s * n : (s + 1) * n],
+                    version,
+                )
+                for s in range(1, k)
+            )
+        )
         await super().restore(weights, optimizer[:n], version, done)
 
     def _restore(self, weights: list[np.ndarray], optimizer: list[np.ndarray]) -> None:
@@ -379,7 +434,10 @@ class CoordinatingHolder(ParameterHolder):
 
     async def traffic(self) -> list[dict[str, int]]:
         """Bytes each holder received and sent, as they travelled (holder order)."""
-        return [{"received": self.received, "sent": self.sent}, *await self._all("traffic")]
+        return [
+            {"received": self.received, "sent": self.sent},
+            *await self._all("traffic"),
+        ]
 
 
 @dataclass(frozen=True)
@@ -392,17 +450,23 @@ class ShardedHolderRef(HolderRef):
     plan: tuple[tuple[tuple[int, int], ...], ...] = ()
     size: int = 0
 
-    def _each(self, calls: list[tuple[int, str, tuple[Any, ...]]], timeout: float) -> list[Any]:
+    def _each(
+        self, calls: list[tuple[int, str, tuple[Any, ...]]], timeout: float
+    ) -> list[Any]:
         from distributed import get_worker
         from distributed.utils import sync
 
         worker = get_worker()
 
         async def run() -> list[Any]:
-            return list(await asyncio.gather(*(
-                _actor_call(worker, *self.peers[s], method, args, timeout)
-                for s, method, args in calls
-            )))
+            return list(
+                await asyncio.gather(
+                    *(
+                        _actor_call(worker, *self.peers[s], method, args, timeout)
+                        for s, method, args in calls
+                    )
+                )
+            )
 
         return sync(worker.loop, run)  # type: ignore[no-any-return]
 
@@ -411,8 +475,14 @@ class ShardedHolderRef(HolderRef):
         if pulled is None or pulled[2] is None:
             return pulled
         token, version, first = pulled
-        rest = self._each([(s, "read", (version,)) for s in range(len(self.peers))], timeout)
-        return token, version, Slices([first, *rest], [list(r) for r in self.plan], self.size)
+        rest = self._each(
+            [(s, "read", (version,)) for s in range(len(self.peers))], timeout
+        )
+        return (
+            token,
+            version,
+            Slices([first, *rest], [list(r) for r in self.plan], self.size),
+        )
 
     def call(self, method: str, *args: Any, timeout: float) -> Any:
         if method == "pull":
@@ -421,10 +491,20 @@ class ShardedHolderRef(HolderRef):
             token, worker, packed, version, shard_pass, step = args
             assert isinstance(packed, Slices)
             item = (worker, shard_pass, step)
-            self._each([(s, "offer", (item, part))
-                        for s, part in enumerate(packed.parts[1:])], timeout)
-            outcome, pulled = super().call("push", token, worker, packed.parts[0], version,
-                                           shard_pass, step, timeout=timeout)
+            self._each(
+                [(s, "offer", (item, part)) for s, part in enumerate(packed.parts[1:])],
+                timeout,
+            )
+            outcome, pulled = super().call(
+                "push",
+                token,
+                worker,
+                packed.parts[0],
+                version,
+                shard_pass,
+                step,
+                timeout=timeout,
+            )
             return outcome, self._complete(pulled, timeout)
         return super().call(method, *args, timeout=timeout)
 
@@ -433,7 +513,10 @@ class ShardedHolders:
     """The client's handle on a ``num_ps=K`` run's holders (built by the engine)."""
 
     def __init__(
-        self, engine: AsyncEngine, holders: list[str], plan: list[Ranges],
+        self,
+        engine: AsyncEngine,
+        holders: list[str],
+        plan: list[Ranges],
         holder_args: tuple[Any, ...],
     ) -> None:
         from dasktf.sync import wait_for
@@ -444,43 +527,72 @@ class ShardedHolders:
         self.holders, self.plan = holders, plan
         self.peer_futures: list[Future] = [
             ctx.client.submit(
-                SliceHolder, config_, weights, probe, plan[s], s, timeout,
+                SliceHolder,
+                config_,
+                weights,
+                probe,
+                plan[s],
+                s,
+                timeout,
                 key=f"dasktf-holder-{ctx.run_id}-{s}",
                 # each slice's master copy lives on its worker for the whole run
-                workers=[holders[s]], allow_other_workers=False, actor=True,
+                workers=[holders[s]],
+                allow_other_workers=False,
+                actor=True,
             )
             for s in range(1, len(plan))
         ]
-        peers = [(holders[s], f.key) for s, f in zip(range(1, len(plan)), self.peer_futures)]
+        peers = [
+            (holders[s], str(f.key))
+            for s, f in zip(range(1, len(plan)), self.peer_futures, strict=True)
+        ]
         self.coordinator: Future = ctx.client.submit(
-            CoordinatingHolder, *holder_args, plan=plan, peers=peers,
+            CoordinatingHolder,
+            *holder_args,
+            plan=plan,
+            peers=peers,
             key=f"dasktf-holder-{ctx.run_id}",
-            workers=[holders[0]], allow_other_workers=False, actor=True,
+            workers=[holders[0]],
+            allow_other_workers=False,
+            actor=True,
         )
-        wait_for(ctx, [self.coordinator, *self.peer_futures], "building the parameter holders")
+        wait_for(
+            ctx,
+            [self.coordinator, *self.peer_futures],
+            "building the parameter holders",
+        )
         self.ref = ShardedHolderRef(
-            holders[0], self.coordinator.key, tuple(peers),
-            tuple(tuple(r) for r in plan), int(sum(b - a for r in plan for a, b in r)),
+            holders[0],
+            str(self.coordinator.key),
+            tuple(peers),
+            tuple(tuple(r) for r in plan),
+            int(sum(b - a for r in plan for a, b in r)),
         )
 
     def check_lost(self, engine: AsyncEngine, lost: list[str]) -> None:
         """Raise if a slice's holder went with a lost worker (module docstring)."""
-        gone = [w for w in self.holders[1:] if w in lost]
+        gone = ", ".join(sorted({w for w in self.holders[1:] if w in lost}))
         if not gone:
             return
-        checkpoint = engine.last_checkpoint() if hasattr(engine, "last_checkpoint") else None
+        checkpoint = (
+            engine.last_checkpoint() if hasattr(engine, "last_checkpoint") else None
+        )
         raise WorkerLostError(
-            f"the worker of a parameter holder was lost ({', '.join(sorted(set(gone)))}); "
+            f"the worker of a parameter holder was lost ({gone}); "
             "its slice of the master weights went with it. "
-            + (f"Resume from the last checkpoint, {checkpoint}, with resume=True."
-               if checkpoint else "Pass checkpoint_dir= to keep checkpoints to resume from."),
+            + (
+                f"Resume from the last checkpoint, {checkpoint}, with resume=True."
+                if checkpoint
+                else "Pass checkpoint_dir= to keep checkpoints to resume from."
+            ),
             lost,
         )
 
     def traffic(self, engine: AsyncEngine) -> list[dict[str, int]]:
         """Bytes each holder received and sent over the run, counted by the holders."""
         return engine.holder.traffic().result(  # type: ignore[no-any-return]
-            timeout=config.get_seconds("step-timeout"))
+            timeout=config.get_seconds("step-timeout")
+        )
 
     def close(self) -> None:
         for f in self.peer_futures:

@@ -252,9 +252,10 @@ def _fit(
         summary.append(f"test accuracy {result['accuracy']:.4f}")
     summary += [f"wall time {wall:.1f}s", f"{examples / train_seconds:,.0f} examples/s"]
     if "bytes_per_step" in history.history:
+        bound = "push+pull" if trainer.mode == "async" else "allreduce"
         summary.append(f"{history.history['bytes_per_step'][-1] / 1e6:.3f} MB/step/worker "
-                       f"({history.history['bytes_bound_ratio'][-1]:.2f}x the "
-                       f"{'push+pull' if trainer.mode == 'async' else 'allreduce'} bound)")
+                       f"({history.history['bytes_bound_ratio'][-1]:.2f}x the {bound} "
+                       "bound)")
     click.echo("done: " + "  ".join(summary))
 
 

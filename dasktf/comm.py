@@ -319,7 +319,7 @@ class Slices:
     def assemble(self) -> np.ndarray:
         """The full flat float32 buffer (weights)."""
         out = np.empty(self.size, np.float32)
-        for ranges, part in zip(self.ranges, self.parts):
+        for ranges, part in zip(self.ranges, self.parts, strict=True):
             scatter_ranges(out, ranges, decode_weights(part))
         return out
 
@@ -333,8 +333,9 @@ def encode_push(replica: Replica, grad: GradientSum) -> Any:
     if ch.spec.n_chunks == 1:
         return ch.send(grad, "")
     if ch.spec.compression == "none":
+        total = grad.total
         parts: list[Any] = [
-            GradientSum(None if grad.total is None else gather_ranges(grad.total, r).copy(),
+            GradientSum(None if total is None else gather_ranges(total, r).copy(),
                         grad.count, grad.loss_sum, grad.compute_seconds)
             for r in ch.chunks
         ]
@@ -371,7 +372,7 @@ def holder_nbytes(push: Any, weights: Any) -> list[int]:
         parts[0] = [None] * len(parts[1])
     if len(parts[1]) < len(parts[0]):  # no weights (the worker had that version)
         parts[1] = [None] * len(parts[0])
-    return [wire_nbytes(a) + wire_nbytes(b) for a, b in zip(*parts)]
+    return [wire_nbytes(a) + wire_nbytes(b) for a, b in zip(*parts, strict=True)]
 
 
 def decode_weights(flat: Any) -> np.ndarray:

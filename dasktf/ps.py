@@ -119,7 +119,7 @@ class PSShard:
 
     def load(self, values: np.ndarray, optimizer: list[np.ndarray]) -> np.ndarray:
         self.variable.assign(values)
-        for v, value in zip(self.optimizer.variables, optimizer):
+        for v, value in zip(self.optimizer.variables, optimizer, strict=True):
             v.assign(value)
         return np.asarray(self.variable.numpy(), np.float32)
 

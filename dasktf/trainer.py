@@ -584,7 +584,8 @@ class _Run:
         if t.comm.num_ps > 1:  # refuse a num_ps the parameters cannot be split over
             from dasktf.ps import shard_plan
 
-            shard_plan([tuple(v.shape) for v in model.trainable_variables], t.comm.num_ps)
+            shapes = [tuple(v.shape) for v in model.trainable_variables]
+            shard_plan(shapes, t.comm.num_ps)
         self._create_replicas()
 
     def _create_replicas(self) -> None:
