@@ -328,9 +328,10 @@ def encode_push(replica: Replica, grad: GradientSum) -> Any:
     """Async: the gradient as it leaves for the holder (codec, error feedback);
     :class:`Slices` with one slice per holder when there are several."""
     ch = channel(replica)
-    if ch is None or (ch.spec.compression == "none" and ch.spec.n_chunks == 1):
+    sliced = ch is not None and ch.spec.placement == "holder" and ch.spec.n_chunks > 1
+    if ch is None or (ch.spec.compression == "none" and not sliced):
         return grad
-    if ch.spec.n_chunks == 1:
+    if not sliced:
         return ch.send(grad, "")
     if ch.spec.compression == "none":
         total = grad.total

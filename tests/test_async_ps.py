@@ -271,3 +271,20 @@ def test_async_num_ps_2_checkpoint_and_resume(client, digits, tmp_path):
             resume=True,
             **{**kw, "num_ps": 3},
         )
+
+
+def test_cli_async_ps_2_reports_the_bytes(client):
+    from click.testing import CliRunner
+
+    from dasktf.cli import main
+
+    result = CliRunner().invoke(
+        main,
+        [
+            "fit", "--scheduler", client.scheduler.address, "--workers", "3",
+            "--mode", "async", "--ps", "2", "--epochs", "1", "--batch-size", "96",
+            "--quiet",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    assert "MB/step/worker" in result.output and "push+pull bound" in result.output
