@@ -614,7 +614,8 @@ def byte_logs(plan: list[Ranges], task_bytes: list[list[int]]) -> dict[str, floa
     """
     n_params = int(sum(b - a for r in plan for a, b in r))
     bound = 2.0 * n_params * 4
-    per_holder = np.asarray(task_bytes, float).reshape(len(task_bytes), -1)
+    task_bytes = [b for b in task_bytes if len(b) == len(plan)]
+    per_holder = np.asarray(task_bytes, float).reshape(len(task_bytes), len(plan))
     per_step = float(per_holder.sum(axis=1).mean()) if len(task_bytes) else 0.0
     busiest = float(per_holder.mean(axis=0).max()) if len(task_bytes) else 0.0
     return {

@@ -957,7 +957,8 @@ class AsyncEngine:
             self.tasks["stopped"] += 1
             return
         self.tasks["computed"] += 1
-        self._epoch_bytes.append(result.nbytes)
+        if result.nbytes:  # not a result recovery made up for a lost worker
+            self._epoch_bytes.append(result.nbytes)
         cursor = self.cursors[result.worker]
         if cursor.feeds is not None:  # a helper advances the shard it helps
             cursor = self.cursors[cursor.feeds]
