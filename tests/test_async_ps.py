@@ -12,9 +12,12 @@ import pytest
 import dasktf
 from dasktf.checkpoint import list_checkpoints
 from dasktf.data import interleaved_indices, interleaved_schedule
+from dasktf.exceptions import WorkerLostError
 from dasktf.ps import shard_plan
+from dasktf.testing import KillWorkerAt
 from tests.conftest import relative_error
 from tests.test_async import _check_records, _copy, _mlp
+from tests.test_fault import own_cluster
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -281,10 +284,84 @@ def test_cli_async_ps_2_reports_the_bytes(client):
     result = CliRunner().invoke(
         main,
         [
-            "fit", "--scheduler", client.scheduler.address, "--workers", "3",
-            "--mode", "async", "--ps", "2", "--epochs", "1", "--batch-size", "96",
+            "fit",
+            "--scheduler",
+            client.scheduler.address,
+            "--workers",
+            "3",
+            "--mode",
+            "async",
+            "--ps",
+            "2",
+            "--epochs",
+            "1",
+            "--batch-size",
+            "96",
             "--quiet",
         ],
     )
     assert result.exit_code == 0, result.output
     assert "MB/step/worker" in result.output and "push+pull bound" in result.output
+
+
+def test_num_ps_2_survives_the_loss_of_a_worker_without_a_holder(digits):
+    """Worker 2 of 3 holds no slice (the holders are on workers 0 and 1): it is
+    SIGKILLed halfway, its shard goes to a survivor and every batch is applied once."""
+    epochs = 3
+    with own_cluster(3) as (_, client):
+        workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        steps = -(-len(digits.x_train) // 64)
+        killer = KillWorkerAt(client, workers[2], step=3 * steps * epochs // 2)
+        history = dasktf.fit(
+            "mnist-mlp",
+            digits.x_train,
+            digits.y_train,
+            client=client,
+            n_workers=3,
+            mode="async",
+            num_ps=2,
+            epochs=epochs,
+            batch_size=64,
+            optimizer="adam",
+            learning_rate=0.005,
+            seed=3,
+            verbose=0,
+            callbacks=[killer],
+            validation_data=(digits.x_test, digits.y_test),
+            metrics=["accuracy"],
+        )
+        assert killer.killed_at is not None
+        (recovery,) = history.recoveries
+        assert recovery["lost"] == [workers[2]]
+        updates = history.updates
+        assert list(updates["update"]) == list(range(1, len(updates) + 1))
+        shard = updates["worker"].replace({3: 2})
+        owed = updates[updates["shard_pass"] < epochs].assign(shard=shard)
+        assert not owed.duplicated(["shard", "shard_pass", "step"]).any()
+        assert (owed.groupby("shard").size() == steps * epochs).all()
+        assert history.history["val_accuracy"][-1] > 0.85
+
+
+def test_losing_a_slice_holder_raises_worker_lost(digits):
+    """The slice went with its worker: the run stops with WorkerLostError (no holder
+    recovery yet), naming what to do."""
+    with own_cluster(3) as (_, client):
+        workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        steps = -(-len(digits.x_train) // 64)
+        killer = KillWorkerAt(client, workers[1], step=steps)
+        with pytest.raises(WorkerLostError, match="parameter holder"):
+            dasktf.fit(
+                "mnist-mlp",
+                digits.x_train,
+                digits.y_train,
+                client=client,
+                n_workers=3,
+                mode="async",
+                num_ps=2,
+                epochs=3,
+                batch_size=64,
+                optimizer="adam",
+                seed=3,
+                verbose=0,
+                callbacks=[killer],
+            )
