@@ -599,6 +599,17 @@ class ShardedHolders:
             f.release()
 
 
+def start_holders(
+    engine: AsyncEngine, holders: list[str], holder_args: tuple[Any, ...]
+) -> None:
+    """Build a ``num_ps=K`` run's holders for ``engine`` (what its constructor does
+    for the single holder): ``holder``, ``holder_ref`` and ``sharded``."""
+    engine.sharded = ShardedHolders(engine, holders, engine.plan, holder_args)
+    engine._holder_future = engine.sharded.coordinator
+    engine.holder = engine.sharded.coordinator.result()
+    engine.holder_ref = engine.sharded.ref
+
+
 def byte_logs(plan: list[Ranges], task_bytes: list[list[int]]) -> dict[str, float]:
     """An async epoch's byte figures, from its gradient tasks' per-holder counts
     (push + pulled weights, counted at the codec).

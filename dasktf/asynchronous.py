@@ -791,31 +791,29 @@ class AsyncEngine:
         #: found the run stopped: ``computed == applied contributions + dropped +
         #: discarded`` (checked by the tests).
         self.tasks = {"computed": 0, "stopped": 0}
-        holder_args = (replica_config, weights, probe, val_shards, max_staleness,
-                       staleness_lr, quorum, config.get_seconds("step-timeout"),
-                       *self._budget(epochs))
         #: num_ps=K: the flat-buffer ranges of each holder's slice (dasktf.async_ps)
         self.plan = plan or []
         self.sharded: Any = None
         self._epoch_bytes: list[list[int]] = []
-        if len(self.plan) > 1:
-            from dasktf.async_ps import ShardedHolders
+        if len(self.plan) > 1:  # K holders: sets holder, holder_ref, sharded
+            from dasktf.async_ps import start_holders
 
-            self.sharded = ShardedHolders(self, holders or [holder_worker], self.plan,
-                                          holder_args)
-            holder = self.sharded.coordinator
-            self.holder_ref: HolderRef = self.sharded.ref
-        else:
-            holder = ctx.client.submit(
-                ParameterHolder, *holder_args,
-                key=f"dasktf-holder-{ctx.run_id}",
-                # The holder's state lives on this worker for the whole run.
-                workers=[holder_worker], allow_other_workers=False, actor=True,
-            )
-            wait_for(ctx, [holder], "building the parameter holder")
-            self.holder_ref = HolderRef(holder_worker, holder.key)
+            start_holders(self, holders or [holder_worker], (
+                replica_config, weights, probe, val_shards, max_staleness, staleness_lr,
+                quorum, config.get_seconds("step-timeout"), *self._budget(epochs)))
+            return
+        holder = ctx.client.submit(
+            ParameterHolder, replica_config, weights, probe, val_shards,
+            max_staleness, staleness_lr, quorum, config.get_seconds("step-timeout"),
+            *self._budget(epochs),
+            key=f"dasktf-holder-{ctx.run_id}",
+            # The holder's state lives on this worker for the whole run.
+            workers=[holder_worker], allow_other_workers=False, actor=True,
+        )
+        wait_for(ctx, [holder], "building the parameter holder")
         self._holder_future = holder
         self.holder: Actor = holder.result()
+        self.holder_ref = HolderRef(holder_worker, holder.key)
 
     def _budget(self, epochs: int | None) -> tuple[dict[int, int] | None, int | None]:
         """The holder stops by itself after the last epoch's updates (not one more)."""
