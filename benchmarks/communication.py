@@ -13,7 +13,13 @@ step, and the busiest worker's busier direction over the allreduce lower bound
 reduction with the default fan-in 4, i.e. all-to-one over 3 workers) are the
 figures to read: absolute rates on a shared 2-core machine are noise.
 
-Usage: ``python benchmarks/communication.py [--samples 3072] [--mnist PATH]``.
+``--async`` runs the async cases instead: one parameter holder, then the parameters
+split over ``num_ps`` 2 and 3 holders (:mod:`dasktf.async_ps`). Per update (one
+worker's step): the MB the worker moves (its push and the weights it pulls), the
+busiest holder's MB (the traffic a holder's link carries), and examples/s, each
+against the single holder.
+
+Usage: ``python benchmarks/communication.py [--samples 3072] [--mnist PATH] [--async]``.
 """
 
 from __future__ import annotations
@@ -36,6 +42,11 @@ CASES: list[tuple[str, dict]] = [
     ("ps 2", {"num_ps": 2}),
     ("ps 3", {"num_ps": 3}),
     ("ps 3 + bf16 weights", {"num_ps": 3, "weights_dtype": "bf16"}),
+]
+ASYNC_CASES: list[tuple[str, dict]] = [
+    ("async, 1 holder", {"mode": "async"}),
+    ("async, num_ps 2", {"mode": "async", "num_ps": 2}),
+    ("async, num_ps 3", {"mode": "async", "num_ps": 3}),
 ]
 DEFAULT_MNIST = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "mnist.npz")
 
@@ -76,7 +87,21 @@ def run_case(client, model, x, y, batch: int, options: dict) -> dict:
         "ratio": h["bytes_bound_ratio"][1],
         "bound": h["bytes_lower_bound"][1],
         "loss": h["loss"][1],
+        "holder_bytes": h.get("holder_bytes_per_update", [0.0, 0.0])[1],
     }
+
+
+def print_async_table(label: str, batch: int, rows: list[tuple[str, dict]]) -> None:
+    base = rows[0][1]
+    print(f"\n### {label}, async, 3 workers, global batch {batch}\n")
+    print("| case | MB/update/worker (push+pull) | busiest holder MB/update | vs 1 holder "
+          "| examples/s | vs 1 holder |")
+    print("|---|---|---|---|---|---|")
+    for case, r in rows:
+        print(f"| {case} | {r['bytes_per_step'] / 1e6:.3f} | {r['holder_bytes'] / 1e6:.3f} | "
+              f"{base['holder_bytes'] / r['holder_bytes']:.2f}x less | "
+              f"{r['examples_per_sec']:,.0f} | "
+              f"{r['examples_per_sec'] / base['examples_per_sec']:.2f} |", flush=True)
 
 
 def main() -> None:
@@ -87,7 +112,10 @@ def main() -> None:
     parser.add_argument("--models", default="cnn,wide")
     parser.add_argument("--repeats", type=int, default=1,
                         help="rounds (the README figures: 2; about 7 min a round on 2 cores)")
+    parser.add_argument("--async", dest="async_", action="store_true",
+                        help="the async cases: 1, 2 and 3 parameter holders")
     args = parser.parse_args()
+    cases = ASYNC_CASES if args.async_ else CASES
 
     import dask
     from distributed import Client
@@ -109,7 +137,7 @@ def main() -> None:
                 label = "cnn (1.2M params)" if name == "cnn" else "wide MLP (5.8M params)"
                 best: dict[str, dict] = {}
                 for round_ in range(args.repeats):
-                    for case, options in CASES:
+                    for case, options in cases:
                         # a fresh model per case: a keras.Model is trained in place
                         model = "cnn" if name == "cnn" else wide_mlp()
                         r = run_case(client, model, x, y, args.batch, options)
@@ -119,8 +147,11 @@ def main() -> None:
                             best[case] = r
                         print(f"  {label} {case} (round {round_ + 1}): "
                               f"{r['examples_per_sec']:,.0f} examples/s", flush=True)
-                rows = [(case, best[case]) for case, _ in CASES]
+                rows = [(case, best[case]) for case, _ in cases]
                 base = rows[0][1]
+                if args.async_:
+                    print_async_table(label, args.batch, rows)
+                    continue
                 print(f"\n### {label}, 3 workers, global batch {args.batch}; "
                       f"allreduce bound {base['bound'] / 1e6:.2f} MB/worker/step each way\n")
                 print("| case | MB/step/worker (sent+received) | vs none | busiest / bound "

@@ -50,6 +50,7 @@ from dasktf.comm import (
     decode_weights,
     encode_push,
     encode_weights,
+    holder_nbytes,
     wire_nbytes,
 )
 from dasktf.data import Shard
@@ -118,6 +119,8 @@ class StepResult:
     step: int
     outcome: PushOutcome | None  # None: the holder had stopped; nothing computed
     metric_states: list[np.ndarray] | None = None
+    #: per holder: the push and the weights pulled for it, as they travelled
+    nbytes: list[int] = field(default_factory=list)
 
 
 class StalenessGate:
@@ -645,7 +648,8 @@ def async_step_task(
     # as they travelled (counted at the codec)
     timings["bytes"] = wire_nbytes(packed) + wire_nbytes(flat)
     _emit(replica, outcome, shard_pass, step, grad, timings)
-    return StepResult(replica.identity, shard_pass, step, outcome, states)
+    return StepResult(replica.identity, shard_pass, step, outcome, states,
+                      holder_nbytes(packed, flat))
 
 
 def flush_events(run_id: str, dask_worker: Any = None) -> None:
@@ -763,6 +767,8 @@ class AsyncEngine:
         staleness_lr: str | None = None,
         quorum: int | None = None,
         epochs: int | None = None,
+        holders: list[str] | None = None,
+        plan: list[list[tuple[int, int]]] | None = None,
     ) -> None:
         self.ctx = ctx
         self.holder_worker = holder_worker
@@ -824,6 +830,19 @@ class AsyncEngine:
         self._dropped_base: dict[int, int] = {}
         #: (probe, validation shards) for a new holder on a worker (the RunGuard's).
         self.holder_inputs: Callable[[str], tuple[Any, list[Any]]] | None = None
+        #: num_ps=K: the flat-buffer ranges of each holder's slice (dasktf.async_ps)
+        self.plan = plan or []
+        self.sharded: Any = None
+        self._epoch_bytes: list[list[int]] = []
+        if len(self.plan) > 1:  # K holders: sets holder, holder_ref, sharded
+            from dasktf.async_ps import start_holders
+
+            self.holder_worker = holder_worker
+            start_holders(self, holders or [holder_worker], (
+                replica_config, weights, probe, val_shards, max_staleness, staleness_lr,
+                quorum, config.get_seconds("step-timeout"), *self._budget(epochs)))
+            self.generation = 1
+            return
         self.start_holder(holder_worker, weights, probe, val_shards)
 
     def start_holder(self, worker: str, weights: Any, probe: Any, val_shards: list[Any]) -> None:
@@ -989,6 +1008,8 @@ class AsyncEngine:
             self.ctx.workers = workers
             check_alive(self.ctx, what)
             return False
+        if self.sharded is not None:  # a slice's holder lost: raise (dasktf.async_ps)
+            self.sharded.check_lost(self, lost)
         if self.policy == "raise":
             self.ctx.workers = workers
             check_alive(self.ctx, what)
@@ -1028,6 +1049,8 @@ class AsyncEngine:
             self.tasks["stopped"] += 1
             return
         self.tasks["computed"] += 1
+        if result.nbytes:  # not a result recovery made up for a lost worker
+            self._epoch_bytes.append(result.nbytes)
         cursor = self.cursors[result.worker]
         if cursor.feeds is not None:  # a helper advances the shard it helps
             cursor = self.cursors[cursor.feeds]
@@ -1078,6 +1101,11 @@ class AsyncEngine:
         if self.mode == "quorum":
             logs["dropped"] = float(self._epoch_dropped)
         self._epoch_dropped = 0
+        if self.plan:  # bytes per update, counted at the codec (dasktf.async_ps)
+            from dasktf.async_ps import byte_logs
+
+            logs.update(byte_logs(self.plan, self._epoch_bytes))
+        self._epoch_bytes = []
         return logs
 
     def finish(self) -> None:
@@ -1127,6 +1155,8 @@ class AsyncEngine:
             f.cancel()
         self._outstanding.clear()
         self._holder_future.release()
+        if self.sharded is not None:
+            self.sharded.close()
 
 
 def updates_frame(records: list[UpdateRecord]) -> Any:

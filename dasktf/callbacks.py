@@ -42,6 +42,9 @@ class History(keras.callbacks.History):
         Async and quorum runs: gradient tasks that ``computed`` a gradient, that
         found the run ``stopped``, and gradients ``discarded`` at the end because
         their quorum step never completed.
+    holder_traffic
+        Async runs with ``num_ps=K > 1``: per holder, the bytes it ``received`` and
+        ``sent`` over the run, counted by the holder (:mod:`dasktf.async_ps`).
     """
 
     def __init__(self) -> None:
@@ -53,6 +56,7 @@ class History(keras.callbacks.History):
         self.updates: Any = None
         self.dropped: dict[int, int] = {}
         self.gradient_tasks: dict[str, int] = {}
+        self.holder_traffic: list[dict[str, int]] | None = None
 
 
 class ProgressBar(keras.callbacks.Callback):

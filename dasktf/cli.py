@@ -86,7 +86,8 @@ def main() -> None:
               help="sync: how gradients travel: none, fp16, bf16, int8 or topk:RATIO "
               "(e.g. topk:0.01); lossy codecs keep an error-feedback residual.")
 @click.option("--ps", "num_ps", type=click.IntRange(min=1), default=None, metavar="K",
-              help="sync: shard the parameters over K parameter servers (placement ps).")
+              help="shard the parameters over K parameter servers (sync: placement ps; "
+              "async: K parameter holders).")
 @click.option("--placement", type=click.Choice(["mirrored", "ps"]), default=None,
               help="sync: every replica applies the mean (mirrored, default) or "
               "parameter servers do (ps).")
@@ -251,8 +252,9 @@ def _fit(
         summary.append(f"test accuracy {result['accuracy']:.4f}")
     summary += [f"wall time {wall:.1f}s", f"{examples / train_seconds:,.0f} examples/s"]
     if "bytes_per_step" in history.history:
+        bound = "push+pull" if trainer.mode == "async" else "allreduce"
         summary.append(f"{history.history['bytes_per_step'][-1] / 1e6:.3f} MB/step/worker "
-                       f"({history.history['bytes_bound_ratio'][-1]:.2f}x the allreduce "
+                       f"({history.history['bytes_bound_ratio'][-1]:.2f}x the {bound} "
                        "bound)")
     click.echo("done: " + "  ".join(summary))
 

@@ -59,7 +59,7 @@ class CommSpec:
     @property
     def n_chunks(self) -> int:
         """Pieces each gradient leaves its worker in (one per reducer)."""
-        if self.placement == "ps":
+        if self.placement in ("ps", "holder"):  # holder: async, one per holder
             return self.num_ps
         return self.n_workers if self.topology == "ring" and self.n_workers > 1 else 1
 
@@ -132,16 +132,23 @@ def validate_comm_options(
     if topology not in TOPOLOGIES:
         raise ValueError(f"topology must be one of {TOPOLOGIES}; got {topology!r}.")
     if mode != "sync":
-        if num_ps is not None or placement != "mirrored" or topology != "tree":
-            # Not built yet (issue 8): async runs have one parameter holder.
+        if num_ps is not None and mode != "async":
             raise ValueError(
-                f"num_ps, placement and topology apply to mode='sync' so far; got "
-                f"mode={mode!r}. Drop them or train with mode='sync'."
+                f"num_ps splits the parameters over servers in mode='sync' or 'async'; "
+                f"got mode={mode!r}. Drop num_ps."
+            )
+        if placement not in ("mirrored", "ps") or topology != "tree" or (
+            placement == "ps" and num_ps is None
+        ):
+            raise ValueError(
+                f"placement and topology apply to mode='sync'; got mode={mode!r}. An "
+                "async run keeps its parameters on holders: use num_ps=K to split them "
+                "over K holders, or train with mode='sync'."
             )
         name = compression if isinstance(compression, str) else codec.name
-        # The async holder is the one place weights travel from: it may send them
-        # in lower precision whatever the placement.
-        return CommSpec(name or "none", wdtype, "tree", "holder", 1)
+        # The async holders are the one place weights travel from: they may send
+        # them in lower precision whatever the placement (dasktf.async_ps: K > 1).
+        return CommSpec(name or "none", wdtype, "tree", "holder", int(num_ps or 1))
     if placement == "mirrored" and num_ps is not None and num_ps > 1:
         raise ValueError(
             f"num_ps={num_ps} shards the parameters over servers, but placement="
@@ -179,7 +186,7 @@ def allreduce_lower_bound(n_params: int, n_workers: int, bytes_per_value: float 
 def chunk_ranges(spec: CommSpec, sizes: list[int], shapes: list[tuple[int, ...]]) -> list[Ranges]:
     """The flat-buffer ranges of each chunk a gradient is split into."""
     total = int(sum(sizes))
-    if spec.placement == "ps":
+    if spec.placement == "ps" or (spec.placement == "holder" and spec.num_ps > 1):
         from dasktf.ps import shard_plan
 
         return shard_plan(shapes, spec.num_ps)
@@ -301,12 +308,46 @@ def send(replica: Replica, out: GradientSum) -> Any:
     return sent
 
 
+@dataclass
+class Slices:
+    """Async with ``num_ps=K > 1`` (:mod:`dasktf.async_ps`): a gradient or the
+    weights as K slices, one per holder, each as it travels (codec applied)."""
+
+    parts: list[Any]
+    ranges: list[Ranges]
+    size: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(wire_nbytes(p) for p in self.parts)
+
+    def assemble(self) -> np.ndarray:
+        """The full flat float32 buffer (weights)."""
+        out = np.empty(self.size, np.float32)
+        for ranges, part in zip(self.ranges, self.parts, strict=True):
+            scatter_ranges(out, ranges, decode_weights(part))
+        return out
+
+
 def encode_push(replica: Replica, grad: GradientSum) -> Any:
-    """Async: the gradient as it leaves for the holder (codec, error feedback)."""
+    """Async: the gradient as it leaves for the holder (codec, error feedback);
+    :class:`Slices` with one slice per holder when there are several."""
     ch = channel(replica)
-    if ch is None or ch.spec.compression == "none":
+    sliced = ch is not None and ch.spec.placement == "holder" and ch.spec.n_chunks > 1
+    if ch is None or (ch.spec.compression == "none" and not sliced):
         return grad
-    return ch.send(grad, "")
+    if not sliced:
+        return ch.send(grad, "")
+    if ch.spec.compression == "none":
+        total = grad.total
+        parts: list[Any] = [
+            GradientSum(None if total is None else gather_ranges(total, r).copy(),
+                        grad.count, grad.loss_sum, grad.compute_seconds)
+            for r in ch.chunks
+        ]
+    else:
+        parts = ch.send(grad, "")  # type: ignore[assignment]
+    return Slices(parts, ch.chunks, ch.size)
 
 
 def as_gradient_sum(grad: Any) -> GradientSum:
@@ -330,7 +371,19 @@ def wire_nbytes(obj: Any) -> int:
     return int(obj.nbytes)
 
 
+def holder_nbytes(push: Any, weights: Any) -> list[int]:
+    """Async: the bytes of one update's push and pulled weights, per holder."""
+    parts = [p.parts if isinstance(p, Slices) else [p] for p in (push, weights)]
+    if len(parts[0]) < len(parts[1]):  # no push (the run had stopped)
+        parts[0] = [None] * len(parts[1])
+    if len(parts[1]) < len(parts[0]):  # no weights (the worker had that version)
+        parts[1] = [None] * len(parts[0])
+    return [wire_nbytes(a) + wire_nbytes(b) for a, b in zip(*parts, strict=True)]
+
+
 def decode_weights(flat: Any) -> np.ndarray:
+    if isinstance(flat, Slices):
+        return flat.assemble()
     return decode(flat) if isinstance(flat, Encoded) else flat
 
 

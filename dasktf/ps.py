@@ -82,7 +82,8 @@ class PSShard:
         import keras
         import tensorflow as tf
 
-        # The replica on this worker holds the same initial weights as every other.
+        # The replica on this worker holds the same initial weights as every other
+        # (async: the holder's own replica, built from the run's initial weights).
         initial = gather_ranges(replica.flat_weights(), ranges).copy()
         self.ranges = ranges
         self.variable = keras.Variable(initial, dtype="float32", name="ps_shard")
@@ -98,8 +99,28 @@ class PSShard:
     def _apply(self, total: Any, count: Any) -> None:
         self.optimizer.apply_gradients([(total / count, self.variable)])
 
-    def apply(self, total: np.ndarray, count: int) -> np.ndarray:
-        self._apply_fn(total, np.float32(count))
+    def apply(self, total: np.ndarray, count: int, lr_scale: float = 1.0) -> np.ndarray:
+        """One optimizer step on the slice; ``lr_scale`` scales the learning rate of
+        this step only (async ``staleness_lr``)."""
+        if lr_scale != 1.0:
+            base = float(np.asarray(self.optimizer.learning_rate))
+            self.optimizer.learning_rate = base * lr_scale
+            try:
+                self._apply_fn(total, np.float32(count))
+            finally:
+                self.optimizer.learning_rate = base
+        else:
+            self._apply_fn(total, np.float32(count))
+        return np.asarray(self.variable.numpy(), np.float32)
+
+    def state(self) -> list[np.ndarray]:
+        """The optimizer's variables (a checkpoint's part of this slice)."""
+        return [np.asarray(v.numpy()) for v in self.optimizer.variables]
+
+    def load(self, values: np.ndarray, optimizer: list[np.ndarray]) -> np.ndarray:
+        self.variable.assign(values)
+        for v, value in zip(self.optimizer.variables, optimizer, strict=True):
+            v.assign(value)
         return np.asarray(self.variable.numpy(), np.float32)
 
 

@@ -254,6 +254,8 @@ class Trainer:
         Sync: ``placement="mirrored"`` (default) has every replica apply the mean
         itself; ``"ps"`` (implied by ``num_ps``) splits the parameters over
         ``num_ps`` servers (:mod:`dasktf.ps`) that apply the optimizer to their slice.
+        Async: ``num_ps=K`` splits the parameters over K holders the same way
+        (:mod:`dasktf.async_ps`); each gradient task pushes each holder its slice.
     topology
         Sync, mirrored: ``"tree"`` (default: ``dasktf.communication.topology``;
         ``dasktf.reduction-fan-in`` per reduction),
@@ -590,6 +592,11 @@ class _Run:
             comm=dataclasses.replace(t.comm, n_workers=len(self.workers)),
         )
         self._validation = validation_data
+        if t.comm.num_ps > 1:  # refuse a num_ps the parameters cannot be split over
+            from dasktf.ps import shard_plan
+
+            shapes = [tuple(v.shape) for v in model.trainable_variables]
+            shard_plan(shapes, t.comm.num_ps)
         self._create_replicas()
 
     def _create_replicas(self) -> None:
@@ -685,6 +692,8 @@ class _Run:
                 history.updates = updates_frame(engine.updates)
                 history.dropped = dict(engine.dropped)
                 history.gradient_tasks = dict(engine.tasks, discarded=engine.discarded)
+                if getattr(engine, "sharded", None) is not None:  # async num_ps > 1
+                    history.holder_traffic = engine.sharded.traffic(engine)
             history.recoveries = list(getattr(engine, "losses", []))
             history.workers = list(self.ctx.workers)  # after any loss or growth
             if hasattr(engine, "applied_logs"):
@@ -721,9 +730,16 @@ class _Run:
         args = (self.ctx, self.workers[holder], cfg, weights, self.placed.shards[holder],
                 val, self.placed.schedule)
         if t.mode == "async":
+            from dasktf.async_ps import plan_holders
+
+            # num_ps=K: K holders, one slice each (K=1: the one holder above)
+            holders, plan = plan_holders(
+                self.workers, t.slow_workers,
+                [tuple(v.shape) for v in self.model.trainable_variables], t.comm.num_ps,
+            )
             return self.guard.attach_async(AsyncEngine(
                 *args, max_staleness=t.max_staleness, staleness_lr=t.staleness_lr,
-                epochs=epochs,
+                epochs=epochs, holders=holders, plan=plan,
             ))
         return self.guard.attach_async(QuorumEngine(*args, quorum=t.sync_quorum, epochs=epochs))
 

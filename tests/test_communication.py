@@ -127,7 +127,7 @@ def test_topk_with_error_feedback_converges(client, digits):
         (dict(num_ps=2, placement="mirrored"), "placement='ps'"),
         (dict(weights_dtype="fp16"), "placement='ps'"),
         (dict(topology="star"), "topology"),
-        (dict(mode="async", num_ps=2), "mode='sync'"),
+        (dict(mode="async", topology="ring"), "mode='sync'"),
         (dict(num_ps=2, topology="ring"), "topology"),
     ],
 )
