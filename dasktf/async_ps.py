@@ -49,7 +49,6 @@ built yet.
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -58,9 +57,8 @@ import numpy as np
 from dasktf import config
 from dasktf.asynchronous import (
     _HOLDER_INDEX,
-    _LOST_HOLDERS,
-    HolderLostError,
     HolderRef,
+    _actor_call,
     ParameterHolder,
     PushOutcome,
     choose_holder,
@@ -112,51 +110,6 @@ def plan_holders(
     order = [(first + j) % len(workers) for j in range(len(workers))]
     fast = [i for i in order if slow_workers.get(i, 1.0) <= 1.0] or order
     return [workers[fast[s % len(fast)]] for s in range(num_ps)], plan
-
-
-async def _actor_call(
-    worker: Any,
-    address: str,
-    key: str,
-    method: str,
-    args: tuple[Any, ...],
-    timeout: float,
-) -> Any:
-    """``actor.method(*args)`` on ``address``, awaited on this worker's loop; fails
-    like :meth:`HolderRef.call` (a lost holder, a timeout)."""
-    from distributed.protocol import to_serialize
-
-    request = asyncio.ensure_future(
-        worker.rpc(address).actor_execute(
-            function=method,
-            actor=key,
-            args=[to_serialize(a) for a in args],
-            kwargs={},
-        )
-    )
-    poll = min(0.1, config.get_seconds("poll-interval"))
-    deadline = time.monotonic() + timeout
-    while True:
-        done, _ = await asyncio.wait({request}, timeout=poll)
-        if done:
-            break
-        if key in _LOST_HOLDERS or time.monotonic() > deadline:
-            request.cancel()
-            if key in _LOST_HOLDERS:
-                raise HolderLostError(f"the parameter holder on {address} was lost")
-            raise StepTimeoutError(
-                f"The parameter holder on {address} did not answer {method} within "
-                f"{timeout:g}s (dasktf.step-timeout); check that worker's log."
-            )
-    try:
-        response = request.result()
-    except OSError as exc:
-        raise HolderLostError(
-            f"the parameter holder on {address} is unreachable: {exc}"
-        ) from exc
-    if response["status"] != "OK":
-        raise response["exception"]
-    return response["result"]
 
 
 def _build_shard(

@@ -540,42 +540,45 @@ class HolderRef:
     def call(self, method: str, *args: Any, timeout: float) -> Any:
         """``holder.method(*args)`` from a task on a worker (blocking)."""
         from distributed import get_worker
-        from distributed.protocol import to_serialize
         from distributed.utils import sync
 
         worker = get_worker()
-        poll = min(0.1, config.get_seconds("poll-interval"))
+        return sync(worker.loop, _actor_call, worker, self.address, self.key, method,
+                    args, timeout)
 
-        async def call() -> Any:
-            request = asyncio.ensure_future(worker.rpc(self.address).actor_execute(
-                function=method, actor=self.key, args=[to_serialize(a) for a in args],
-                kwargs={},
-            ))
-            deadline = time.monotonic() + timeout
-            while True:
-                done, _ = await asyncio.wait({request}, timeout=poll)
-                if done:
-                    break
-                if self.key in _LOST_HOLDERS or time.monotonic() > deadline:
-                    request.cancel()
-                    if self.key in _LOST_HOLDERS:
-                        raise HolderLostError(f"the parameter holder on {self.address} was lost")
-                    raise StepTimeoutError(
-                        f"The parameter holder on {self.address} did not answer "
-                        f"{method} within {timeout:g}s (dasktf.step-timeout); check "
-                        "that worker's log."
-                    )
-            try:
-                response = request.result()
-            except OSError as exc:  # its worker is gone (connection refused or closed)
-                raise HolderLostError(
-                    f"the parameter holder on {self.address} is unreachable: {exc}"
-                ) from exc
-            if response["status"] != "OK":
-                raise response["exception"]
-            return response["result"]
 
-        return sync(worker.loop, call)
+async def _actor_call(
+    worker: Any, address: str, key: str, method: str, args: tuple[Any, ...], timeout: float,
+) -> Any:
+    """``actor.method(*args)`` on ``address``, awaited on this worker's loop: gives up
+    within a poll once the client declared that holder lost (HolderLostError, also
+    when its worker is unreachable) and after ``timeout`` (StepTimeoutError)."""
+    from distributed.protocol import to_serialize
+
+    request = asyncio.ensure_future(worker.rpc(address).actor_execute(
+        function=method, actor=key, args=[to_serialize(a) for a in args], kwargs={},
+    ))
+    poll = min(0.1, config.get_seconds("poll-interval"))
+    deadline = time.monotonic() + timeout
+    while True:
+        done, _ = await asyncio.wait({request}, timeout=poll)
+        if done:
+            break
+        if key in _LOST_HOLDERS or time.monotonic() > deadline:
+            request.cancel()
+            if key in _LOST_HOLDERS:
+                raise HolderLostError(f"the parameter holder on {address} was lost")
+            raise StepTimeoutError(
+                f"The parameter holder on {address} did not answer {method} within "
+                f"{timeout:g}s (dasktf.step-timeout); check that worker's log."
+            )
+    try:
+        response = request.result()
+    except OSError as exc:  # its worker is gone (connection refused or closed)
+        raise HolderLostError(f"the parameter holder on {address} is unreachable: {exc}") from exc
+    if response["status"] != "OK":
+        raise response["exception"]
+    return response["result"]
 
 
 def abandon_holder_task(key: str) -> None:

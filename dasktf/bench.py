@@ -105,7 +105,6 @@ def keras_run(model_name: str, data: dict[str, Any], batch: int, epochs: int, lr
 def _keras_train(kind: str, model_name: str, data: dict[str, Any], batch: int,
                  epochs: int, lr: float) -> tuple[list[float], list[float]]:
     import keras
-    import tensorflow as tf
 
     from dasktf.models import BUILTIN_MODELS
 
