@@ -88,10 +88,23 @@ class Packet:
         return (self.values.nbytes if self.values is not None else 0) + _HEADER_BYTES
 
     def total(self) -> np.ndarray | None:
+        """The float32 sum (``mean`` packets scaled back). Without ``mean`` this may
+        be the packet's own wire array: callers must not write into it."""
         if self.values is None:
             return None
         out = decode(self.values)
-        return out * np.float32(self.count) if self.mean else out
+        if self.mean:
+            if self.decodes_fresh:
+                out *= np.float32(self.count)  # ours alone: scale in place
+            else:
+                out = out * np.float32(self.count)
+        return out
+
+    @property
+    def decodes_fresh(self) -> bool:
+        """Whether decoding makes a new buffer (every codec but ``none``, whose
+        decoding is the wire array itself, shared by every task that reads it)."""
+        return self.values is not None and self.values.codec != "none"
 
 
 @sizeof.register(Packet)
@@ -414,7 +427,8 @@ def _sum(parts: tuple[Packet, ...] | list[Packet]) -> tuple[np.ndarray | None, i
         if t is None:
             continue
         if total is None:
-            total = np.array(t, np.float32, copy=True)
+            # a decoded buffer is ours to add into; the wire array is not
+            total = t if p.decodes_fresh else np.array(t, np.float32, copy=True)
         else:
             total += t
     return total, sum(p.count for p in parts), sum(p.loss_sum for p in parts)

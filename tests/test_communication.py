@@ -174,3 +174,98 @@ def test_ps_runs_refuse_checkpoints_they_could_not_restore(client, small_digits,
     with pytest.raises(ValueError, match="not supported with placement='ps'"):
         dasktf.fit("mnist-mlp", x, y, client=client, n_workers=2, num_ps=2,
                    checkpoint_dir=str(tmp_path), checkpoint_every=5, verbose=0)
+
+
+# -- benchmarks/linkshape.py: the tc commands of the bandwidth-limited benchmark -------
+# (pure functions only: applying them needs root and would shape the shared loopback)
+def _linkshape():
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "linkshape.py")
+    spec = importlib.util.spec_from_file_location("linkshape", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_link_shaping_matches_only_the_workers_source_ports():
+    ls = _linkshape()
+    ports = ls.parse_ports("61100:61102")
+    assert ports == [61100, 61101, 61102]
+    cmds = ls.shaping_commands(ports, 1000, dev="lo", tc="tc")
+    root, rest = cmds[0], cmds[1:]
+    assert root[:8] == ["tc", "qdisc", "add", "dev", "lo", "root", "handle", "d7f:"]
+    # default 0: whatever no filter matches (everyone else's traffic) is not shaped
+    assert root[8:11] == ["htb", "default", "0"]
+    classes = [c for c in rest if c[1] == "class"]
+    filters = [c for c in rest if c[1] == "filter"]
+    assert len(classes) == len(filters) == 3
+    for i, (cls, flt) in enumerate(zip(classes, filters)):
+        classid = cls[cls.index("classid") + 1]
+        assert classid == f"d7f:{i + 1:x}"
+        assert cls[cls.index("rate") + 1] == cls[cls.index("ceil") + 1] == "1000mbit"
+        assert int(cls[cls.index("burst") + 1]) >= 2 * 65536
+        # one port, exactly (mask 0xffff), as the *source*: that worker's uplink
+        match = flt[flt.index("match"):flt.index("flowid")]
+        assert match == ["match", "ip", "sport", str(ports[i]), "0xffff"]
+        assert flt[flt.index("flowid") + 1] == classid
+    assert ls.cleanup_command("lo", "tc") == ["tc", "qdisc", "del", "dev", "lo", "root"]
+
+
+def test_link_shaping_ports_stay_out_of_the_ephemeral_range():
+    ls = _linkshape()
+    ports = ls.parse_ports(ls.DEFAULT_PORTS)
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = map(int, f.read().split())
+    except OSError:
+        low, high = 32768, 60999
+    assert all(p > high or p < low for p in ports)
+    for bad in ["0:5", "70000", "61110:61100"]:
+        with pytest.raises(ValueError, match="port range"):
+            ls.parse_ports(bad)
+    with pytest.raises(ValueError, match="rate_mbit"):
+        ls.shaping_commands(ports, 0)
+
+
+def test_link_shaping_reads_tc_output():
+    ls = _linkshape()
+    assert ls.root_qdisc("qdisc noqueue 0: root refcnt 2 \n") == ("noqueue", "0")
+    ours = "qdisc htb d7f: root refcnt 2 r2q 953 default 0 direct_packets_stat 12\n"
+    assert ls.root_qdisc(ours) == ("htb", "d7f")
+    stats = (
+        "class htb d7f:1 root prio 0 rate 1Gbit ceil 1Gbit burst 250000b cburst 250000b \n"
+        " Sent 139343580 bytes 2209 pkt (dropped 0, overlimits 0 requeues 0) \n"
+        "class htb d7f:2 root prio 0 rate 1Gbit ceil 1Gbit burst 250000b cburst 250000b \n"
+        " Sent 1242 bytes 10 pkt (dropped 0, overlimits 0 requeues 0) \n"
+    )
+    assert ls.class_bytes(stats) == {"d7f:1": 139343580, "d7f:2": 1242}
+
+
+def test_packet_totals_never_write_into_a_shared_wire_array():
+    from dasktf.comm import Packet, _sum
+    from dasktf.compression import get_codec
+
+    rng = np.random.default_rng(5)
+    mean = rng.standard_normal(1000).astype(np.float32)
+    # topk's sum goes back dense ("none") when that is smaller, still as a mean
+    dense = get_codec("topk:0.5").encode_sum(mean)
+    assert dense.codec == "none"
+    wire = dense.arrays[0].copy()
+    shared = Packet(dense, 3, 0.0, mean=True)
+    for _ in range(2):  # several replicas may read the same object
+        np.testing.assert_array_equal(shared.total(), mean * np.float32(3))
+    np.testing.assert_array_equal(dense.arrays[0], wire)
+    plain = Packet(get_codec("none").encode(mean.copy()), 1, 0.0)
+    before = plain.values.arrays[0].copy()
+    total, count, _ = _sum([plain, plain])
+    np.testing.assert_array_equal(total, 2 * before)
+    np.testing.assert_array_equal(plain.values.arrays[0], before)
+    assert count == 2
+    # lossy packets: the decoded buffers are summed in place, same values
+    fp16 = [Packet(get_codec("fp16").encode(mean), 2, 0.0, mean=True) for _ in range(3)]
+    total, count, _ = _sum(fp16)
+    expected = 3 * (mean.astype(np.float16).astype(np.float32) * np.float32(2))
+    np.testing.assert_array_equal(total, expected)
+    assert count == 6

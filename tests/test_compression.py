@@ -120,3 +120,98 @@ def test_shard_plan_is_balanced_and_covers_every_value():
     assert all(((a % 64) == 0) for r in big for a, b in r if b <= 5000 * 64)
     with pytest.raises(ValueError, match="num_ps=3"):
         shard_plan([(1,)], 3)
+
+
+# -- the fast kernels (dasktf._halfcast, Int8, ErrorFeedback buffers) are exact ---------
+def _awkward_floats(n=300_000):
+    """Every float32 exponent (random bit patterns), gradient-like magnitudes, the
+    float16 midpoints (ties), and the special values."""
+    rng = np.random.default_rng(2)
+    bits = rng.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    grads = (rng.standard_normal(n) * 10.0 ** rng.uniform(-12, 6, n)).astype(np.float32)
+    halves = np.arange(2**16, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    finite = halves[np.isfinite(halves)].astype(np.float64)
+    finite.sort()
+    ties = ((finite[:-1] + finite[1:]) / 2).astype(np.float32)
+    special = np.array(
+        [0.0, -0.0, np.inf, -np.inf, np.nan, 65504, 65519.99, 65520, 1e-8, 2**-24,
+         2**-25, 3 * 2**-26, -(2**-25), 1 + 2**-11, 1 + 3 * 2**-11, 3.4e38],
+        np.float32,
+    )
+    return np.concatenate([bits, grads, ties, special])
+
+
+def test_fp16_kernels_match_numpys_cast_bit_for_bit():
+    from dasktf._halfcast import f16_bits_to_f32, f32_to_f16_bits
+
+    x = _awkward_floats()
+    with np.errstate(all="ignore"):
+        want = x.astype(np.float16)
+    got = f32_to_f16_bits(x).view(np.float16)
+    nan = np.isnan(x)
+    assert np.array_equal(got.view(np.uint16)[~nan], want.view(np.uint16)[~nan])
+    assert np.isnan(got[nan]).all()
+    every = np.arange(2**16, dtype=np.uint32).astype(np.uint16)
+    with np.errstate(all="ignore"):
+        want32 = every.view(np.float16).astype(np.float32)
+    got32 = f16_bits_to_f32(every)
+    same = (got32.view(np.uint32) == want32.view(np.uint32)) | (
+        np.isnan(got32) & np.isnan(want32)
+    )
+    assert same.all()
+
+
+def test_bf16_kernels_match_ml_dtypes_bit_for_bit():
+    import ml_dtypes
+
+    from dasktf._halfcast import bf16_bits_to_f32, f32_to_bf16_bits
+
+    x = _awkward_floats()
+    with np.errstate(all="ignore"):
+        want = x.astype(ml_dtypes.bfloat16).view(np.uint16)
+    got = f32_to_bf16_bits(x)
+    nan = np.isnan(x)
+    assert np.array_equal(got[~nan], want[~nan])
+    assert np.isnan(bf16_bits_to_f32(got[nan])).all()
+    assert np.array_equal(
+        bf16_bits_to_f32(want[~nan]), want[~nan].view(ml_dtypes.bfloat16).astype(np.float32)
+    )
+
+
+@pytest.mark.parametrize("n", [1, 255, 256, 257, 128 * 256 + 3, 300_001])
+def test_int8_matches_the_plain_formula(n):
+    # the chunked kernel against the textbook one, on ragged and whole blocks
+    rng = np.random.default_rng(n)
+    x = (rng.standard_normal(n) * rng.lognormal(-4, 2, n)).astype(np.float32)
+    x[: min(n, 300)] = 0  # an all-zero block has scale 0
+    blocks = -(-n // INT8_BLOCK)
+    padded = np.zeros(blocks * INT8_BLOCK, np.float32)
+    padded[:n] = x
+    padded = padded.reshape(blocks, INT8_BLOCK)
+    scale = (np.abs(padded).max(axis=1) / np.float32(127.0)).astype(np.float32)
+    safe = np.where(scale > 0, scale, np.float32(1.0))
+    q = np.clip(np.rint(padded / safe[:, None]), -127, 127).astype(np.int8).ravel()[:n]
+    e = get_codec("int8").encode(x)
+    assert np.array_equal(e.arrays[0], q)
+    assert np.array_equal(e.arrays[1], scale)
+    want = q.astype(np.float32) * np.repeat(scale, INT8_BLOCK)[:n]
+    assert np.array_equal(decode(e), want)
+
+
+@pytest.mark.parametrize("name", ["fp16", "bf16", "int8", "topk:0.01"])
+def test_error_feedback_reuses_its_buffers_with_the_same_result(name):
+    rng = np.random.default_rng(4)
+    codec = get_codec(name)
+    feedback = ErrorFeedback(codec)
+    residual = np.zeros(3001, np.float32)
+    for _ in range(5):
+        g = (rng.standard_normal(3001) * 1e-5).astype(np.float32)
+        target = g + residual
+        sent = feedback.encode(g)
+        expected = codec.encode(target)
+        assert all(np.array_equal(a, b) for a, b in zip(sent.arrays, expected.arrays))
+        residual = target - decode(expected)
+        assert np.array_equal(feedback.residual, residual)
+    out = np.full(3001, 7.0, np.float32)
+    assert decode(sent, out=out) is out
+    assert np.array_equal(out, decode(sent))
