@@ -337,9 +337,9 @@ class CoordinatingHolder(ParameterHolder):
             lambda _: [np.asarray(w) for w in self.replica.model.get_weights()]
         )
 
-    async def snapshot(self) -> dict[str, Any]:
+    async def snapshot(self, since: int = 0) -> dict[str, Any]:
         def snap(optimizers: list[list[np.ndarray]]) -> dict[str, Any]:
-            out = self._snapshot()
+            out = self._snapshot(since)
             out["optimizer"] = [v for opt in optimizers for v in opt]
             return out
 

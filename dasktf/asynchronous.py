@@ -879,8 +879,8 @@ class AsyncEngine:
                            source: str = "the last epoch end") -> None:
         """Keep the holder's state (or ``snapshot`` of it) to rebuild it from."""
         if snapshot is None:
-            if self.policy != "recover":
-                return
+            if self.policy != "recover" or self.sharded is not None:
+                return  # (K holders are not rebuilt: dasktf.async_ps)
             snapshot = self.holder.snapshot(self.known_through()).result(
                 timeout=config.get_seconds("step-timeout"))
         if self.restore_point is None or snapshot["version"] >= self.restore_point["version"]:
