@@ -272,6 +272,11 @@ def receive(
         return None, GradientSum(None, first.count, first.loss_sum)
     if len(packets) == 1:
         total = first.total()
+    elif ch.spec.n_chunks == 1:
+        # the unreduced gradients of a direct exchange (dasktf.topology): summed
+        # here, as the reduction task would have summed them
+        summed = sum_packets(packets)
+        return summed, summed
     elif first.values is None:
         total = None
     else:
@@ -339,14 +344,23 @@ def reduce_packets(run_id: str, compression: str, *parts: Packet) -> Packet:
     from distributed import get_worker
 
     account(run_id, parts)
-    total, count, loss_sum = _sum(parts)
+    summed = sum_packets(parts)
+    total, count = summed.total, summed.count
     codec = get_codec(compression)
     values = None
     if total is not None and count:
         values = codec.encode_sum(total / np.float32(count) if codec.lossy else total)
-    return Packet(values, count, loss_sum, max(p.compute_seconds for p in parts),
-                  get_worker().address, mean=codec.lossy,
-                  update=max(p.update for p in parts))
+    return Packet(values, count, summed.loss_sum, summed.compute_seconds,
+                  get_worker().address, mean=codec.lossy, update=summed.update)
+
+
+def sum_packets(parts: tuple[Packet, ...] | list[Packet]) -> GradientSum:
+    """Decode gradient packets and add them in float32, in the order given: a
+    reduction task and a direct exchange (:mod:`dasktf.topology`) add the same
+    gradients in the same (worker) order, so their sums are bitwise the same."""
+    total, count, loss_sum = _sum(parts)
+    return GradientSum(total, count, loss_sum, max(p.compute_seconds for p in parts),
+                       max(p.update for p in parts))
 
 
 def _sum(parts: tuple[Packet, ...] | list[Packet]) -> tuple[np.ndarray | None, int, float]:

@@ -10,8 +10,9 @@ Per step ``k`` the graph is::
 previous step's summed gradient, then computes this step's gradient (one fused task,
 one flat buffer). ``sum`` is a tree of ``dasktf.reduction-fan-in``-ary additions. So a
 step costs two dependent task hops and two buffer moves (workers → sum → workers);
-with one worker the sum is skipped and a step is one hop. Gradients go worker to
-worker, never through the client, and the client submits
+with one worker the sum is skipped and a step is one hop, and so it is with two
+(lossless): each step sums the pair itself (a direct exchange, dasktf.topology).
+Gradients go worker to worker, never through the client, and the client submits
 ``dasktf.submit-ahead`` steps before it waits for the oldest.
 """
 
@@ -164,7 +165,8 @@ class SyncEngine:
 
     def _combine(self, parts: list[Future], epoch: int, step: int) -> Any:
         """What the next step receives: the summed gradient (a future), or several
-        futures for a ring or sharded step (:class:`dasktf.topology.CommEngine`)."""
+        futures for a ring or sharded step or a direct exchange
+        (:class:`dasktf.topology.CommEngine`)."""
         return self._reduce(parts, epoch, step)
 
     def _step_parts(self, epoch: int, step: int, previous: Any) -> list[Future]:
@@ -223,7 +225,7 @@ class SyncEngine:
         self, item: tuple[int, Future], epoch: int, on_step: Callable[[int], None] | None
     ) -> None:
         step, future = item
-        # A ring or sharded step ends in several futures (dasktf.topology).
+        # A ring, sharded or exchange step ends in several futures (dasktf.topology).
         futures = future if isinstance(future, list) else [future]
         wait_for(self.ctx, futures, f"step {step + 1} of epoch {epoch + 1}")
         for old in [s for s in self.in_flight if s < step - 1]:

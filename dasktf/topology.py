@@ -17,6 +17,13 @@ codec (:mod:`dasktf.comm`). Its step graph is one of:
     worker's next step gathers the N summed chunks. Each worker sends and receives
     ``2 (N-1)/N`` gradients per step, the allreduce lower bound, at the price of
     N^2 + N more (small) tasks per step.
+two workers, lossless (``compression="none"``), tree: a *direct exchange*
+    no reduction task: each worker's next step takes both gradients and sums them
+    itself, in worker order, bitwise as the reduction would. With two workers the
+    reduction is a pure extra hop (~7 ms of scheduling per step, see
+    benchmarks/RESULTS.md) that moves the same bytes: each worker sends one
+    gradient and receives one either way. A lossy codec keeps the reduction (its
+    re-encoded sum is what every replica applies).
 ``placement="ps"``
     sharded parameter servers (:mod:`dasktf.ps`): chunk s goes to server s, which
     applies the optimizer to its slice and sends the slice's weights back.
@@ -87,7 +94,19 @@ class CommEngine(SyncEngine):
             return self._scatter(parts, epoch, step, self.servers, "ps")
         if self.spec.n_chunks > 1:
             return self._scatter(parts, epoch, step, self.ctx.workers, "ring")
+        if self.exchanges(len(parts)):
+            return list(parts)  # the next step sums them (dasktf.comm.receive)
         return self._reduce(parts, epoch, step)
+
+    def exchanges(self, n_workers: int) -> bool:
+        """Whether a step of ``n_workers`` is a direct exchange (see the module):
+        decided per step, as a lost worker can bring a run down to two."""
+        return (
+            n_workers == 2
+            and self.spec.topology == "tree"
+            and self.spec.placement == "mirrored"
+            and self.spec.compression == "none"
+        )
 
     def _scatter(
         self, parts: list[Future], epoch: int, step: int, targets: list[str], what: str
