@@ -9,9 +9,10 @@ keeps a per-worker, per-chunk error-feedback residual on the replica.
 
 Bytes are counted at the codec: every task that consumes packets adds the bytes of
 those made on *another* worker to its worker's ``received`` and to the producing
-worker's ``sent`` (a per-process ledger, read at each epoch end with
-:func:`collect_traffic`). So a reduction that runs where its input was made counts
-nothing, as no byte moved, and the figures hold for any topology.
+worker's ``sent`` (a per-process ledger; each worker's end-of-epoch task returns a
+copy of it with its report, :func:`traffic`: no extra round trip). So a reduction
+that runs where its input was made counts nothing, as no byte moved, and the
+figures hold for any topology.
 """
 
 from __future__ import annotations
@@ -33,8 +34,6 @@ from dasktf.compression import (
 from dasktf.replica import GradientSum
 
 if TYPE_CHECKING:
-    from distributed import Client
-
     from dasktf.replica import Replica
 
 TOPOLOGIES = ("tree", "naive", "ring")
@@ -395,8 +394,8 @@ def account(run_id: str, packets: Any) -> int:
     return moved
 
 
-def traffic_task(run_id: str, dask_worker: Any = None) -> dict[str, Any]:
-    """This process's ledger of ``run_id`` (run through ``Client.run``)."""
+def traffic(run_id: str) -> dict[str, Any]:
+    """This process's ledger of ``run_id``: a copy, as it rides on the epoch report."""
     ledger = _TRAFFIC.get(run_id, {"received": 0, "sent": {}})
     return {"received": int(ledger["received"]), "sent": dict(ledger["sent"])}
 
@@ -411,11 +410,11 @@ def release_run(run_id: str) -> None:
     release_shards(run_id)
 
 
-def collect_traffic(
-    client: Client, run_id: str, workers: list[str]
+def merge_traffic(
+    ledgers: dict[str, dict[str, Any]], workers: list[str]
 ) -> dict[str, tuple[int, int]]:
-    """``{worker: (bytes sent, bytes received)}`` since the run started."""
-    ledgers = client.run(traffic_task, run_id, workers=workers)
+    """``{worker: (bytes sent, bytes received)}`` since the run started, from the
+    workers' ledgers (``{worker: traffic(run_id)}``)."""
     received = {w: int(ledgers.get(w, {}).get("received", 0)) for w in workers}
     sent = dict.fromkeys(workers, 0)
     for ledger in ledgers.values():
