@@ -61,13 +61,15 @@ def wait_for(ctx: RunContext, futures: list[Future], what: str) -> None:
     after ``dasktf.step-timeout``, naming the workers that have not answered.
     """
     poll = config.get_seconds("poll-interval")
-    deadline = time.monotonic() + config.get_seconds("step-timeout")
+    checked = time.monotonic()
+    deadline = checked + config.get_seconds("step-timeout")
     pending = list(futures)
     while True:
+        quiet = False
         try:
             wait(pending, timeout=poll, return_when="FIRST_COMPLETED")
         except TimeoutError:
-            pass
+            quiet = True
         errored = [f for f in pending if f.status == "error"]
         if errored:
             if type(errored[0].exception()).__name__ == "KilledWorker":
@@ -77,7 +79,12 @@ def wait_for(ctx: RunContext, futures: list[Future], what: str) -> None:
         pending = [f for f in pending if f.status != "finished"]
         if not pending:
             return
-        check_alive(ctx, what)
+        # After a quiet poll interval, not each time one of several futures
+        # finishes: the check asks the scheduler for every worker's identity
+        # (several ms under load), and a two-worker step would pay it every step.
+        if quiet or time.monotonic() - checked >= poll:
+            check_alive(ctx, what)
+            checked = time.monotonic()
         if time.monotonic() > deadline:
             raise StepTimeoutError(
                 f"{what} did not finish within dasktf.step-timeout "
