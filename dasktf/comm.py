@@ -9,9 +9,10 @@ keeps a per-worker, per-chunk error-feedback residual on the replica.
 
 Bytes are counted at the codec: every task that consumes packets adds the bytes of
 those made on *another* worker to its worker's ``received`` and to the producing
-worker's ``sent`` (a per-process ledger, read at each epoch end with
-:func:`collect_traffic`). So a reduction that runs where its input was made counts
-nothing, as no byte moved, and the figures hold for any topology.
+worker's ``sent`` (a per-process ledger; each worker's end-of-epoch task returns a
+copy of it with its report, :func:`traffic`: no extra round trip). So a reduction
+that runs where its input was made counts nothing, as no byte moved, and the
+figures hold for any topology.
 """
 
 from __future__ import annotations
@@ -33,8 +34,6 @@ from dasktf.compression import (
 from dasktf.replica import GradientSum
 
 if TYPE_CHECKING:
-    from distributed import Client
-
     from dasktf.replica import Replica
 
 TOPOLOGIES = ("tree", "naive", "ring")
@@ -281,7 +280,7 @@ def receive(
     if ch is None or previous is None or isinstance(previous, GradientSum):
         return previous, previous
     packets = previous if isinstance(previous, list) else [previous]
-    if len(packets) != len(ch.chunks):
+    if len(ch.chunks) > 1 and len(packets) != len(ch.chunks):  # (1 chunk: an exchange)
         raise RuntimeError(
             f"received {len(packets)} chunk(s) for a replica cut into {len(ch.chunks)}; "
             "this is a dasktf bug (engine and replicas disagree on the ring)."
@@ -297,6 +296,11 @@ def receive(
         return None, GradientSum(None, first.count, first.loss_sum)
     if len(packets) == 1:
         total = first.total()
+    elif ch.spec.n_chunks == 1:
+        # the unreduced gradients of a direct exchange (dasktf.topology): summed
+        # here, as the reduction task would have summed them
+        summed = sum_packets(packets)
+        return summed, summed
     elif first.values is None:
         total = None
     else:
@@ -410,14 +414,23 @@ def reduce_packets(run_id: str, compression: str, *parts: Packet) -> Packet:
     from distributed import get_worker
 
     account(run_id, parts)
-    total, count, loss_sum = _sum(parts)
+    summed = sum_packets(parts)
+    total, count = summed.total, summed.count
     codec = get_codec(compression)
     values = None
     if total is not None and count:
         values = codec.encode_sum(total / np.float32(count) if codec.lossy else total)
-    return Packet(values, count, loss_sum, max(p.compute_seconds for p in parts),
-                  get_worker().address, mean=codec.lossy,
-                  update=max(p.update for p in parts))
+    return Packet(values, count, summed.loss_sum, summed.compute_seconds,
+                  get_worker().address, mean=codec.lossy, update=summed.update)
+
+
+def sum_packets(parts: tuple[Packet, ...] | list[Packet]) -> GradientSum:
+    """Decode gradient packets and add them in float32, in the order given: a
+    reduction task and a direct exchange (:mod:`dasktf.topology`) add the same
+    gradients in the same (worker) order, so their sums are bitwise the same."""
+    total, count, loss_sum = _sum(parts)
+    return GradientSum(total, count, loss_sum, max(p.compute_seconds for p in parts),
+                       max(p.update for p in parts))
 
 
 def _sum(parts: tuple[Packet, ...] | list[Packet]) -> tuple[np.ndarray | None, int, float]:
@@ -453,8 +466,8 @@ def account(run_id: str, packets: Any) -> int:
     return moved
 
 
-def traffic_task(run_id: str, dask_worker: Any = None) -> dict[str, Any]:
-    """This process's ledger of ``run_id`` (run through ``Client.run``)."""
+def traffic(run_id: str) -> dict[str, Any]:
+    """This process's ledger of ``run_id``: a copy, as it rides on the epoch report."""
     ledger = _TRAFFIC.get(run_id, {"received": 0, "sent": {}})
     return {"received": int(ledger["received"]), "sent": dict(ledger["sent"])}
 
@@ -469,11 +482,11 @@ def release_run(run_id: str) -> None:
     release_shards(run_id)
 
 
-def collect_traffic(
-    client: Client, run_id: str, workers: list[str]
+def merge_traffic(
+    ledgers: dict[str, dict[str, Any]], workers: list[str]
 ) -> dict[str, tuple[int, int]]:
-    """``{worker: (bytes sent, bytes received)}`` since the run started."""
-    ledgers = client.run(traffic_task, run_id, workers=workers)
+    """``{worker: (bytes sent, bytes received)}`` since the run started, from the
+    workers' ledgers (``{worker: traffic(run_id)}``)."""
     received = {w: int(ledgers.get(w, {}).get("received", 0)) for w in workers}
     sent = dict.fromkeys(workers, 0)
     for ledger in ledgers.values():

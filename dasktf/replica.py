@@ -100,6 +100,9 @@ class EpochReport:
     val_states: list[np.ndarray] | None
     weights: list[np.ndarray] | None = None
     step_seconds: list[float] = field(default_factory=list)
+    #: this process's byte ledger of the run (:func:`dasktf.comm.traffic`), read
+    #: after the epoch's last sum arrived, so every step's bytes are in it
+    traffic: dict[str, Any] | None = None
 
 
 @dataclass
@@ -575,7 +578,8 @@ def end_epoch_task(run_id: str, previous: Any, with_weights: bool) -> EpochRepor
     replica.model.reset_metrics()
     seconds, replica.step_seconds = replica.step_seconds, []
     weights = [np.asarray(w) for w in replica.model.get_weights()] if with_weights else None
-    return EpochReport(get_worker().address, train, val, weights, seconds)
+    traffic = comm.traffic(run_id) if replica.comm is not None else None
+    return EpochReport(get_worker().address, train, val, weights, seconds, traffic)
 
 
 def release_replicas(run_id: str, dask_worker: Any = None) -> int:

@@ -10,8 +10,9 @@ Per step ``k`` the graph is::
 previous step's summed gradient, then computes this step's gradient (one fused task,
 one flat buffer). ``sum`` is a tree of ``dasktf.reduction-fan-in``-ary additions. So a
 step costs two dependent task hops and two buffer moves (workers → sum → workers);
-with one worker the sum is skipped and a step is one hop. Gradients go worker to
-worker, never through the client, and the client submits
+with one worker the sum is skipped and a step is one hop, and so it is with two
+(lossless): each step sums the pair itself (a direct exchange, dasktf.topology).
+Gradients go worker to worker, never through the client, and the client submits
 ``dasktf.submit-ahead`` steps before it waits for the oldest.
 """
 
@@ -60,13 +61,15 @@ def wait_for(ctx: RunContext, futures: list[Future], what: str) -> None:
     after ``dasktf.step-timeout``, naming the workers that have not answered.
     """
     poll = config.get_seconds("poll-interval")
-    deadline = time.monotonic() + config.get_seconds("step-timeout")
+    checked = time.monotonic()
+    deadline = checked + config.get_seconds("step-timeout")
     pending = list(futures)
     while True:
+        quiet = False
         try:
             wait(pending, timeout=poll, return_when="FIRST_COMPLETED")
         except TimeoutError:
-            pass
+            quiet = True
         errored = [f for f in pending if f.status == "error"]
         if errored:
             if type(errored[0].exception()).__name__ == "KilledWorker":
@@ -76,7 +79,12 @@ def wait_for(ctx: RunContext, futures: list[Future], what: str) -> None:
         pending = [f for f in pending if f.status != "finished"]
         if not pending:
             return
-        check_alive(ctx, what)
+        # After a quiet poll interval, not each time one of several futures
+        # finishes: the check asks the scheduler for every worker's identity
+        # (several ms under load), and a two-worker step would pay it every step.
+        if quiet or time.monotonic() - checked >= poll:
+            check_alive(ctx, what)
+            checked = time.monotonic()
         if time.monotonic() > deadline:
             raise StepTimeoutError(
                 f"{what} did not finish within dasktf.step-timeout "
@@ -164,7 +172,8 @@ class SyncEngine:
 
     def _combine(self, parts: list[Future], epoch: int, step: int) -> Any:
         """What the next step receives: the summed gradient (a future), or several
-        futures for a ring or sharded step (:class:`dasktf.topology.CommEngine`)."""
+        futures for a ring or sharded step or a direct exchange
+        (:class:`dasktf.topology.CommEngine`)."""
         return self._reduce(parts, epoch, step)
 
     def _step_parts(self, epoch: int, step: int, previous: Any) -> list[Future]:
@@ -223,7 +232,7 @@ class SyncEngine:
         self, item: tuple[int, Future], epoch: int, on_step: Callable[[int], None] | None
     ) -> None:
         step, future = item
-        # A ring or sharded step ends in several futures (dasktf.topology).
+        # A ring, sharded or exchange step ends in several futures (dasktf.topology).
         futures = future if isinstance(future, list) else [future]
         wait_for(self.ctx, futures, f"step {step + 1} of epoch {epoch + 1}")
         for old in [s for s in self.in_flight if s < step - 1]:

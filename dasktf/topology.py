@@ -17,6 +17,13 @@ codec (:mod:`dasktf.comm`). Its step graph is one of:
     worker's next step gathers the N summed chunks. Each worker sends and receives
     ``2 (N-1)/N`` gradients per step, the allreduce lower bound, at the price of
     N^2 + N more (small) tasks per step.
+two workers, lossless (``compression="none"``), tree: a *direct exchange*
+    no reduction task: each worker's next step takes both gradients and sums them
+    itself, in worker order, bitwise as the reduction would. With two workers the
+    reduction is a pure extra hop (~7 ms of scheduling per step, see
+    benchmarks/RESULTS.md) that moves the same bytes: each worker sends one
+    gradient and receives one either way. A lossy codec keeps the reduction (its
+    re-encoded sum is what every replica applies).
 ``placement="ps"``
     sharded parameter servers (:mod:`dasktf.ps`): chunk s goes to server s, which
     applies the optimizer to its slice and sends the slice's weights back.
@@ -30,7 +37,7 @@ from dasktf.comm import (
     CommSpec,
     allreduce_lower_bound,
     chunk_ranges,
-    collect_traffic,
+    merge_traffic,
     pick,
     reduce_packets,
 )
@@ -100,7 +107,19 @@ class CommEngine(SyncEngine):
             workers = self.ctx.workers
             targets = [workers[c % len(workers)] for c in range(len(self.chunks))]
             return self._scatter(parts, epoch, step, targets, "ring")
+        if self.exchanges(len(parts)):
+            return list(parts)  # the next step sums them (dasktf.comm.receive)
         return self._reduce(parts, epoch, step)
+
+    def exchanges(self, n_workers: int) -> bool:
+        """Whether a step of ``n_workers`` is a direct exchange (see the module):
+        decided per step, as a lost worker can bring a run down to two."""
+        return (
+            n_workers == 2
+            and self.spec.topology == "tree"
+            and self.spec.placement == "mirrored"
+            and self.spec.compression == "none"
+        )
 
     def _scatter(
         self, parts: list[Future], epoch: int, step: int, targets: list[str], what: str
@@ -144,7 +163,9 @@ class CommEngine(SyncEngine):
         self, epoch: int, on_step: Callable[[int], None] | None = None, start: int = 0
     ) -> list[EpochReport]:
         reports = super().run_epoch(epoch, on_step, start)
-        now = collect_traffic(self.ctx.client, self.ctx.run_id, self.ctx.workers)
+        # The ledgers ride on the reports: no round trip to the workers per epoch.
+        ledgers = {r.worker: r.traffic for r in reports if r.traffic is not None}
+        now = merge_traffic(ledgers, self.ctx.workers)
         zero = (0, 0)
         self._epoch_bytes = {
             w: (s - self._bytes_before.get(w, zero)[0], r - self._bytes_before.get(w, zero)[1])

@@ -54,6 +54,32 @@ def test_topologies_give_the_same_weights(client, small_digits):
     assert naive.history["bytes_bound_ratio"][-1] == pytest.approx(1.5, rel=0.01)
 
 
+def test_two_workers_exchange_directly_for_the_same_sums(client, small_digits):
+    """Two workers, codec none: no reduction task; each step sums the pair itself,
+    bitwise as the all-to-one reduction does, moving the same bytes (the last
+    global batch of 249 rows at 124 has one row: one worker's share is empty)."""
+    from distributed import get_task_stream
+
+    x, y = small_digits
+    with get_task_stream(client) as ts:
+        direct = _fit(client, small_digits, epochs=2, n_workers=2)
+    naive = _fit(client, small_digits, epochs=2, n_workers=2, topology="naive")
+    keys = [str(r["key"]) for r in ts.data if direct.run_id in str(r["key"])]
+    assert any(k.startswith("dasktf-step") for k in keys)
+    assert not any(k.startswith("dasktf-sum") for k in keys)
+    assert _max_diff(direct.model.get_weights(), naive.model.get_weights()) == 0
+    for key in ("bytes_per_step", "bytes_sent_per_step", "bytes_bound_ratio"):
+        assert direct.history[key] == naive.history[key]
+    n_params = 64 * 100 + 100 + 100 * 10 + 10
+    # each worker sends one gradient and receives one per step (plus headers)
+    assert direct.history["bytes_per_step"][0] == 2 * (4 * n_params + 16)
+    uneven = dict(epochs=1, n_workers=2, batch_size=124, optimizer="sgd")
+    short = (x[:249], y[:249])
+    direct = _fit(client, short, **uneven)
+    naive = _fit(client, short, topology="naive", **uneven)
+    assert _max_diff(direct.model.get_weights(), naive.model.get_weights()) == 0
+
+
 def test_ps_2_equals_ps_1_and_mirrored(client, small_digits):
     ps1 = _fit(client, small_digits, epochs=2, num_ps=1)
     ps2 = _fit(client, small_digits, epochs=2, num_ps=2)
