@@ -26,6 +26,18 @@ def own_cluster(n):
         yield cluster, client
 
 
+def assert_every_batch_applied_once(history, epochs, steps, successors):
+    """Async: updates numbered 1..n without a gap, and every batch of every shard's
+    ``epochs`` passes applied exactly once (``successors``: identity -> the shard a
+    successor replica carried on)."""
+    updates = history.updates
+    assert list(updates["update"]) == list(range(1, len(updates) + 1))
+    shard = updates["worker"].replace(successors)
+    owed = updates[updates["shard_pass"] < epochs].assign(shard=shard)
+    assert not owed.duplicated(["shard", "shard_pass", "step"]).any()
+    assert (owed.groupby("shard").size() == steps * epochs).all()
+
+
 def _options(**kw):
     options = dict(epochs=4, batch_size=64, optimizer="adam", learning_rate=0.01,
                    metrics=["accuracy"], seed=3, verbose=0)
@@ -81,16 +93,9 @@ def test_async_run_survives_sigkill_of_one_of_three_workers(digits):
         assert killer.killed_at is not None
         (recovery,) = history.recoveries
         assert recovery["lost"] == [workers[2]] and recovery["moved"][0][0] == 2
-        updates = history.updates
-        # every applied update once, numbered without a gap
-        assert list(updates["update"]) == list(range(1, len(updates) + 1))
-        # every batch of every shard's passes applied exactly once (the successor,
-        # identity 3, carried on shard 2)
-        shard = updates["worker"].replace({3: 2})
-        owed = updates[updates["shard_pass"] < epochs].assign(shard=shard)
-        assert not owed.duplicated(["shard", "shard_pass", "step"]).any()
-        assert (owed.groupby("shard").size() == steps * epochs).all()
-        assert (updates["worker"] == 3).sum() > 0  # the successor did work
+        # the successor, identity 3, carried on shard 2
+        assert_every_batch_applied_once(history, epochs, steps, {3: 2})
+        assert (history.updates["worker"] == 3).sum() > 0  # the successor did work
         assert history.history["val_accuracy"][-1] > ACCURACY
     assert time.monotonic() - start < 240
 
@@ -123,12 +128,7 @@ def test_async_run_survives_sigkill_of_the_parameter_holders_worker(digits, tmp_
             assert holder["source"] == "the last epoch end"
         else:  # at most one checkpoint interval (and the in-flight ones) redone
             assert str(tmp_path) in holder["source"] and holder["redone"] <= 10 + 3 * 2
-        updates = history.updates
-        assert list(updates["update"]) == list(range(1, len(updates) + 1))
-        shard = updates["worker"].replace({3: 0})  # identity 3 carried on shard 0
-        owed = updates[updates["shard_pass"] < epochs].assign(shard=shard)
-        assert not owed.duplicated(["shard", "shard_pass", "step"]).any()
-        assert (owed.groupby("shard").size() == steps * epochs).all()
+        assert_every_batch_applied_once(history, epochs, steps, {3: 0})
         assert history.history["val_accuracy"][-1] > ACCURACY
         records = [r for e in client.get_events("dasktf-metrics") for r in e[1]["records"]
                    if r.get("run") == history.run_id]
