@@ -57,6 +57,7 @@ import numpy as np
 from dasktf import config
 from dasktf.asynchronous import (
     _HOLDER_INDEX,
+    ClientHolder,
     HolderRef,
     _actor_call,
     ParameterHolder,
@@ -256,7 +257,8 @@ class CoordinatingHolder(ParameterHolder):
 
     async def _peer(self, s: int, method: str, *args: Any) -> Any:
         address, key = self.peers[s]
-        return await _actor_call(self._worker, address, key, method, args, self.timeout)
+        return await _actor_call(self._worker.rpc(address), address, key, method, args,
+                                 self.timeout)
 
     async def _all(self, method: str, *args: Any) -> list[Any]:
         return list(
@@ -415,7 +417,8 @@ class ShardedHolderRef(HolderRef):
             return list(
                 await asyncio.gather(
                     *(
-                        _actor_call(worker, *self.peers[s], method, args, timeout)
+                        _actor_call(worker.rpc(self.peers[s][0]), *self.peers[s], method,
+                                    args, timeout)
                         for s, method, args in calls
                     )
                 )
@@ -560,8 +563,9 @@ def start_holders(
     for the single holder): ``holder``, ``holder_ref`` and ``sharded``."""
     engine.sharded = ShardedHolders(engine, holders, engine.plan, holder_args)
     engine._holder_future = engine.sharded.coordinator
-    engine.holder = engine.sharded.coordinator.result()
-    engine.holder_ref = engine.sharded.ref
+    engine.holder_ref = ref = engine.sharded.ref
+    engine.holder = ClientHolder(engine.ctx.client, ref,
+                                 lambda: ref.address in engine._lost_now())
 
 
 def byte_logs(plan: list[Ranges], task_bytes: list[list[int]]) -> dict[str, float]:

@@ -68,7 +68,6 @@ from dasktf.sync import RunContext, check_alive, raise_task_error, wait_for
 
 if TYPE_CHECKING:
     from distributed import Future
-    from distributed.actor import Actor
 
 logger = logging.getLogger(__name__)
 
@@ -543,19 +542,57 @@ class HolderRef:
         from distributed.utils import sync
 
         worker = get_worker()
-        return sync(worker.loop, _actor_call, worker, self.address, self.key, method,
-                    args, timeout)
+        return sync(worker.loop, _actor_call, worker.rpc(self.address), self.address,
+                    self.key, method, args, timeout)
+
+
+class ClientHolder:
+    """The client's handle on a holder: ``holder.method(*args).result(timeout)`` as
+    with an :class:`~distributed.actor.Actor`, but failing fast like
+    :meth:`HolderRef.call` (an Actor call to a lost worker waits on the actor's
+    future, which a task pinned to a dead worker never completes): it gives up
+    with :class:`HolderLostError` once ``lost()`` says the holder's worker is gone
+    or it cannot be reached."""
+
+    def __init__(self, client: Any, ref: HolderRef, lost: Callable[[], bool]) -> None:
+        self._client, self._ref, self._lost = client, ref, lost
+
+    def __getattr__(self, method: str) -> Callable[..., Any]:
+        def call(*args: Any) -> _PendingCall:
+            return _PendingCall(lambda timeout: self._client.sync(
+                _actor_call, self._rpc(), self._ref.address, self._ref.key, method,
+                args, timeout, self._lost))
+        return call
+
+    def _rpc(self) -> Any:
+        # as distributed's Actor does: through the scheduler unless the client
+        # talks to workers directly
+        if self._client.direct_to_workers:
+            return self._client.rpc(self._ref.address)
+        from distributed.actor import ProxyRPC
+
+        return ProxyRPC(self._client.scheduler, self._ref.address)
+
+
+@dataclass
+class _PendingCall:
+    run: Callable[[float], Any]
+
+    def result(self, timeout: float | None = None) -> Any:
+        return self.run(config.get_seconds("step-timeout") if timeout is None else timeout)
 
 
 async def _actor_call(
-    worker: Any, address: str, key: str, method: str, args: tuple[Any, ...], timeout: float,
+    rpc: Any, address: str, key: str, method: str, args: tuple[Any, ...], timeout: float,
+    lost: Callable[[], bool] | None = None,
 ) -> Any:
-    """``actor.method(*args)`` on ``address``, awaited on this worker's loop: gives up
-    within a poll once the client declared that holder lost (HolderLostError, also
-    when its worker is unreachable) and after ``timeout`` (StepTimeoutError)."""
+    """``actor.method(*args)`` on ``address`` through ``rpc`` (from a worker or the
+    client), awaited on its loop: gives up within a poll once that holder is
+    declared lost (``_LOST_HOLDERS`` or ``lost()``: HolderLostError, also when its
+    worker is unreachable) and after ``timeout`` (StepTimeoutError)."""
     from distributed.protocol import to_serialize
 
-    request = asyncio.ensure_future(worker.rpc(address).actor_execute(
+    request = asyncio.ensure_future(rpc.actor_execute(
         function=method, actor=key, args=[to_serialize(a) for a in args], kwargs={},
     ))
     poll = min(0.1, config.get_seconds("poll-interval"))
@@ -564,9 +601,10 @@ async def _actor_call(
         done, _ = await asyncio.wait({request}, timeout=poll)
         if done:
             break
-        if key in _LOST_HOLDERS or time.monotonic() > deadline:
+        gone = key in _LOST_HOLDERS or (lost is not None and lost())
+        if gone or time.monotonic() > deadline:
             request.cancel()
-            if key in _LOST_HOLDERS:
+            if gone:
                 raise HolderLostError(f"the parameter holder on {address} was lost")
             raise StepTimeoutError(
                 f"The parameter holder on {address} did not answer {method} within "
@@ -574,8 +612,13 @@ async def _actor_call(
             )
     try:
         response = request.result()
-    except OSError as exc:  # its worker is gone (connection refused or closed)
-        raise HolderLostError(f"the parameter holder on {address} is unreachable: {exc}") from exc
+    except Exception as exc:
+        # its worker is gone (connection refused or closed; through the scheduler's
+        # proxy, whatever the proxy raises while the worker is reported lost)
+        if isinstance(exc, OSError) or (lost is not None and lost()):
+            raise HolderLostError(
+                f"the parameter holder on {address} is unreachable: {exc}") from exc
+        raise
     if response["status"] != "OK":
         raise response["exception"]
     return response["result"]
@@ -864,8 +907,9 @@ class AsyncEngine:
         self.generation += 1
         self.holder_worker = worker
         self._holder_future = holder
-        self.holder: Actor = holder.result()
         self.holder_ref = HolderRef(worker, holder.key)
+        self.holder: Any = ClientHolder(self.ctx.client, self.holder_ref,
+                                        lambda: worker in self._lost_now())
 
     def known_through(self) -> int:
         """The last update ``u`` such that the client has the records of 1..u."""
@@ -957,6 +1001,12 @@ class AsyncEngine:
         if not any(f.status == "error" and isinstance(f.exception(), HolderLostError)
                    for f in done):
             return False
+        self._wait_and_recover(what)
+        return True
+
+    def _wait_and_recover(self, what: str) -> None:
+        """The holder could not be reached: wait (bounded) for the scheduler to
+        report its worker gone, and recover (dasktf.async_recovery)."""
         poll = config.get_seconds("poll-interval")
         deadline = time.monotonic() + config.get_seconds("worker-loss-timeout")
         while not self._recover_lost(what):
@@ -968,7 +1018,6 @@ class AsyncEngine:
                     "between the workers."
                 )
             time.sleep(poll / 5)
-        return True
 
     def _gather(self, done: list[Future], what: str) -> list[StepResult]:
         """Gather finished tasks' results, never waiting on one that died with its
@@ -1039,6 +1088,11 @@ class AsyncEngine:
                     self._submit(result.worker)
             if self.grow is not None:
                 self.grow(self)
+            if self._epoch_done(epoch):
+                try:
+                    return [self._end_epoch(epoch)]
+                except HolderLostError:  # rebuilt from its restore point: go on
+                    self._wait_and_recover(what)
         return [self._end_epoch(epoch)]
 
     def _epoch_done(self, epoch: int) -> bool:

@@ -215,11 +215,18 @@ class RunGuard:
         if self._since_checkpoint >= every:
             self.checkpoint(engine, epoch)
 
-    def _checkpoint_async(self, engine: Any, epoch: int, epoch_end: bool) -> Path:
+    def _checkpoint_async(self, engine: Any, epoch: int, epoch_end: bool) -> Path | None:
         from dasktf.async_checkpoint import save_async_checkpoint
+        from dasktf.asynchronous import HolderLostError
 
         self._since_checkpoint = 0
-        return save_async_checkpoint(self, engine, epoch + 1 if epoch_end else epoch)
+        try:
+            return save_async_checkpoint(self, engine, epoch + 1 if epoch_end else epoch)
+        except HolderLostError:
+            # the holder went between two results: the engine rebuilds it from its
+            # restore point as soon as it looks again; this checkpoint is skipped
+            logger.warning("checkpoint skipped: the parameter holder was lost")
+            return None
 
     def checkpoint(self, engine: Any, epoch: int, epoch_end: bool = False) -> Path | None:
         if self.options.checkpoint_dir is None:
