@@ -94,7 +94,10 @@ def restore_holder(engine: AsyncEngine, survivors: list[str]) -> dict[str, Any]:
             cursor.restore(set(done.get(identity, [])))
 
     # The updates after the cut went with the holder: forget their records.
-    undone = engine.applied - version
+    # updates the client knew of past the cut (the cut may also hold a few it had
+    # not heard of yet: their records come back below)
+    seen = [r.update for r in engine.updates] + [r.update for r in engine._epoch_records]
+    undone = max(0, max(seen, default=0) - version)
     engine.undone += undone
     engine.applied = version
     engine.updates = [r for r in engine.updates if r.update <= version]
