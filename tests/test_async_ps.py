@@ -17,7 +17,7 @@ from dasktf.ps import shard_plan
 from dasktf.testing import KillWorkerAt
 from tests.conftest import relative_error
 from tests.test_async import _check_records, _copy, _mlp
-from tests.test_fault import assert_every_batch_applied_once, own_cluster
+from tests.test_fault import _options, assert_every_batch_applied_once, own_cluster
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -313,22 +313,10 @@ def test_num_ps_2_survives_the_loss_of_a_worker_without_a_holder(digits):
         steps = -(-len(digits.x_train) // 64)
         killer = KillWorkerAt(client, workers[2], step=3 * steps * epochs // 2)
         history = dasktf.fit(
-            "mnist-mlp",
-            digits.x_train,
-            digits.y_train,
-            client=client,
-            n_workers=3,
-            mode="async",
-            num_ps=2,
-            epochs=epochs,
-            batch_size=64,
-            optimizer="adam",
-            learning_rate=0.005,
-            seed=3,
-            verbose=0,
-            callbacks=[killer],
+            "mnist-mlp", digits.x_train, digits.y_train, client=client, n_workers=3,
+            mode="async", num_ps=2, callbacks=[killer],
             validation_data=(digits.x_test, digits.y_test),
-            metrics=["accuracy"],
+            **_options(epochs=epochs, learning_rate=0.005),
         )
         assert killer.killed_at is not None
         (recovery,) = history.recoveries
@@ -346,17 +334,6 @@ def test_losing_a_slice_holder_raises_worker_lost(digits):
         killer = KillWorkerAt(client, workers[1], step=steps)
         with pytest.raises(WorkerLostError, match="parameter holder"):
             dasktf.fit(
-                "mnist-mlp",
-                digits.x_train,
-                digits.y_train,
-                client=client,
-                n_workers=3,
-                mode="async",
-                num_ps=2,
-                epochs=3,
-                batch_size=64,
-                optimizer="adam",
-                seed=3,
-                verbose=0,
-                callbacks=[killer],
+                "mnist-mlp", digits.x_train, digits.y_train, client=client, n_workers=3,
+                mode="async", num_ps=2, callbacks=[killer], **_options(epochs=3),
             )
