@@ -58,15 +58,13 @@ ON_WORKER_LOSS = ("recover", "raise")
 
 
 # -- the worker side --------------------------------------------------------------
-def replica_state_task(run_id: str) -> dict[str, Any]:
-    """The replica's full training state: weights, optimizer variables, counters."""
+def replica_state_task(run_id: str, update: int | None = None, after: Any = None) -> dict[str, Any]:
+    """The replica's full training state: weights, optimizer variables, counters;
+    with ``update``, the state kept right after that update if this replica kept it
+    (``after`` is the step task that kept it: a dependency, never read)."""
     replica = get_replica(run_id)
-    with replica._apply_lock:  # a consistent cut: no apply half-way
-        return {
-            "weights": [np.asarray(w) for w in replica.model.get_weights()],
-            "optimizer": [np.asarray(v.numpy()) for v in replica.model.optimizer.variables],
-            "applied": replica.applied,
-        }
+    kept = replica.kept.pop(update, None) if update is not None else None
+    return kept if kept is not None else replica.training_state()
 
 
 def set_state_task(run_id: str, state: dict[str, Any], unfence: bool = True) -> int:
@@ -329,7 +327,8 @@ class ElasticSyncEngine(CommEngine):
 
     def state(self) -> dict[str, Any]:
         """The replicas' (identical) training state, read from the first one."""
-        f = self.ctx.client.submit(replica_state_task, self.ctx.run_id,
+        update, after = self.kept_request()
+        f = self.ctx.client.submit(replica_state_task, self.ctx.run_id, update, after,
                                    workers=[self.ctx.workers[0]], allow_other_workers=False,
                                    pure=False)
         wait_for(self.ctx, [f], "reading the training state")

@@ -167,6 +167,8 @@ class RunGuard:
             from dasktf.async_checkpoint import resume_async
 
             return resume_async(self, engine) if self.options.resume else (0, 0)
+        if hasattr(engine, "keep_every"):
+            engine.keep_every = self.options.checkpoint_every
         if self.options.checkpoint_every is not None and not hasattr(engine, "state"):
             raise ValueError(
                 "checkpoint_every checkpoints sync steps and async updates; a "
@@ -206,10 +208,16 @@ class RunGuard:
         wait_for(run.ctx, futures, "loading the checkpoint into the replicas")
 
     # -- checkpoints --------------------------------------------------------------
-    def after_step(self, engine: Any, epoch: int) -> None:
+    def after_step(self, engine: Any, epoch: int, step: int) -> None:
         every = self.options.checkpoint_every
         is_async = getattr(engine, "mode", None) == "async"
         if every is None or not (hasattr(engine, "state") or is_async):
+            return
+        if hasattr(engine, "checkpoint_due"):
+            # sync: every ``every`` steps of each epoch, on a grid the engine knew
+            # when it submitted them (its first replica kept those states)
+            if engine.checkpoint_due(step):
+                self.checkpoint(engine, epoch)
             return
         self._since_checkpoint += 1
         if self._since_checkpoint >= every:

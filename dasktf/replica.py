@@ -238,6 +238,9 @@ class Replica:
         self.applied_log: list[int] = []
         self._apply_lock = threading.Lock()
         self.fenced = False
+        #: ``{update: training state right after it}``, kept for a checkpoint the
+        #: client asked for in advance (see :meth:`keep_state`).
+        self.kept: dict[int, dict[str, Any]] = {}
         #: ``(first update, steps, from lr, to lr)`` while a warm-up is under way
         self.lr_ramp: tuple[int, int, float, float] | None = None
         #: Shards adopted from lost workers: ``(index, shard, schedule column)``; their
@@ -297,6 +300,23 @@ class Replica:
                 assert summed.total is not None
                 with _on(self.device):
                     self._apply_fn(summed.total, np.float32(summed.count))
+
+    def training_state(self) -> dict[str, Any]:
+        """Weights, optimizer variables and ``applied``: a consistent cut (no
+        apply half-way)."""
+        with self._apply_lock:
+            return {
+                "weights": [np.asarray(w) for w in self.model.get_weights()],
+                "optimizer": [np.asarray(v.numpy()) for v in self.model.optimizer.variables],
+                "applied": self.applied,
+            }
+
+    def keep_state(self) -> None:
+        """Keep the state as it is now, after the update just applied, for a
+        checkpoint of exactly that update: the client reads it a little later, when
+        this worker may be steps ahead (:meth:`dasktf.sync.SyncEngine.state_after`)."""
+        state = self.training_state()
+        self.kept = {state["applied"]: state}  # one at a time: an older one is stale
 
     def _ramp(self, update: int) -> None:
         """Linear learning-rate warm-up after a worker-count change (``scale_lr``)."""
@@ -523,11 +543,13 @@ def create_replica_task(
 
 
 def step_task(
-    run_id: str, epoch: int, step: int, previous: Any, update: int = -1
+    run_id: str, epoch: int, step: int, previous: Any, update: int = -1,
+    keep: bool = False,
 ) -> Any:
     """One fused sync step on one worker: apply the last summed gradient, then
     compute the gradient of this step's local batch (global update ``update``),
-    encoded for the wire by :mod:`dasktf.comm`."""
+    encoded for the wire by :mod:`dasktf.comm`. ``keep``: keep the state after the
+    apply for a checkpoint of that update."""
     from dasktf import comm
 
     start = time.perf_counter()
@@ -535,6 +557,8 @@ def step_task(
     timing = replica.timing.begin(epoch, start)
     to_apply, previous = comm.receive(replica, previous, run_id)
     replica.apply(to_apply)
+    if keep:
+        replica.keep_state()
     out = replica.gradient(epoch, step)
     out.update = update
     end = time.perf_counter()

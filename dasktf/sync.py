@@ -146,6 +146,12 @@ class SyncEngine:
         #: This epoch's step futures: ``step -> (gradient parts, their sum)``; recovery
         #: (:mod:`dasktf.elastic`) cancels the unfinished ones and reuses the sums.
         self.in_flight: dict[int, tuple[list[Future], Any]] = {}
+        #: The last step of this epoch whose sum the client saw complete.
+        self.retired: int | None = None
+        #: Checkpoint after every this many steps of an epoch (set by the run's
+        #: :class:`~dasktf.recovery.RunGuard`): the first replica keeps its state after
+        #: those updates, so a checkpoint holds exactly them however far ahead it ran.
+        self.keep_every: int | None = None
 
     def _reduce(self, parts: list[Future], epoch: int, step: int) -> Future:
         level, depth = parts, 0
@@ -186,6 +192,7 @@ class SyncEngine:
                 step,
                 previous,
                 self.update_base + step,
+                i == 0 and step > 0 and self.checkpoint_due(step - 1),
                 key=f"dasktf-step-{self.ctx.run_id}-{epoch}-{step}-{i}{self.key_suffix}",
                 # The replica and shard live on this worker alone: never move the task.
                 workers=[w],
@@ -202,7 +209,7 @@ class SyncEngine:
         (metric states, weights)."""
         window: deque[tuple[int, Future]] = deque()
         previous: Future | None = None
-        self.in_flight = {}
+        self.in_flight, self.retired = {}, None
         for step in range(start, self.ctx.steps_per_epoch):
             previous = self.submit_step(epoch, step, previous)
             window.append((step, previous))
@@ -225,8 +232,25 @@ class SyncEngine:
         ]
         wait_for(self.ctx, ends, f"the end of epoch {epoch + 1}")
         self.update_base += self.ctx.steps_per_epoch
-        self.in_flight = {}
+        self.in_flight, self.retired = {}, None
         return self.ctx.client.gather(ends)  # type: ignore[no-any-return]
+
+    def checkpoint_due(self, step: int) -> bool:
+        """Whether the update of ``step`` (of an epoch) is one ``keep_every`` asks a
+        checkpoint of; an epoch's last step is checkpointed at the epoch end."""
+        every = self.keep_every
+        return every is not None and (step + 1) % every == 0 and (
+            step + 1 < self.ctx.steps_per_epoch
+        )
+
+    def kept_request(self) -> tuple[int | None, Any]:
+        """``(update, the step task that kept the state after it)`` for the state
+        of the last retired step when it is due a checkpoint; ``(None, None)``
+        otherwise (the first replica's current state is read)."""
+        step = self.retired
+        if step is None or not self.checkpoint_due(step) or step + 1 not in self.in_flight:
+            return None, None
+        return self.update_base + step, self.in_flight[step + 1][0][0]
 
     def _retire(
         self, item: tuple[int, Future], epoch: int, on_step: Callable[[int], None] | None
@@ -237,6 +261,7 @@ class SyncEngine:
         wait_for(self.ctx, futures, f"step {step + 1} of epoch {epoch + 1}")
         for old in [s for s in self.in_flight if s < step - 1]:
             del self.in_flight[old]  # applied everywhere: never needed again
+        self.retired = step
         if on_step is not None:
             on_step(step)
 

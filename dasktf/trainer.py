@@ -413,7 +413,8 @@ class Trainer:
         checkpoint_dir, checkpoint_every
             Write a checkpoint (weights, optimizer state, counters, seed, config;
             :mod:`dasktf.checkpoint`) into ``checkpoint_dir`` at every epoch end and,
-            every ``checkpoint_every`` steps (sync; not with ``engine="collective"``,
+            every ``checkpoint_every`` steps (sync: after steps k, 2k, ... of each
+            epoch, holding exactly those updates; not with ``engine="collective"``,
             which checkpoints at epoch ends) or updates (async: the holder's state
             and the batches applied, :mod:`dasktf.async_checkpoint`); the final model
             is also saved there as ``model.keras``.
@@ -667,7 +668,7 @@ class _Run:
 
         def on_step(step: int) -> None:
             cb.on_train_batch_end(step, {"loss": self._latest_loss})
-            guard.after_step(engine, epoch)
+            guard.after_step(engine, epoch, step)
 
         try:
             for epoch in range(first_epoch, epochs):
