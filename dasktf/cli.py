@@ -131,7 +131,8 @@ def main() -> None:
               help="Write checkpoints (and the final model.keras) here: at every epoch "
               "end and every --checkpoint-every steps.")
 @click.option("--checkpoint-every", type=click.IntRange(min=1), default=None,
-              metavar="N_STEPS", help="also checkpoint after every N_STEPS steps of each epoch (sync) or every N_STEPS updates (async).")
+              metavar="N_STEPS", help="also checkpoint after every N_STEPS steps of each "
+              "epoch (sync) or every N_STEPS updates (async).")
 @click.option("--resume", is_flag=True,
               help="Continue from the newest valid checkpoint in --checkpoint-dir up to "
               "--epochs in all.")
