@@ -910,7 +910,8 @@ class AsyncEngine:
                 # The holder's state lives on this worker for the whole run.
                 workers=workers[:1], allow_other_workers=False, actor=True,
             )
-            wait_for(self.ctx, [holder], f"building the parameter holder on {workers[0]}")
+            wait_for(self.ctx, [holder],
+                     f"building the parameter holder on {workers[0]}")
             ref = HolderRef(workers[0], holder.key)
         self.generation += 1
         self.holder_worker, self.holder_workers = workers[0], list(workers)

@@ -355,7 +355,7 @@ def test_num_ps_2_rebuilds_its_holders_after_losing_a_holders_worker(digits, vic
         # the successor, identity 3, carried on the lost worker's shard
         assert_every_batch_applied_once(history, epochs, steps, {3: victim})
         assert history.history["val_accuracy"][-1] > 0.85
-        records = [r for e in client.get_events("dasktf-metrics") for r in e[1]["records"]
-                   if r.get("run") == history.run_id]
+        records = [r for e in client.get_events("dasktf-metrics")
+                   for r in e[1]["records"] if r.get("run") == history.run_id]
         (event,) = [r for r in records if r["kind"] == "recovered"]
         assert list(event["holder"]["workers"]) == holder["workers"]
