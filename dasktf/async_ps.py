@@ -40,10 +40,13 @@ Evaluation, final weights, checkpoints and resume gather or scatter the slices
 through the coordinator, between two applies. A checkpoint's optimizer state is the
 K slices' in order, so it resumes with the same ``num_ps``.
 
-Loss: if the worker of any holder is lost the run raises
-:class:`~dasktf.exceptions.WorkerLostError` naming the last checkpoint, as it does
-for the single holder (the master slice went with it); recovering a holder is not
-built yet.
+Loss: if the worker of any holder is lost, its slice of the master weights went
+with it, and the others are at versions nobody can finish. All K holders are
+rebuilt on the survivors from the engine's restore point, as the single holder is
+(:mod:`dasktf.async_recovery`): the coordinator's snapshot is a cut of all K slices
+taken between two applies, and its ``restore`` loads every slice. The surviving
+old holders are let go; the new ones have actor keys of their own, so a call still
+addressed to an old one gives up instead of reaching a new one.
 """
 
 from __future__ import annotations
@@ -57,12 +60,12 @@ import numpy as np
 from dasktf import config
 from dasktf.asynchronous import (
     _HOLDER_INDEX,
-    ClientHolder,
     HolderRef,
     _actor_call,
     ParameterHolder,
     PushOutcome,
     choose_holder,
+    spread_holders,
 )
 from dasktf.comm import (
     Ranges,
@@ -74,7 +77,7 @@ from dasktf.comm import (
     wire_nbytes,
 )
 from dasktf.data import Shard
-from dasktf.exceptions import DasktfError, StepTimeoutError, WorkerLostError
+from dasktf.exceptions import DasktfError, StepTimeoutError
 from dasktf.ps import PSShard, shard_plan
 
 if TYPE_CHECKING:
@@ -110,7 +113,7 @@ def plan_holders(
     first = choose_holder(workers, slow_workers)
     order = [(first + j) % len(workers) for j in range(len(workers))]
     fast = [i for i in order if slow_workers.get(i, 1.0) <= 1.0] or order
-    return [workers[fast[s % len(fast)]] for s in range(num_ps)], plan
+    return spread_holders([workers[i] for i in fast], num_ps), plan
 
 
 def _build_shard(
@@ -405,6 +408,9 @@ class ShardedHolderRef(HolderRef):
     plan: tuple[tuple[tuple[int, int], ...], ...] = ()
     size: int = 0
 
+    def keys(self) -> tuple[str, ...]:
+        return (self.key, *(key for _, key in self.peers))
+
     def _each(
         self, calls: list[tuple[int, str, tuple[Any, ...]]], timeout: float
     ) -> list[Any]:
@@ -466,7 +472,9 @@ class ShardedHolderRef(HolderRef):
 
 
 class ShardedHolders:
-    """The client's handle on a ``num_ps=K`` run's holders (built by the engine)."""
+    """The client's handle on a ``num_ps=K`` run's holders (built by the engine's
+    :meth:`~dasktf.asynchronous.AsyncEngine.start_holder`): the coordinator's actor
+    is ``key``, slice ``s``'s ``{key}-slice{s}``."""
 
     def __init__(
         self,
@@ -474,6 +482,7 @@ class ShardedHolders:
         holders: list[str],
         plan: list[Ranges],
         holder_args: tuple[Any, ...],
+        key: str,
     ) -> None:
         from dasktf.sync import wait_for
 
@@ -490,7 +499,7 @@ class ShardedHolders:
                 plan[s],
                 s,
                 timeout,
-                key=f"dasktf-holder-{ctx.run_id}-{s}",
+                key=f"{key}-slice{s}",
                 # each slice's master copy lives on its worker for the whole run
                 workers=[holders[s]],
                 allow_other_workers=False,
@@ -507,7 +516,7 @@ class ShardedHolders:
             *holder_args,
             plan=plan,
             peers=peers,
-            key=f"dasktf-holder-{ctx.run_id}",
+            key=key,
             workers=[holders[0]],
             allow_other_workers=False,
             actor=True,
@@ -525,26 +534,6 @@ class ShardedHolders:
             int(sum(b - a for r in plan for a, b in r)),
         )
 
-    def check_lost(self, engine: AsyncEngine, lost: list[str]) -> None:
-        """Raise if a slice's holder went with a lost worker (module docstring)."""
-        # the coordinator too: a restore point holds one holder's state, not K slices
-        gone = ", ".join(sorted({w for w in self.holders if w in lost}))
-        if not gone:
-            return
-        checkpoint = (
-            engine.last_checkpoint() if hasattr(engine, "last_checkpoint") else None
-        )
-        raise WorkerLostError(
-            f"the worker of a parameter holder was lost ({gone}); "
-            "its slice of the master weights went with it. "
-            + (
-                f"Resume from the last checkpoint, {checkpoint}, with resume=True."
-                if checkpoint
-                else "Pass checkpoint_dir= to keep checkpoints to resume from."
-            ),
-            lost,
-        )
-
     def traffic(self, engine: AsyncEngine) -> list[dict[str, int]]:
         """Bytes each holder received and sent over the run, counted by the holders."""
         return engine.holder.traffic().result(  # type: ignore[no-any-return]
@@ -554,18 +543,6 @@ class ShardedHolders:
     def close(self) -> None:
         for f in self.peer_futures:
             f.release()
-
-
-def start_holders(
-    engine: AsyncEngine, holders: list[str], holder_args: tuple[Any, ...]
-) -> None:
-    """Build a ``num_ps=K`` run's holders for ``engine`` (what its constructor does
-    for the single holder): ``holder``, ``holder_ref`` and ``sharded``."""
-    engine.sharded = ShardedHolders(engine, holders, engine.plan, holder_args)
-    engine._holder_future = engine.sharded.coordinator
-    engine.holder_ref = ref = engine.sharded.ref
-    engine.holder = ClientHolder(engine.ctx.client, ref,
-                                 lambda: ref.address in engine._lost_now())
 
 
 def byte_logs(plan: list[Ranges], task_bytes: list[list[int]]) -> dict[str, float]:

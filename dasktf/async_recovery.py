@@ -1,21 +1,24 @@
-"""Losing the parameter holder's worker: rebuild the holder on a survivor.
+"""Losing a parameter holder's worker: rebuild the holders on survivors.
 
-An async (or quorum) run's master weights and optimizer state live in one actor;
-when its worker dies they are gone, with every update applied since the last state
-the client kept. The engine keeps a *restore point* (:meth:`AsyncEngine.take_restore_point`):
-the holder's consistent cut at the start, at every epoch end and with every
-checkpoint (``checkpoint_every`` makes it as fresh as the user wants). Each cut
-names the ``(worker, pass, step)`` batches it contains, so the run can go on as if
-the updates after it never happened:
+An async (or quorum) run's master weights and optimizer state live in one actor, or
+with ``num_ps=K`` in K actors, one slice each (:mod:`dasktf.async_ps`); when the
+worker of any of them dies, its part is gone, with every update applied since the
+last state the client kept. The engine keeps a *restore point*
+(:meth:`AsyncEngine.take_restore_point`): the holder's (the coordinator's, for all K
+slices) consistent cut at the start, at every epoch end and with every checkpoint
+(``checkpoint_every`` makes it as fresh as the user wants). Each cut names the
+``(worker, pass, step)`` batches it contains, so the run can go on as if the
+updates after it never happened:
 
 1. every gradient task in flight is void (it read weights that are gone or pushes
    to a holder that is gone): cancel them all, and tell the survivors' in-flight
-   holder calls to give up (:func:`~dasktf.asynchronous.abandon_holder_task`) so
-   their threads are free;
+   calls to any of the run's holders to give up
+   (:func:`~dasktf.asynchronous.abandon_holder_task`) so their threads are free;
 2. the lost worker's shards move to survivors as for any lost worker
    (:func:`dasktf.elastic.recover_async`);
-3. a new holder is built on a survivor from the restore point, with the budget of
-   the shards' current owners and the cut's batches counted against it;
+3. the surviving old holders are let go, and new ones (new actor keys) are built on
+   survivors from the restore point, with the budget of the shards' current owners
+   and the cut's batches counted against it;
 4. each shard's cursor goes back to the cut: the batches not in it (applied after
    it, or never) are computed again, so over the whole run every batch of the
    requested epochs is applied exactly once to the weights that survive;
@@ -42,7 +45,7 @@ def abandon_holder(engine: AsyncEngine, survivors: list[str]) -> None:
 
     client = engine.ctx.client
     try:  # survivors' threads blocked in a call to the lost holder give up at once
-        client.run(abandon_holder_task, engine.holder_ref.key, workers=survivors,
+        client.run(abandon_holder_task, *engine.holder_ref.keys(), workers=survivors,
                    on_error="ignore")
     except Exception:  # noqa: BLE001 - the calls still fail on their own, later
         pass
@@ -56,8 +59,19 @@ def abandon_holder(engine: AsyncEngine, survivors: list[str]) -> None:
         cursor.queued = 0
 
 
+def _holder_workers(engine: AsyncEngine, survivors: list[str]) -> list[str]:
+    """The new holders' workers: the (first) holder on the survivor with the fewest
+    replicas to feed, the other slices' on the survivors after it."""
+    from dasktf.asynchronous import spread_holders
+
+    load = {a: sum(1 for i, b in engine.addresses.items()
+                   if b == a and engine.cursors[i].active) for a in survivors}
+    first = survivors.index(min(survivors, key=lambda a: (load[a], survivors.index(a))))
+    return spread_holders(survivors[first:] + survivors[:first], len(engine.plan) or 1)
+
+
 def restore_holder(engine: AsyncEngine, survivors: list[str]) -> dict[str, Any]:
-    """Build a new holder on a survivor from ``engine.restore_point``, rewind the
+    """Build new holders on survivors from ``engine.restore_point``, rewind the
     cursors to it and start the workers again; return what was done (an event)."""
     started = time.time()
     ctx = engine.ctx
@@ -66,13 +80,12 @@ def restore_holder(engine: AsyncEngine, survivors: list[str]) -> dict[str, Any]:
     point = engine.restore_point
     assert point is not None and engine.holder_inputs is not None
     version = int(point["version"])
-    # the survivor with the fewest replicas to feed
-    load = {a: sum(1 for i, b in engine.addresses.items()
-                   if b == a and engine.cursors[i].active) for a in survivors}
-    worker = min(survivors, key=lambda a: (load[a], survivors.index(a)))
+    workers = _holder_workers(engine, survivors)
+    worker = workers[0]
     probe, val = engine.holder_inputs(worker)
     weights = client.scatter(point["weights"], workers=[worker], hash=False)
-    engine.start_holder(worker, weights, probe, val)
+    engine.release_holders()  # survivors among them must not keep old slices
+    engine.start_holder(workers, weights, probe, val)
 
     # The cut's batches by shard, then by the identity that now owns each shard.
     owners = {engine.shard_index.get(i, i): i for i, c in enumerate(engine.cursors)
@@ -112,6 +125,9 @@ def restore_holder(engine: AsyncEngine, survivors: list[str]) -> dict[str, Any]:
     for identity, cursor in enumerate(engine.cursors):
         if cursor.active:
             engine._submit(identity)
-    return {"worker": worker, "version": version, "redone": undone,
-            "source": point.get("source", "restore point"),
-            "restore_s": time.time() - started}
+    event = {"worker": worker, "version": version, "redone": undone,
+             "source": point.get("source", "restore point"),
+             "restore_s": time.time() - started}
+    if engine.sharded is not None:
+        event["workers"] = workers
+    return event

@@ -536,6 +536,10 @@ class HolderRef:
     address: str
     key: str
 
+    def keys(self) -> tuple[str, ...]:
+        """Every holder actor a call through this reference may wait on."""
+        return (self.key,)
+
     def call(self, method: str, *args: Any, timeout: float) -> Any:
         """``holder.method(*args)`` from a task on a worker (blocking)."""
         from distributed import get_worker
@@ -624,10 +628,11 @@ async def _actor_call(
     return response["result"]
 
 
-def abandon_holder_task(key: str) -> None:
-    """Run on the survivors (``Client.run``) when a holder was lost: calls to it stop
-    waiting, so the worker threads blocked in them are free for the new holder."""
-    _LOST_HOLDERS.add(key)
+def abandon_holder_task(*keys: str) -> None:
+    """Run on the survivors (``Client.run``) when a holder was lost: calls to the
+    run's holders (all of them: a surviving one may itself wait on the lost one) stop
+    waiting, so the threads blocked in them are free for the new holders."""
+    _LOST_HOLDERS.update(keys)
 
 
 def _replica_lock(replica: Replica) -> threading.Lock:
@@ -878,38 +883,48 @@ class AsyncEngine:
         self.holder_inputs: Callable[[str], tuple[Any, list[Any]]] | None = None
         #: num_ps=K: the flat-buffer ranges of each holder's slice (dasktf.async_ps)
         self.plan = plan or []
+        #: num_ps=K: the client's handle on the K holders (dasktf.async_ps)
         self.sharded: Any = None
         self._epoch_bytes: list[list[int]] = []
-        if len(self.plan) > 1:  # K holders: sets holder, holder_ref, sharded
-            from dasktf.async_ps import start_holders
+        self.start_holder(holders or [holder_worker], weights, probe, val_shards)
 
-            self.holder_worker = holder_worker
-            start_holders(self, holders or [holder_worker], (
-                replica_config, weights, probe, val_shards, max_staleness, staleness_lr,
-                quorum, config.get_seconds("step-timeout"), *self._budget(epochs)))
-            self.generation = 1
-            return
-        self.start_holder(holder_worker, weights, probe, val_shards)
-
-    def start_holder(self, worker: str, weights: Any, probe: Any, val_shards: list[Any]) -> None:
-        """Build the run's :class:`ParameterHolder` on ``worker``."""
+    def start_holder(
+        self, workers: list[str], weights: Any, probe: Any, val_shards: list[Any]
+    ) -> None:
+        """Build the run's holders: a :class:`ParameterHolder` on ``workers[0]``, or
+        with ``num_ps=K`` holder ``s`` on ``workers[s]`` (dasktf.async_ps)."""
         cfg, max_staleness, staleness_lr, quorum = self._holder_args
-        key = f"dasktf-holder-{self.ctx.run_id}"
-        holder = self.ctx.client.submit(
-            ParameterHolder, cfg, weights, probe, val_shards, max_staleness,
-            staleness_lr, quorum, config.get_seconds("step-timeout"),
-            *self._budget(self.epochs),
-            key=key if not self.generation else f"{key}-{self.generation}",
-            # The holder's state lives on this worker for the whole run.
-            workers=[worker], allow_other_workers=False, actor=True,
-        )
-        wait_for(self.ctx, [holder], f"building the parameter holder on {worker}")
+        args = (cfg, weights, probe, val_shards, max_staleness, staleness_lr, quorum,
+                config.get_seconds("step-timeout"), *self._budget(self.epochs))
+        # a rebuilt holder's actor must not be mistaken for the lost one's
+        key = f"dasktf-holder-{self.ctx.run_id}" + (
+            f"-{self.generation}" if self.generation else "")
+        if len(self.plan) > 1:
+            from dasktf.async_ps import ShardedHolders
+
+            self.sharded = ShardedHolders(self, workers, self.plan, args, key)
+            holder, ref = self.sharded.coordinator, self.sharded.ref
+        else:
+            holder = self.ctx.client.submit(
+                ParameterHolder, *args, key=key,
+                # The holder's state lives on this worker for the whole run.
+                workers=workers[:1], allow_other_workers=False, actor=True,
+            )
+            wait_for(self.ctx, [holder],
+                     f"building the parameter holder on {workers[0]}")
+            ref = HolderRef(workers[0], holder.key)
         self.generation += 1
-        self.holder_worker = worker
-        self._holder_future = holder
-        self.holder_ref = HolderRef(worker, holder.key)
-        self.holder: Any = ClientHolder(self.ctx.client, self.holder_ref,
-                                        lambda: worker in self._lost_now())
+        self.holder_worker, self.holder_workers = workers[0], list(workers)
+        self._holder_future, self.holder_ref = holder, ref
+        # any holder's loss: the coordinator may be waiting on a lost slice's
+        self.holder: Any = ClientHolder(
+            self.ctx.client, ref, lambda: not set(workers).isdisjoint(self._lost_now()))
+
+    def release_holders(self) -> None:
+        """Let go of the holders' actors (never waits: their workers may be gone)."""
+        self._holder_future.release()
+        if self.sharded is not None:
+            self.sharded.close()
 
     def known_through(self) -> int:
         """The last update ``u`` such that the client has the records of 1..u."""
@@ -923,8 +938,8 @@ class AsyncEngine:
                            source: str = "the last epoch end") -> None:
         """Keep the holder's state (or ``snapshot`` of it) to rebuild it from."""
         if snapshot is None:
-            if self.policy != "recover" or self.sharded is not None:
-                return  # (K holders are not rebuilt: dasktf.async_ps)
+            if self.policy != "recover":
+                return
             snapshot = self.holder.snapshot(self.known_through()).result(
                 timeout=config.get_seconds("step-timeout"))
         if self.restore_point is None or snapshot["version"] >= self.restore_point["version"]:
@@ -1060,8 +1075,6 @@ class AsyncEngine:
             self.ctx.workers = workers
             check_alive(self.ctx, what)
             return False
-        if self.sharded is not None:  # a slice's holder lost: raise (dasktf.async_ps)
-            self.sharded.check_lost(self, lost)
         if self.policy == "raise":
             self.ctx.workers = workers
             check_alive(self.ctx, what)
@@ -1211,9 +1224,7 @@ class AsyncEngine:
         for f in list(self._outstanding):
             f.cancel()
         self._outstanding.clear()
-        self._holder_future.release()
-        if self.sharded is not None:
-            self.sharded.close()
+        self.release_holders()
 
 
 def updates_frame(records: list[UpdateRecord]) -> Any:
@@ -1286,6 +1297,12 @@ def validate_mode_options(
                 )
             slow[int(index)] = float(factor)
     return slow
+
+
+def spread_holders(order: list[str], num_ps: int) -> list[str]:
+    """Holder ``s`` on ``order[s]``; round the list again (two holders on one worker)
+    only when it has fewer workers than holders."""
+    return [order[s % len(order)] for s in range(num_ps)]
 
 
 def choose_holder(workers: list[str], slow_workers: dict[int, float]) -> int:

@@ -370,9 +370,9 @@ def recover_async(engine: Any, lost: list[str]) -> None:
     removals = {c.worker: c for c in ctx.watcher.removed(lost)} if ctx.watcher else {}
     survivors = sorted({a for a in engine.addresses.values() if a not in lost})
     checkpoint = engine.last_checkpoint() if hasattr(engine, "last_checkpoint") else None
-    holder_lost = engine.holder_worker in lost
+    holder_lost = not set(engine.holder_workers).isdisjoint(lost)  # any of num_ps=K
     if not survivors or (holder_lost and engine.restore_point is None):
-        what = ("the parameter holder's worker" if survivors else "every worker of the run")
+        what = ("a parameter holder's worker" if survivors else "every worker of the run")
         raise (WorkerLostError if survivors else AllWorkersLostError)(
             f"{what} was lost ({', '.join(lost)}); the master weights went with it. "
             + (f"Resume from the last checkpoint, {checkpoint}, with resume=True."
@@ -458,7 +458,8 @@ def recover_async(engine: Any, lost: list[str]) -> None:
         f"worker lost: {', '.join(lost)}; async run goes on with {len(survivors)} "
         f"worker(s) in {resumed - since:.2f}s, shard(s) "
         f"{', '.join(f'{i}->{a}' for i, a in moved)} (in-flight gradients dropped)"
-        + (f"; parameter holder rebuilt on {restored['worker']} from update "
+        + (f"; parameter holder(s) rebuilt on "
+           f"{', '.join(restored.get('workers', [restored['worker']]))} from update "
            f"{restored['version']} ({restored['source']}), {restored['redone']} "
            "update(s) to redo" if restored else "")
     )
