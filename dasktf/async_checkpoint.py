@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from dasktf import checkpoint as ckpt
 from dasktf import config
+from dasktf.callbacks import adopt_learning_rate
 
 if TYPE_CHECKING:
     from dasktf.asynchronous import AsyncEngine
@@ -86,6 +87,7 @@ def resume_async(guard: RunGuard, engine: AsyncEngine) -> tuple[int, int]:
     engine.applied = int(progress["version"])
     guard.last_checkpoint = path
     run.model.set_weights(state["weights"])
+    adopt_learning_rate(run.model, state["optimizer"])
     epoch = min(c.completed_passes for c in engine.cursors)
     guard._announce(f"resumed from {path} at epoch {epoch + 1} (async, update "
                     f"{progress['version'] + 1}, {sum(map(len, done.values()))} "

@@ -222,6 +222,9 @@ class SliceHolder:
         self.version = int(version)
         self.kept.clear()
 
+    async def set_learning_rate(self, lr: float) -> None:
+        self.shard.optimizer.learning_rate = lr  # on the loop: between two applies
+
     async def forget(self, items: list[Item]) -> None:
         """Drop offers that will never be applied (a lost worker's)."""
         for item in items:
@@ -341,6 +344,14 @@ class CoordinatingHolder(ParameterHolder):
         return await self._with_model(  # type: ignore[no-any-return]
             lambda _: [np.asarray(w) for w in self.replica.model.get_weights()]
         )
+
+    def _set_learning_rate(self, lr: float) -> None:
+        super()._set_learning_rate(lr)
+        self.shard.optimizer.learning_rate = lr  # slice 0's optimizer applies
+
+    async def set_learning_rate(self, lr: float) -> None:
+        await self._all("set_learning_rate", lr)
+        await super().set_learning_rate(lr)
 
     async def snapshot(self, since: int = 0) -> dict[str, Any]:
         def snap(optimizers: list[list[np.ndarray]]) -> dict[str, Any]:

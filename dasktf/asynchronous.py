@@ -458,6 +458,8 @@ class ParameterHolder:
         model.set_weights(weights)
         for v, value in zip(model.optimizer.variables, optimizer):
             v.assign(value)
+        # the cut's learning rate (an optimizer variable) is the one to go on with
+        self._base_lr = float(np.asarray(model.optimizer.learning_rate))
         self.flat = self.replica.flat_weights()
 
     async def restore(
@@ -478,6 +480,16 @@ class ParameterHolder:
                 for p, _ in items:
                     if self.passes is None or p < self.passes:
                         self._spend(worker)
+
+    def _set_learning_rate(self, lr: float) -> None:
+        self._base_lr = float(lr)  # staleness_lr scales from it
+        self.replica.model.optimizer.learning_rate = lr
+
+    async def set_learning_rate(self, lr: float) -> None:
+        """Apply the next updates with learning rate ``lr`` (a client callback's)."""
+        _, lock = self._sync_objects()
+        async with lock:
+            await self._run(self._set_learning_rate, lr)
 
     async def add_helper(self, identity: int, owner: int) -> None:
         """``identity`` (a worker that joined) computes batches of ``owner``'s shard:
@@ -925,6 +937,11 @@ class AsyncEngine:
         self._holder_future.release()
         if self.sharded is not None:
             self.sharded.close()
+
+    def set_learning_rate(self, lr: float) -> None:
+        """The holders apply the next updates with ``lr`` (gradients in flight too:
+        the learning rate is the holder's, read when it applies)."""
+        self.holder.set_learning_rate(lr).result(timeout=config.get_seconds("step-timeout"))
 
     def known_through(self) -> int:
         """The last update ``u`` such that the client has the records of 1..u."""

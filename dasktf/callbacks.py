@@ -122,3 +122,58 @@ def _format_value(key: str, value: float) -> str:
     if key == "staleness_mean":
         return f"{key} {value:.2f}"
     return f"{key} {value:.4f}"
+
+
+def client_learning_rate(model: Any) -> float | None:
+    """The learning rate the client's model's optimizer holds now, or ``None`` when
+    it follows a schedule (a ``LearningRateSchedule`` or callable runs wherever the
+    optimizer steps, from its own iteration count: nothing to carry)."""
+    optimizer = getattr(model, "optimizer", None)
+    inner = getattr(optimizer, "inner_optimizer", optimizer)  # a LossScaleOptimizer
+    if not isinstance(getattr(inner, "_learning_rate", None), keras.Variable):
+        return None
+    return float(keras.ops.convert_to_numpy(inner.learning_rate))
+
+
+def adopt_learning_rate(model: Any, optimizer_values: list[Any]) -> None:
+    """Give the client's model the learning rate of a checkpoint's optimizer
+    variables (Keras 3 keeps it among them), so callbacks such as
+    ``ReduceLROnPlateau`` go on from the resumed value, not the configured one."""
+    if client_learning_rate(model) is None:
+        return
+    optimizer = model.optimizer
+    if not optimizer.built:
+        optimizer.build(model.trainable_variables)
+    for v, value in zip(optimizer.variables, optimizer_values):
+        if v.path.endswith("learning_rate"):
+            optimizer.learning_rate = float(value)
+            return
+
+
+class LearningRateRelay:
+    """Carries a learning rate set on the client to where the run's optimizers are.
+
+    Keras callbacks act on ``self.model``, the client's model, which never trains:
+    ``keras.callbacks.LearningRateScheduler`` (``on_epoch_begin``),
+    ``ReduceLROnPlateau`` (``on_epoch_end``) or any callback that assigns
+    ``model.optimizer.learning_rate`` would change nothing. Before each epoch the
+    trainer calls :meth:`relay`, which hands a changed value to the engine's
+    ``set_learning_rate``: every replica's optimizer (sync; the parameter-server
+    slices too), the parameter holders (async, quorum) or the TensorFlow children
+    (collective), before any step of that epoch. ``scale()`` is the factor the run
+    applies on top (``scale_lr``'s linear scaling rule).
+    """
+
+    def __init__(self, model: Any, scale: Any = None) -> None:
+        self.model = model
+        self.scale = scale or (lambda: 1.0)
+        self.last = client_learning_rate(model)
+
+    def relay(self, engine: Any) -> float | None:
+        """Push the client's learning rate if it changed; return it, else ``None``."""
+        lr = client_learning_rate(self.model)
+        if lr is None or lr == self.last:
+            return None
+        engine.set_learning_rate(lr * float(self.scale()))
+        self.last = lr
+        return lr

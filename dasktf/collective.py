@@ -277,7 +277,9 @@ def _child_main(conn: Any, cfg: ReplicaConfig, index: int, shard: Any,
         if message[0] == "load":
             conn.send(("reply", replica.load_state(*message[1:])))
             continue
-        _, epoch, with_weights, with_optimizer, start = message
+        _, epoch, with_weights, with_optimizer, start, learning_rate = message
+        if learning_rate is not None:  # the mirrored variable: every replica's
+            replica.model.optimizer.learning_rate = learning_rate
         conn.send(("reply", replica.run_epoch(conn, run_id, epoch, with_weights,
                                               with_optimizer, start)))
 
@@ -342,12 +344,14 @@ def collective_load_task(run_id: str, state: dict[str, Any]) -> int:
 
 
 def collective_epoch_task(run_id: str, epoch: int, with_weights: bool,
-                          with_optimizer: bool, start: int = 0) -> EpochReport:
-    """Run one epoch in this worker's child; forward its step records meanwhile."""
+                          with_optimizer: bool, start: int = 0,
+                          learning_rate: float | None = None) -> EpochReport:
+    """Run one epoch in this worker's child (with ``learning_rate`` set first, if
+    given); forward its step records meanwhile."""
     from dasktf.events import TOPIC
 
     worker, child = _child(run_id)
-    child.send(("epoch", epoch, with_weights, with_optimizer, start))
+    child.send(("epoch", epoch, with_weights, with_optimizer, start, learning_rate))
 
     def forward(records: list[dict[str, Any]]) -> None:
         if records:
@@ -411,6 +415,8 @@ class CollectiveEngine:
         #: The first global update of the epoch under way (the RunGuard's counter).
         self.update_base = 0
         self._state: dict[str, Any] | None = None
+        #: A learning rate to set in the children before the next epoch's steps.
+        self.learning_rate: float | None = None
         timeout = config.get_seconds("collective.start-timeout")
         configs = tf_config(ctx.client, ctx.workers, timeout=timeout)
         started = time.perf_counter()
@@ -447,7 +453,7 @@ class CollectiveEngine:
         futures = [
             client.submit(
                 collective_epoch_task, self.ctx.run_id, epoch, i == 0,
-                i == 0 and with_optimizer, start,
+                i == 0 and with_optimizer, start, self.learning_rate,
                 key=f"dasktf-collective-epoch-{self.ctx.run_id}-{epoch}-{i}",
                 workers=[w], allow_other_workers=False, resources=self.ctx.resources,
             )
@@ -511,6 +517,10 @@ class CollectiveEngine:
             raise RuntimeError("The collective engine keeps its state only with "
                                "keep_state=True, after an epoch or a load_state.")
         return self._state
+
+    def set_learning_rate(self, lr: float) -> None:
+        """The children take ``lr`` with the next epoch's message."""
+        self.learning_rate = lr
 
     def load_state(self, state: dict[str, Any]) -> None:
         """Load a checkpoint (of either engine) into every child."""

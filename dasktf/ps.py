@@ -147,6 +147,13 @@ def ps_apply_task(
                   max(p.compute_seconds for p in parts), address, kind="weights")
 
 
+def set_shards_learning_rate(run_id: str, lr: float) -> None:
+    """The servers' optimizers on this worker follow a learning rate the run set."""
+    for key, state in _SHARDS.items():
+        if key[0] == run_id:
+            state.optimizer.learning_rate = lr
+
+
 def release_shards(run_id: str, dask_worker: Any = None) -> None:
     for key in [k for k in _SHARDS if k[0] == run_id]:
         del _SHARDS[key]

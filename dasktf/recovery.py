@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dasktf import checkpoint as ckpt
+from dasktf.callbacks import adopt_learning_rate
 from dasktf.elastic import ON_WORKER_LOSS, ElasticSyncEngine, reload_shard, set_state_task
 from dasktf.sync import wait_for
 
@@ -160,6 +161,11 @@ class RunGuard:
     def _on_all_lost(self) -> str | None:
         return str(self.last_checkpoint) if self.last_checkpoint else None
 
+    def lr_factor(self) -> float:
+        """What ``scale_lr`` multiplies a learning rate set on the client by: the
+        global batch now over the one the run started with."""
+        return self.run.batch_size / self.batch0 if self.options.scale_lr else 1.0
+
     # -- resume -------------------------------------------------------------------
     def begin(self, engine: Any) -> tuple[int, int]:
         """Load the newest valid checkpoint into the replicas; (epoch, step) to start at."""
@@ -195,6 +201,7 @@ class RunGuard:
         if hasattr(engine, "update_base"):
             engine.update_base = int(manifest["epoch_base"]) if step else state["applied"] + 1
         self.run.model.set_weights(state["weights"])
+        adopt_learning_rate(self.run.model, state["optimizer"])
         self._announce(f"resumed from {path} at epoch {epoch + 1}, step {step + 1} "
                        f"(update {state['applied'] + 1})")
         return epoch, step

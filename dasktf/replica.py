@@ -606,6 +606,20 @@ def end_epoch_task(run_id: str, previous: Any, with_weights: bool) -> EpochRepor
     return EpochReport(get_worker().address, train, val, weights, seconds, traffic)
 
 
+def set_learning_rate_task(run_id: str, lr: float) -> float:
+    """Set the learning rate of this worker's replica (and of the parameter-server
+    slices it holds), between two epochs; it replaces a ``scale_lr`` warm-up under
+    way. Returns the value set."""
+    from dasktf.ps import set_shards_learning_rate
+
+    replica = get_replica(run_id)
+    with replica._apply_lock:
+        replica.lr_ramp = None
+        replica.model.optimizer.learning_rate = lr
+    set_shards_learning_rate(run_id, lr)
+    return float(np.asarray(replica.model.optimizer.learning_rate))
+
+
 def release_replicas(run_id: str, dask_worker: Any = None) -> int:
     """Drop this process's replicas of ``run_id`` (run through ``Client.run``)."""
     from dasktf.comm import release_run

@@ -30,7 +30,13 @@ from distributed import wait
 from dasktf import config
 from dasktf.cluster import alive_workers
 from dasktf.exceptions import ReplicaError, StepTimeoutError, WorkerLostError
-from dasktf.replica import EpochReport, end_epoch_task, step_task, sum_gradients
+from dasktf.replica import (
+    EpochReport,
+    end_epoch_task,
+    set_learning_rate_task,
+    step_task,
+    sum_gradients,
+)
 
 if TYPE_CHECKING:
     from distributed import Client, Future
@@ -234,6 +240,14 @@ class SyncEngine:
         self.update_base += self.ctx.steps_per_epoch
         self.in_flight, self.retired = {}, None
         return self.ctx.client.gather(ends)  # type: ignore[no-any-return]
+
+    def set_learning_rate(self, lr: float) -> None:
+        """Every replica's optimizer takes ``lr`` (between epochs: nothing in flight)."""
+        futures = [self.ctx.client.submit(set_learning_rate_task, self.ctx.run_id, lr,
+                                          workers=[w], allow_other_workers=False,
+                                          pure=False)
+                   for w in self.ctx.workers]
+        wait_for(self.ctx, futures, "setting the learning rate")
 
     def checkpoint_due(self, step: int) -> bool:
         """Whether the update of ``step`` (of an epoch) is one ``keep_every`` asks a

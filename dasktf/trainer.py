@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from dasktf import config
-from dasktf.callbacks import History, ProgressBar
+from dasktf.callbacks import History, LearningRateRelay, ProgressBar
 from dasktf.cluster import (
     TensorFlowSetup,
     alive_workers,
@@ -661,6 +661,8 @@ class _Run:
         engine = self._make_engine(epochs)
         history.engine = getattr(engine, "engine", "graph")
         first_epoch, first_step = guard.begin(engine)
+        # after begin: a resumed run's learning rate is the checkpoint's
+        relay = LearningRateRelay(self.model, guard.lr_factor)
         self._publish(self._run_start_record(epochs, engine.mode))
         self.client.subscribe_topic(TOPIC, self._on_event)
         self.model.stop_training = False
@@ -673,6 +675,7 @@ class _Run:
         try:
             for epoch in range(first_epoch, epochs):
                 cb.on_epoch_begin(epoch)
+                relay.relay(engine)  # LearningRateScheduler, ReduceLROnPlateau, ...
                 start = time.perf_counter()
                 resume_at = {"start": first_step} if epoch == first_epoch and first_step else {}
                 reports = engine.run_epoch(epoch, on_step, **resume_at)
@@ -682,6 +685,7 @@ class _Run:
                     logs.update(engine.epoch_logs(seconds))
                 self.model.set_weights(reports[0].weights)
                 cb.on_epoch_end(epoch, logs)
+                relay.relay(engine)  # ReduceLROnPlateau: before the checkpoint
                 last_update = (epoch + 1) * self.ctx.steps_per_epoch - 1
                 self._publish(epoch_record(self.run_id, epoch, last_update, logs))
                 if self.model.stop_training:
