@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING
 from dasktf import checkpoint as ckpt
 from dasktf import config
 from dasktf.callbacks import adopt_learning_rate
+from dasktf.replica import non_trainable_values, set_non_trainable_task
+from dasktf.sync import wait_for
 
 if TYPE_CHECKING:
     from dasktf.asynchronous import AsyncEngine
@@ -35,6 +37,7 @@ def save_async_checkpoint(guard: RunGuard, engine: AsyncEngine, epoch: int) -> P
     """Write the holder's consistent cut into the run's checkpoint directory."""
     run = guard.run
     timeout = config.get_seconds("step-timeout")
+    engine.send_non_trainable()
     snap = engine.holder.snapshot(engine.known_through()).result(timeout=timeout)
     done: dict[str, list[list[int]]] = {}
     for worker, shard_pass, step in snap["items"]:
@@ -88,6 +91,15 @@ def resume_async(guard: RunGuard, engine: AsyncEngine) -> tuple[int, int]:
     guard.last_checkpoint = path
     run.model.set_weights(state["weights"])
     adopt_learning_rate(run.model, state["optimizer"])
+    stats = non_trainable_values(run.model)
+    if stats is not None:
+        # The workers' replicas were built from the initial weights: their moving
+        # statistics, whose mean the holder takes at each epoch end, go on from the
+        # checkpoint's too.
+        futures = [run.client.submit(set_non_trainable_task, run.run_id, stats,
+                                     workers=[w], allow_other_workers=False, pure=False)
+                   for w in run.ctx.workers]
+        wait_for(run.ctx, futures, "loading the checkpoint's moving statistics")
     epoch = min(c.completed_passes for c in engine.cursors)
     guard._announce(f"resumed from {path} at epoch {epoch + 1} (async, update "
                     f"{progress['version'] + 1}, {sum(map(len, done.values()))} "

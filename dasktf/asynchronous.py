@@ -61,6 +61,7 @@ from dasktf.replica import (
     Replica,
     ReplicaConfig,
     get_replica,
+    mean_non_trainable,
     straggle,
     sum_gradients,
 )
@@ -120,6 +121,9 @@ class StepResult:
     metric_states: list[np.ndarray] | None = None
     #: per holder: the push and the weights pulled for it, as they travelled
     nbytes: list[int] = field(default_factory=list)
+    #: the replica's moving statistics after this gradient (models that have
+    #: some): the holder never runs a training forward pass, so it takes their mean
+    non_trainable: list[np.ndarray] | None = None
 
 
 class StalenessGate:
@@ -481,6 +485,12 @@ class ParameterHolder:
                     if self.passes is None or p < self.passes:
                         self._spend(worker)
 
+    async def set_non_trainable(self, values: list[np.ndarray]) -> None:
+        """Take the workers' mean moving statistics (see :class:`StepResult`)."""
+        _, lock = self._sync_objects()
+        async with lock:
+            await self._run(self.replica.set_non_trainable, values)
+
     def _set_learning_rate(self, lr: float) -> None:
         self._base_lr = float(lr)  # staleness_lr scales from it
         self.replica.model.optimizer.learning_rate = lr
@@ -712,7 +722,7 @@ def async_step_task(
     timings["bytes"] = wire_nbytes(packed) + wire_nbytes(flat)
     _emit(replica, outcome, shard_pass, step, grad, timings)
     return StepResult(replica.identity, shard_pass, step, outcome, states,
-                      holder_nbytes(packed, flat))
+                      holder_nbytes(packed, flat), replica.non_trainable_values())
 
 
 def flush_events(run_id: str, dask_worker: Any = None) -> None:
@@ -851,6 +861,8 @@ class AsyncEngine:
         self._epoch_records: list[UpdateRecord] = []
         self._epoch_dropped = 0
         self._epoch_states: list[np.ndarray] | None = None
+        #: each worker's latest moving statistics (StepResult.non_trainable)
+        self._non_trainable: dict[int, list[np.ndarray]] = {}
         self._ac = as_completed(loop=ctx.client.loop)
         self._outstanding: set[Future] = set()
         #: Fault tolerance (:meth:`_recover`): each cursor's worker address and
@@ -1136,6 +1148,8 @@ class AsyncEngine:
             self.tasks["stopped"] += 1
             return
         self.tasks["computed"] += 1
+        if result.non_trainable is not None:  # a dropped gradient's batch counts too
+            self._non_trainable[result.worker] = result.non_trainable
         if result.nbytes:  # not a result recovery made up for a lost worker
             self._epoch_bytes.append(result.nbytes)
         cursor = self.cursors[result.worker]
@@ -1165,8 +1179,19 @@ class AsyncEngine:
             for total, s in zip(self._epoch_states, states):
                 total += s
 
+    def send_non_trainable(self) -> None:
+        """Give the holder the mean of the workers' latest moving statistics, before
+        it evaluates, hands out its weights or is snapshotted (models without
+        such state: nothing to send, no call)."""
+        active = [v for i, v in self._non_trainable.items() if self.cursors[i].active]
+        values = active or list(self._non_trainable.values())
+        if values:
+            self.holder.set_non_trainable(mean_non_trainable(values)).result(
+                timeout=config.get_seconds("step-timeout"))
+
     def _end_epoch(self, epoch: int) -> EpochReport:
         timeout = config.get_seconds("step-timeout")
+        self.send_non_trainable()
         _, val_states, weights = self.holder.evaluate().result(timeout=timeout)
         self.take_restore_point()
         train = self._epoch_states or []
@@ -1227,6 +1252,7 @@ class AsyncEngine:
                 f"{self.applied} and {self.dropped}. This is a dasktf bug."
             )
         self.discarded = int(counters["discarded"])
+        self.send_non_trainable()
         self.final_weights = self.holder.weights().result(timeout=timeout)
         self.ctx.client.run(flush_events, self.ctx.run_id, workers=sorted(
             {a for i, a in self.addresses.items() if self.cursors[i].active}))

@@ -23,6 +23,7 @@ import numpy as np
 from dasktf import checkpoint as ckpt
 from dasktf.callbacks import adopt_learning_rate
 from dasktf.elastic import ON_WORKER_LOSS, ElasticSyncEngine, reload_shard, set_state_task
+from dasktf.replica import non_trainable_floats
 from dasktf.sync import wait_for
 
 if TYPE_CHECKING:
@@ -88,6 +89,7 @@ class RunGuard:
             self._reload, run._publish, self._on_all_lost, self._announce,
         )
         engine.policy = self.options.on_worker_loss
+        engine.average_stats = bool(non_trainable_floats(run.model))
         return engine
 
     def attach_async(self, engine: Any) -> Any:

@@ -18,6 +18,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -198,6 +199,7 @@ class Replica:
         self.variables = list(model.trainable_variables)
         self.sizes = [int(np.prod(v.shape)) for v in self.variables]
         self.shapes = [tuple(v.shape) for v in self.variables]
+        self.stats_variables = non_trainable_floats(model)
         model.optimizer.build(self.variables)
         build_metrics(model, shard.x[:1], shard.y[:1])
         self._loss_tracker = next(m for m in model.metrics if m.name == "loss")
@@ -424,6 +426,19 @@ class Replica:
             [np.asarray(v.numpy(), dtype=np.float32).ravel() for v in self.variables]
         )
 
+    def non_trainable_values(self) -> list[np.ndarray] | None:
+        """The model's non-trainable float state (BatchNormalization's moving
+        statistics), ``None`` when it has none."""
+        return [np.asarray(v.numpy()) for v in self.stats_variables] or None
+
+    def set_non_trainable(self, values: list[np.ndarray] | None) -> None:
+        """Assign :meth:`non_trainable_values`' variables (``None``: nothing)."""
+        if values is None:
+            return
+        with self._apply_lock:
+            for v, value in zip(self.stats_variables, values, strict=True):
+                v.assign(value)
+
     def take_metric_states(self) -> list[np.ndarray]:
         """The metric states accumulated since the last call, then reset them."""
         states = self.metric_states()
@@ -443,6 +458,30 @@ class Replica:
             verbose=0,
         )
         return self.metric_states()
+
+
+def non_trainable_floats(model: Any) -> list[Any]:
+    """The model's non-trainable float variables: moving statistics that every
+    replica updates from its own batches. Integer ones (a seed generator's state)
+    are no statistic and stay each replica's own."""
+    import keras
+
+    return [v for v in model.non_trainable_variables
+            if keras.backend.is_float_dtype(v.dtype)]
+
+
+def non_trainable_values(model: Any) -> list[np.ndarray] | None:
+    """:func:`non_trainable_floats`' values, ``None`` when the model has none."""
+    variables = non_trainable_floats(model)
+    return [np.asarray(v.numpy()) for v in variables] if variables else None
+
+
+def mean_non_trainable(values: Sequence[list[np.ndarray]]) -> list[np.ndarray]:
+    """The replicas' statistics averaged, as MirroredStrategy reads a variable
+    aggregated with MEAN: summed in the order given, so every replica averaging the
+    same list gets bitwise the same result."""
+    return [np.mean([v[i] for v in values], axis=0).astype(values[0][i].dtype)
+            for i in range(len(values[0]))]
 
 
 def _on(device: str) -> Any:
@@ -587,14 +626,34 @@ def straggle(replica: Replica, compute_seconds: float) -> None:
     replica.__dict__["_traced"] = True
 
 
-def end_epoch_task(run_id: str, previous: Any, with_weights: bool) -> EpochReport:
-    """Apply the epoch's last gradient, then report metrics (and weights if asked)."""
+def epoch_stats_task(run_id: str, previous: Any) -> list[np.ndarray] | None:
+    """Apply the epoch's last gradient; return the replica's non-trainable float
+    state for :func:`end_epoch_task` to average (models that have some)."""
+    from dasktf import comm
+
+    replica = get_replica(run_id)
+    replica.apply(comm.receive(replica, previous, run_id)[0])
+    return replica.non_trainable_values()
+
+
+def end_epoch_task(
+    run_id: str, previous: Any, with_weights: bool, *stats: list[np.ndarray]
+) -> EpochReport:
+    """Apply the epoch's last gradient, then report metrics (and weights if asked).
+
+    ``stats``: every replica's :func:`epoch_stats_task` (which applied the gradient,
+    ``previous`` is then None). Their mean replaces this replica's moving statistics
+    before it evaluates, so validation, the weights reported, the checkpoint and the
+    next epoch all use statistics of the whole data, and the replicas agree again.
+    """
     from distributed import get_worker
 
     from dasktf import comm
 
     replica = get_replica(run_id)
     replica.apply(comm.receive(replica, previous, run_id)[0])
+    if stats:
+        replica.set_non_trainable(mean_non_trainable(stats))
     replica.events.flush()
     train = replica.metric_states()
     replica.model.reset_metrics()
@@ -618,6 +677,12 @@ def set_learning_rate_task(run_id: str, lr: float) -> float:
         replica.model.optimizer.learning_rate = lr
     set_shards_learning_rate(run_id, lr)
     return float(np.asarray(replica.model.optimizer.learning_rate))
+
+
+def set_non_trainable_task(run_id: str, values: list[np.ndarray] | None,
+                           slot: int | None = None) -> None:
+    """Give this worker's replica the non-trainable float state ``values``."""
+    get_replica(run_id, slot).set_non_trainable(values)
 
 
 def release_replicas(run_id: str, dask_worker: Any = None) -> int:

@@ -33,6 +33,7 @@ from dasktf.exceptions import ReplicaError, StepTimeoutError, WorkerLostError
 from dasktf.replica import (
     EpochReport,
     end_epoch_task,
+    epoch_stats_task,
     set_learning_rate_task,
     step_task,
     sum_gradients,
@@ -158,6 +159,10 @@ class SyncEngine:
         #: :class:`~dasktf.recovery.RunGuard`): the first replica keeps its state after
         #: those updates, so a checkpoint holds exactly them however far ahead it ran.
         self.keep_every: int | None = None
+        #: The model has non-trainable float state (BatchNormalization's moving
+        #: statistics): every replica updates it from its own batches, so the epoch
+        #: end averages it over the replicas (tf.distribute's MEAN aggregation).
+        self.average_stats = False
 
     def _reduce(self, parts: list[Future], epoch: int, step: int) -> Future:
         level, depth = parts, 0
@@ -223,12 +228,32 @@ class SyncEngine:
                 self._retire(window.popleft(), epoch, on_step)
         while window:
             self._retire(window.popleft(), epoch, on_step)
+        stats: list[Future] = []
+        if self.average_stats:
+            # Two phases, submitted at once: every replica's statistics go worker to
+            # worker into every end task, which averages them itself (no round trip
+            # through the client). A model without them keeps the single task.
+            stats = [
+                self.ctx.client.submit(
+                    epoch_stats_task,
+                    self.ctx.run_id,
+                    previous,
+                    key=f"dasktf-epoch-stats-{self.ctx.run_id}-{epoch}-{i}"
+                        f"{self.key_suffix}",
+                    workers=[w],
+                    allow_other_workers=False,
+                    resources=self.ctx.resources,
+                )
+                for i, w in enumerate(self.ctx.workers)
+            ]
+            previous = None  # applied by the stats tasks
         ends = [
             self.ctx.client.submit(
                 end_epoch_task,
                 self.ctx.run_id,
                 previous,
                 i == 0,
+                *stats,
                 key=f"dasktf-end-epoch-{self.ctx.run_id}-{epoch}-{i}{self.key_suffix}",
                 workers=[w],
                 allow_other_workers=False,
