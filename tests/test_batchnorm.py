@@ -71,10 +71,10 @@ class ReadReplicas(keras.callbacks.Callback):
                           [np.asarray(v) for v in non_trainable_floats(self.model)]))
 
 
-def _fit(client, digits, model, mode, epochs, **kwargs):
+def _fit(client, digits, model, mode, epochs, n_workers=2, **kwargs):
     x, y, xt, yt = _shifted(digits)
     return dasktf.fit(
-        model, x, y, client=client, n_workers=2, epochs=epochs, batch_size=64, mode=mode,
+        model, x, y, client=client, n_workers=n_workers, epochs=epochs, batch_size=64, mode=mode,
         optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"],
         validation_data=(xt, yt), seed=3, verbose=0, **kwargs,
     )
@@ -94,20 +94,26 @@ def test_helpers_skip_integer_state():
     assert mean[0].dtype == np.float32
 
 
-def test_sync_replicas_agree_and_model_matches_metrics(client, digits):
+@pytest.mark.parametrize("n_workers, kw", [
+    (2, {}),  # a direct exchange
+    (3, {"topology": "ring"}),
+    (3, {"num_ps": 2}),  # sharded parameter servers: the replicas keep the statistics
+])
+def test_sync_replicas_agree_and_model_matches_metrics(client, digits, n_workers, kw):
     reader = ReadReplicas(client)
     with get_task_stream(client) as stream:
-        history = _fit(client, digits, bn_model, "sync", 3, engine="graph",
-                       callbacks=[reader])
+        history = _fit(client, digits, bn_model, "sync", 3, n_workers, engine="graph",
+                       callbacks=[reader], **kw)
     assert any(str(t["key"]).startswith("dasktf-epoch-stats-") for t in stream.data)
     for by_worker, client_stats in reader.seen:
         replicas = [stats[history.run_id] for stats in by_worker.values()
                     if history.run_id in stats]
-        assert len(replicas) == 2
+        assert len(replicas) == n_workers
         # the replicas agree again (each alone would hold statistics of its shard),
         # and the client's model holds those averaged statistics
-        for got, other in zip(replicas[0], replicas[1], strict=True):
-            np.testing.assert_array_equal(got, other)
+        for other in replicas[1:]:
+            for got, want in zip(other, replicas[0], strict=True):
+                np.testing.assert_array_equal(got, want)
         for got, want in zip(client_stats, replicas[0], strict=True):
             np.testing.assert_array_equal(got, want)
     bn = _bn(history.model)
@@ -118,8 +124,9 @@ def test_sync_replicas_agree_and_model_matches_metrics(client, digits):
         history.history["val_accuracy"][-1], abs=1e-6)
 
 
-def test_async_holder_takes_the_workers_statistics(client, digits):
-    history = _fit(client, digits, bn_model, "async", 3)
+@pytest.mark.parametrize("kw", [{}, {"num_ps": 2}])  # one holder, or a coordinator
+def test_async_holder_takes_the_workers_statistics(client, digits, kw):
+    history = _fit(client, digits, bn_model, "async", 3, **kw)
     bn = _bn(history.model)
     assert np.abs(np.asarray(bn.moving_mean)).max() > 0.5
     assert np.abs(np.asarray(bn.moving_variance) - 1).max() > 0.5
