@@ -147,3 +147,20 @@ def test_no_statistics_no_extra_tasks(client, small_digits):
     assert any(k.startswith("dasktf-end-epoch-") for k in keys)
     assert not any(k.startswith("dasktf-epoch-stats-") for k in keys)
     assert history.model is not None
+
+
+def test_async_resume_carries_the_statistics(client, digits, tmp_path):
+    first = _fit(client, digits, bn_model, "async", 1, checkpoint_dir=str(tmp_path))
+    saved = [np.asarray(v) for v in non_trainable_floats(first.model)]
+    # the workers' replicas are rebuilt from the initial weights; the resumed run
+    # hands them the checkpoint's statistics, which they go on from
+    with get_task_stream(client) as stream:
+        resumed = _fit(client, digits, bn_model, "async", 2,
+                       checkpoint_dir=str(tmp_path), resume=True)
+    keys = [str(t["key"]) for t in stream.data]
+    assert sum(k.startswith("set_non_trainable_task") for k in keys) == 2
+    bn = _bn(resumed.model)
+    assert np.abs(np.asarray(bn.moving_mean)).max() > 0.5
+    assert not np.array_equal(np.asarray(bn.moving_mean), saved[0])  # it trained on
+    _, _, xt, yt = _shifted(digits)
+    assert _accuracy(resumed.model, xt, yt) > 0.6
