@@ -17,8 +17,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -429,7 +429,7 @@ class Replica:
     def non_trainable_values(self) -> list[np.ndarray] | None:
         """The model's non-trainable float state (BatchNormalization's moving
         statistics), ``None`` when it has none."""
-        return [np.asarray(v.numpy()) for v in self.stats_variables] or None
+        return _read(self.stats_variables)
 
     def set_non_trainable(self, values: list[np.ndarray] | None) -> None:
         """Assign :meth:`non_trainable_values`' variables (``None``: nothing)."""
@@ -472,8 +472,11 @@ def non_trainable_floats(model: Any) -> list[Any]:
 
 def non_trainable_values(model: Any) -> list[np.ndarray] | None:
     """:func:`non_trainable_floats`' values, ``None`` when the model has none."""
-    variables = non_trainable_floats(model)
-    return [np.asarray(v.numpy()) for v in variables] if variables else None
+    return _read(non_trainable_floats(model))
+
+
+def _read(variables: list[Any]) -> list[np.ndarray] | None:
+    return [np.asarray(v.numpy()) for v in variables] or None
 
 
 def mean_non_trainable(values: Sequence[list[np.ndarray]]) -> list[np.ndarray]:
