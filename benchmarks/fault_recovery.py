@@ -2,8 +2,10 @@
 
 Runs the digits MLP on a loopback cluster of 3 worker processes, once without a
 fault and once with worker 2 SIGKILLed halfway (sync, then async), then async with
-the parameter holder's own worker (0) SIGKILLed halfway, and prints the figures side
-by side. About three minutes on a loaded 2-core machine.
+the parameter holder's own worker (0) SIGKILLed halfway, then async with two
+holders (``num_ps=2``, on workers 0 and 1) losing the slice holder's worker (1) and
+the coordinator's (0), and prints the figures side by side. About five minutes on a
+loaded 2-core machine.
 
     python benchmarks/fault_recovery.py
 """
@@ -22,7 +24,7 @@ from dasktf.testing import KillWorkerAt  # noqa: E402
 EPOCHS, BATCH = 4, 64
 
 
-def run(mode: str, kill: bool, victim: int = 2) -> dict[str, float]:
+def run(mode: str, kill: bool, victim: int = 2, num_ps: int = 1) -> dict[str, float]:
     data = dasktf.load_dataset("digits")
     with dasktf.make_local_cluster(3, tf_threads=1) as cluster, Client(cluster) as client:
         client.wait_for_workers(3, timeout=120)
@@ -34,6 +36,7 @@ def run(mode: str, kill: bool, victim: int = 2) -> dict[str, float]:
             epochs=EPOCHS, batch_size=BATCH, optimizer="adam",
             learning_rate=0.01 if mode == "sync" else 0.005, metrics=["accuracy"], seed=3,
             validation_data=(data.x_test, data.y_test), callbacks=cbs, verbose=0,
+            **({"num_ps": num_ps} if num_ps > 1 else {}),
         )
         out = {"val_accuracy": history.history["val_accuracy"][-1],
                "wall_s": history.wall_seconds}
@@ -50,9 +53,16 @@ def run(mode: str, kill: bool, victim: int = 2) -> dict[str, float]:
 
 def main() -> None:
     print(f"load average before: {os.getloadavg()}")
-    for mode, victim in (("sync", 2), ("async", 2), ("async", 0)):
-        clean, faulted = run(mode, False), run(mode, True, victim)
-        what = "the holder's worker" if victim == 0 else "1 of 3"
+    cases = [("sync", 2, 1, "1 of 3"), ("async", 2, 1, "1 of 3"),
+             ("async", 0, 1, "the holder's worker"),
+             ("async", 1, 2, "the slice holder's worker"),
+             ("async", 0, 2, "the coordinator's worker")]
+    clean_runs: dict[tuple[str, int], dict[str, float]] = {}
+    for mode, victim, num_ps, what in cases:
+        if (mode, num_ps) not in clean_runs:
+            clean_runs[mode, num_ps] = run(mode, False, num_ps=num_ps)
+        clean, faulted = clean_runs[mode, num_ps], run(mode, True, victim, num_ps)
+        mode = mode if num_ps == 1 else f"{mode} ps{num_ps}"
         print(f"{mode:5s} no fault: val_accuracy {clean['val_accuracy']:.4f}  "
               f"wall {clean['wall_s']:.1f}s")
         print(f"{mode:5s} SIGKILL {what} at half: val_accuracy {faulted['val_accuracy']:.4f}  "
