@@ -97,6 +97,8 @@ def restore_holder(engine: AsyncEngine, survivors: list[str]) -> dict[str, Any]:
     done = {owners[s]: sorted(items) for s, items in by_shard.items() if s in owners}
     engine.holder.restore(point["weights"], point["optimizer"], version,
                           done).result(timeout=timeout)
+    if engine.learning_rate is not None:  # set by the client after the cut
+        engine.holder.set_learning_rate(engine.learning_rate).result(timeout=timeout)
     for identity, cursor in enumerate(engine.cursors):
         if not cursor.active:
             continue

@@ -895,6 +895,9 @@ class AsyncEngine:
         self.tasks = {"computed": 0, "stopped": 0}
         self.epochs = epochs
         self._holder_args = (replica_config, max_staleness, staleness_lr, quorum)
+        #: The last learning rate the client set: a holder rebuilt from an older cut
+        #: takes it again (dasktf.async_recovery).
+        self.learning_rate: float | None = None
         #: Holders built so far (a lost holder is rebuilt on a survivor:
         #: dasktf.async_recovery), and the newest state to rebuild it from: a
         #: snapshot taken at the start, at every epoch end and with every checkpoint.
@@ -953,7 +956,12 @@ class AsyncEngine:
     def set_learning_rate(self, lr: float) -> None:
         """The holders apply the next updates with ``lr`` (gradients in flight too:
         the learning rate is the holder's, read when it applies)."""
-        self.holder.set_learning_rate(lr).result(timeout=config.get_seconds("step-timeout"))
+        self.learning_rate = lr
+        try:
+            self.holder.set_learning_rate(lr).result(
+                timeout=config.get_seconds("step-timeout"))
+        except HolderLostError:  # the rebuilt holder takes it (restore_holder)
+            pass
 
     def known_through(self) -> int:
         """The last update ``u`` such that the client has the records of 1..u."""

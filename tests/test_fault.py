@@ -139,6 +139,37 @@ def test_async_run_survives_sigkill_of_the_parameter_holders_worker(digits, tmp_
     assert time.monotonic() - start < 240
 
 
+def test_a_rebuilt_holder_takes_the_learning_rate_set_after_its_cut(digits, tmp_path):
+    """The learning rate changes at the second epoch's start, after the restore point
+    (the first epoch's end); the holder's worker is then SIGKILLed. The rebuilt
+    holder must go on with the new rate, not the cut's: the last checkpoint holds it."""
+    from dasktf.checkpoint import load_latest
+
+    def schedule(epoch, lr):
+        return 0.005 if epoch == 0 else 0.0025
+
+    epochs = 3
+    with own_cluster(3) as (cluster, client):
+        workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        steps = -(-len(digits.x_train) // 64)
+        killer = KillWorkerAt(client, workers[0], step=3 * steps * epochs // 2)
+        history = dasktf.fit(
+            "mnist-mlp", digits.x_train, digits.y_train, client=client, n_workers=3,
+            mode="async", checkpoint_dir=str(tmp_path),
+            callbacks=[keras.callbacks.LearningRateScheduler(schedule), killer],
+            **_options(epochs=epochs, learning_rate=0.005),
+        )
+        assert killer.killed_at is not None
+        (recovery,) = history.recoveries
+        assert recovery["lost"] == [workers[0]] and "holder" in recovery
+        # rebuilt from the first epoch's end checkpoint: before the change
+        assert str(tmp_path) in recovery["holder"]["source"]
+        state, manifest, _ = load_latest(tmp_path)
+        assert manifest["next_epoch"] == epochs
+        scalars = [float(v) for v in state["optimizer"] if v.ndim == 0]
+        assert any(abs(v - 0.0025) < 1e-9 for v in scalars), scalars
+
+
 @pytest.mark.parametrize("victim", [2, 0], ids=["worker", "holder"])
 def test_quorum_run_survives_sigkill(digits, victim):
     """sync_quorum=2 of 3: losing a worker (or the holder's) mid-run leaves enough
