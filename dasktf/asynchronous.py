@@ -1080,7 +1080,10 @@ class AsyncEngine:
         while True:
             try:
                 results = client.sync(client._gather, done, callback_timeout=poll)
-            except TimeoutError:
+            except (TimeoutError, UnboundLocalError):
+                # (UnboundLocalError: distributed's sync() loses the outcome when its
+                # callback timeout races the gather's completion, dask/distributed#8514;
+                # the futures are untouched, so it is a timeout: gather them again)
                 if self._recover_lost(what):
                     done = [f for f in done if f.key not in self._dead]
                 elif time.monotonic() > deadline:
