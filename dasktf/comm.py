@@ -292,7 +292,7 @@ def receive(
         for ranges, p in zip(ch.chunks, packets):
             assert p.values is not None
             scatter_ranges(flat, ranges, decode(p.values))
-        replica.set_flat_weights(flat)
+        replica.take_weights(flat, first.update)
         return None, GradientSum(None, first.count, first.loss_sum)
     if len(packets) == 1:
         total = first.total()

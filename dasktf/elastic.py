@@ -18,6 +18,14 @@ at most once (:meth:`dasktf.replica.Replica.apply`). When a worker is lost
    the tests check every replica's log of applied updates); ``steps_recomputed``
    counts updates whose sum was complete but reached no survivor.
 
+Sharded parameter servers (``placement="ps"``) hold the only copy of their slice
+of the optimizer state, so a loss there *rewinds* instead: the client keeps a
+restore point (the merged state of the replicas and servers at the start, at every
+epoch end and with every checkpoint); the survivors and a new set of servers on
+them load it, the lost shard is adopted as above, and the updates after the restore
+point are computed again (``steps_recomputed``). Every update in the final weights
+is still applied exactly once; the replicas' logs are cut back to the restore point.
+
 At the next epoch boundary the run re-forms (:meth:`ElasticSyncEngine.pending_reform`):
 data re-placed over the workers alive then (the adopter's double share goes away, and
 a worker that joined gets a replica and a share), state copied from a replica.
@@ -45,6 +53,13 @@ from dasktf.data import (
 from dasktf.exceptions import AllWorkersLostError, WorkerLostError
 from dasktf.replica import EpochReport, get_replica
 from dasktf.comm import CommSpec
+from dasktf.ps import (
+    merge_server_states,
+    ps_load_task,
+    ps_state_task,
+    server_workers,
+    split_server_states,
+)
 from dasktf.sync import RunContext, wait_for
 from dasktf.topology import CommEngine
 
@@ -67,16 +82,26 @@ def replica_state_task(run_id: str, update: int | None = None, after: Any = None
     return kept if kept is not None else replica.training_state()
 
 
-def set_state_task(run_id: str, state: dict[str, Any], unfence: bool = True) -> int:
-    """Load a state from :func:`replica_state_task` (or a checkpoint) into the replica."""
+def set_state_task(
+    run_id: str, state: dict[str, Any], unfence: bool = True, rewind: bool = False
+) -> int:
+    """Load a state from :func:`replica_state_task` (or a checkpoint) into the
+    replica. ``rewind``: an older state than the replica's (a sharded run's restore
+    point): the updates after it are forgotten, to be applied again, and the
+    epoch's metric totals start over."""
     replica = get_replica(run_id)
     with replica._apply_lock:
         replica.model.set_weights(state["weights"])
         for v, value in zip(replica.model.optimizer.variables, state["optimizer"]):
             v.assign(value)
+        applied = int(state["applied"])
+        if rewind:
+            replica.applied_log = [u for u in replica.applied_log if u <= applied]
+            replica.kept = {}
+            replica.model.reset_metrics()
         # The updates this state holds count as applied here, once each.
-        replica.applied_log.extend(range(replica.applied + 1, int(state["applied"]) + 1))
-        replica.applied = int(state["applied"])
+        replica.applied_log.extend(range(replica.applied + 1, applied + 1))
+        replica.applied = applied
         if unfence:
             replica.fenced = False
         return replica.applied
@@ -116,11 +141,14 @@ def adopt_task(
 def ramp_lr_task(run_id: str, factor: float, steps: int) -> tuple[float, float]:
     """Scale the learning rate by ``factor``, linearly over the next ``steps`` updates
     (the warm-up of Goyal et al., 2017); returns (old, new)."""
+    from dasktf.ps import ramp_shards_learning_rate
+
     replica = get_replica(run_id)
     with replica._apply_lock:
         old = float(np.asarray(replica.model.optimizer.learning_rate))
         new = old * float(factor)
         replica.lr_ramp = (replica.applied + 1, max(1, int(steps)), old, new)
+    ramp_shards_learning_rate(run_id, float(factor), steps)  # placement="ps": they train
     return old, new
 
 
@@ -157,11 +185,11 @@ class ElasticSyncEngine(CommEngine):
     """A sync engine (:class:`~dasktf.topology.CommEngine`: codec, topology,
     placement) that survives losing workers.
 
-    Recovery needs every survivor to hold the whole model state, so it covers the
-    mirrored placement with any reduction (tree, all-to-one, ring: the survivors take
-    the lost worker's ring chunks until the run re-forms at the epoch boundary) and
-    any codec; a sharded-parameter-server run stops with :class:`WorkerLostError`
-    instead (a server's optimizer slice goes with its worker).
+    The mirrored placement, with any reduction (tree, all-to-one, ring: the
+    survivors take the lost worker's ring chunks until the run re-forms at the epoch
+    boundary) and any codec, goes on from the most advanced survivor; the sharded
+    servers' placement (a server's optimizer slice goes with its worker) rewinds to
+    its restore point (see the module).
 
     Parameters
     ----------
@@ -206,6 +234,11 @@ class ElasticSyncEngine(CommEngine):
         self.policy = "recover"
         self.reform_needed = False
         self.last_state: dict[str, Any] | None = None
+        #: ``placement="ps"``: ``(OptimizerLayout, positions of the trainable
+        #: variables among the model's weights)``, to merge the servers' slices
+        #: into one state (set by the run's RunGuard), and the newest restore point.
+        self.ps_layout: tuple[Any, list[int]] | None = None
+        self.restore_point: dict[str, Any] | None = None
 
     def run_epoch(
         self, epoch: int, on_step: Callable[[int], None] | None = None, start: int = 0
@@ -214,15 +247,9 @@ class ElasticSyncEngine(CommEngine):
             try:
                 return super().run_epoch(epoch, on_step, start)
             except WorkerLostError as exc:
-                if self.policy == "raise" or not self.recoverable:
+                if self.policy == "raise":
                     raise
                 start = self.recover(exc.workers, epoch)
-
-    @property
-    def recoverable(self) -> bool:
-        """Mirrored placement (tree, naive or ring): every replica holds the whole
-        state. Sharded servers hold optimizer slices that go with their worker."""
-        return self.spec.placement != "ps"
 
     def recover(self, lost: list[str], epoch: int) -> int:
         """Reconcile the survivors, hand out the lost shards; the step to resume at."""
@@ -255,6 +282,8 @@ class ElasticSyncEngine(CommEngine):
                   for i, w in enumerate(survivors)]
         wait_for(ctx, fences, "fencing the surviving replicas")
         applied = client.gather(fences)
+        if self.spec.placement == "ps":
+            return self._rewind(lost, epoch, removals, detected, max(applied))
         target = max(applied)
         # 2. everyone to the most advanced survivor's state
         source = survivors[applied.index(target)]
@@ -267,7 +296,43 @@ class ElasticSyncEngine(CommEngine):
                                   allow_other_workers=False, pure=False)
                     for w, a in zip(survivors, applied) if a == target]
         wait_for(ctx, [state, *sets, *unfences], "reconciling the surviving replicas")
-        # 3. the lost shards go to the survivors carrying the fewest
+        moved = self._adopt(lost, survivors)
+        # Updates whose sum was complete but that no survivor had applied: computed
+        # again (never skipped: numbering goes on from the survivors' last update).
+        last_finished = self.update_base + finished[-1] if finished else target
+        recomputed = max(0, last_finished - target)
+        self._report(lost, epoch, removals, detected, moved, target, recomputed)
+        return target + 1 - self.update_base
+
+    def _rewind(
+        self, lost: list[str], epoch: int, removals: dict[str, Any], detected: float,
+        reached: int,
+    ) -> int:
+        """Sharded servers: every survivor and a new set of servers on them go back
+        to the restore point; the step to resume at (see the module)."""
+        client, ctx = self.ctx.client, self.ctx
+        restore = self.restore_point
+        if restore is None or restore["applied"] + 1 < self.update_base:
+            raise WorkerLostError(
+                f"Lost {', '.join(lost)}, and this sharded-server run has no restore "
+                "point in the current epoch; this is a dasktf bug.", lost,
+            )
+        self.servers = server_workers(ctx.workers, self.spec.num_ps)
+        self.load_servers(restore)
+        state = client.scatter(restore, broadcast=True, hash=False)
+        rewinds = [client.submit(set_state_task, ctx.run_id, state, True, True,
+                                 workers=[w], allow_other_workers=False, pure=False)
+                   for w in ctx.workers]
+        wait_for(ctx, rewinds, "rewinding the surviving replicas to the restore point")
+        moved = self._adopt(lost, ctx.workers)
+        target = int(restore["applied"])
+        self._report(lost, epoch, removals, detected, moved, target,
+                     max(0, reached - target), rewound=True)
+        return target + 1 - self.update_base
+
+    def _adopt(self, lost: list[str], survivors: list[str]) -> list[tuple[int, str]]:
+        """The lost shards go to the survivors carrying the fewest."""
+        client, ctx = self.ctx.client, self.ctx
         moved: list[tuple[int, str]] = []
         for w in lost:
             for index in self.carried.pop(w, []):
@@ -280,11 +345,17 @@ class ElasticSyncEngine(CommEngine):
                 self.carried[adopter].append(index)
                 moved.append((index, adopter))
         self.reform_needed = True
+        return moved
+
+    def _report(
+        self, lost: list[str], epoch: int, removals: dict[str, Any], detected: float,
+        moved: list[tuple[int, str]], target: int, recomputed: int,
+        rewound: bool = False,
+    ) -> None:
+        """The ``worker_lost`` and ``recovered`` records, and the one line."""
+        ctx = self.ctx
+        survivors = list(ctx.workers)
         resumed = time.time()
-        # Updates whose sum was complete but that no survivor had applied: computed
-        # again (never skipped: numbering goes on from the survivors' last update).
-        last_finished = self.update_base + finished[-1] if finished else target
-        recomputed = max(0, last_finished - target)
         for w in lost:
             change = removals.get(w)
             record = {
@@ -301,7 +372,7 @@ class ElasticSyncEngine(CommEngine):
             "run": ctx.run_id, "kind": "recovered", "workers": list(survivors),
             "lost": list(lost), "moved": [[i, a] for i, a in moved],
             "resumed_at_update": target + 1, "steps_lost": 0,
-            "steps_recomputed": recomputed,
+            "steps_recomputed": recomputed, "rewound_to_update": target if rewound else None,
             "resume_s": resumed - since, "wall_time": time.time(),
         }
         self.publish(recovered)
@@ -309,10 +380,11 @@ class ElasticSyncEngine(CommEngine):
         self.announce(
             f"worker lost: {', '.join(lost)}; recovered in {resumed - since:.2f}s with "
             f"{len(survivors)} worker(s), shard(s) "
-            f"{', '.join(f'{i}->{a}' for i, a in moved)}, resuming at update "
-            f"{target + 1} (steps lost: 0, recomputed: {recomputed})"
+            f"{', '.join(f'{i}->{a}' for i, a in moved)}, "
+            + (f"servers on {', '.join(self.servers)} rewound to the restore point, "
+               if rewound else "")
+            + f"resuming at update {target + 1} (steps lost: 0, recomputed: {recomputed})"
         )
-        return target + 1 - self.update_base
 
     def schedule_column(self, index: int) -> np.ndarray:
         return self.schedule[:, index]
@@ -326,13 +398,49 @@ class ElasticSyncEngine(CommEngine):
         return dict(self.ctx.client.gather(futures))
 
     def state(self) -> dict[str, Any]:
-        """The replicas' (identical) training state, read from the first one."""
+        """The run's training state: the replicas' (identical) state, read from the
+        first one; with sharded servers, their master weights and optimizer slices
+        merged into it (the mirrored placement's format)."""
+        client, ctx = self.ctx.client, self.ctx
         update, after = self.kept_request()
-        f = self.ctx.client.submit(replica_state_task, self.ctx.run_id, update, after,
-                                   workers=[self.ctx.workers[0]], allow_other_workers=False,
-                                   pure=False)
-        wait_for(self.ctx, [f], "reading the training state")
-        return f.result()  # type: ignore[no-any-return]
+        f = client.submit(replica_state_task, ctx.run_id, update, after,
+                          workers=[ctx.workers[0]], allow_other_workers=False, pure=False)
+        if self.spec.placement != "ps":
+            wait_for(ctx, [f], "reading the training state")
+            return f.result()  # type: ignore[no-any-return]
+        assert self.ps_layout is not None, "RunGuard sets the servers' layout"
+        kept_by = self.in_flight[self.retired][1] if update is not None else None
+        slices = [client.submit(ps_state_task, ctx.run_id, s, self.chunks[s], update,
+                                kept_by[s] if kept_by is not None else None,
+                                workers=[w], allow_other_workers=False, pure=False)
+                  for s, w in enumerate(self.servers)]
+        wait_for(ctx, [f, *slices], "reading the training state and the servers' slices")
+        layout, trainable = self.ps_layout
+        return merge_server_states(f.result(), client.gather(slices), self.chunks,
+                                   layout, trainable)
+
+    def load_servers(self, state: dict[str, Any]) -> None:
+        """Sharded servers: make ``self.servers`` hold ``state``'s slices (a newer
+        generation: older server tasks still running do nothing)."""
+        if self.spec.placement != "ps":
+            return
+        assert self.ps_layout is not None, "RunGuard sets the servers' layout"
+        client, ctx = self.ctx.client, self.ctx
+        self.generation += 1
+        parts = split_server_states(state, self.chunks, *self.ps_layout)
+        mine: dict[str, dict[int, Any]] = {w: {} for w in ctx.workers}
+        for s, w in enumerate(self.servers):
+            mine[w][s] = parts[s]
+        loads = [client.submit(ps_load_task, ctx.run_id, slices, int(state["applied"]),
+                               self.generation, workers=[w], allow_other_workers=False,
+                               pure=False)
+                 for w, slices in mine.items()]
+        wait_for(ctx, loads, "loading the parameter servers' slices")
+
+    def take_restore_point(self, state: dict[str, Any] | None = None) -> None:
+        """Sharded servers: keep ``state`` (read now if not given) to rewind to."""
+        if self.spec.placement == "ps":
+            self.restore_point = state if state is not None else self.state()
 
 
 # -- async runs ---------------------------------------------------------------------------

@@ -90,6 +90,7 @@ class RunGuard:
         )
         engine.policy = self.options.on_worker_loss
         engine.average_stats = bool(non_trainable_floats(run.model))
+        engine.ps_layout = run.ps_layout  # where the servers' slices go in a state
         return engine
 
     def attach_async(self, engine: Any) -> Any:
@@ -177,12 +178,14 @@ class RunGuard:
             return resume_async(self, engine) if self.options.resume else (0, 0)
         if hasattr(engine, "keep_every"):
             engine.keep_every = self.options.checkpoint_every
+        self.engine = engine
         if self.options.checkpoint_every is not None and not hasattr(engine, "state"):
             raise ValueError(
                 "checkpoint_every checkpoints sync steps and async updates; a "
                 "sync_quorum run's checkpoint_dir receives the final model.keras."
             )
         if not self.options.resume:
+            self._restore_point(engine)
             return 0, 0
         if not hasattr(engine, "update_base"):
             raise ValueError(
@@ -192,6 +195,7 @@ class RunGuard:
         found = ckpt.load_latest(self.options.checkpoint_dir)  # type: ignore[arg-type]
         if found is None:
             self._announce(f"no checkpoint in {self.options.checkpoint_dir}; starting afresh")
+            self._restore_point(engine)
             return 0, 0
         state, manifest, path = found
         if manifest.get("mode") == "async":
@@ -204,17 +208,27 @@ class RunGuard:
             engine.update_base = int(manifest["epoch_base"]) if step else state["applied"] + 1
         self.run.model.set_weights(state["weights"])
         adopt_learning_rate(self.run.model, state["optimizer"])
+        self._restore_point(engine, state)
         self._announce(f"resumed from {path} at epoch {epoch + 1}, step {step + 1} "
                        f"(update {state['applied'] + 1})")
         return epoch, step
 
+    @staticmethod
+    def _restore_point(engine: Any, state: dict[str, Any] | None = None) -> None:
+        """Sharded sync servers rewind to this after a loss (dasktf.elastic)."""
+        if isinstance(engine, ElasticSyncEngine):
+            engine.take_restore_point(state)
+
     def set_state(self, state: dict[str, Any]) -> None:
+        """Load ``state`` into the replicas (and the sharded servers, if any)."""
         run = self.run
         big = run.client.scatter(state, broadcast=True, hash=False)
         futures = [run.client.submit(set_state_task, run.run_id, big, workers=[w],
                                      allow_other_workers=False, pure=False)
                    for w in run.ctx.workers]
         wait_for(run.ctx, futures, "loading the checkpoint into the replicas")
+        if isinstance(getattr(self, "engine", None), ElasticSyncEngine):
+            self.engine.load_servers(state)
 
     # -- checkpoints --------------------------------------------------------------
     def after_step(self, engine: Any, epoch: int, step: int) -> None:
@@ -266,6 +280,7 @@ class RunGuard:
             "model": self.run.spec_description, "wall_time": time.time(),
         }
         self.last_checkpoint = ckpt.save_checkpoint(self.options.checkpoint_dir, state, meta)
+        self._restore_point(engine, state)
         self._since_checkpoint = 0
         logger.info("checkpoint %s", self.last_checkpoint)
         return self.last_checkpoint
@@ -275,6 +290,8 @@ class RunGuard:
             hasattr(engine, "state") or getattr(engine, "mode", None) == "async"
         ):
             self.checkpoint(engine, epoch, epoch_end=True)
+        elif epoch + 1 < self.epochs:
+            self._restore_point(engine)
         if epoch + 1 < self.epochs and isinstance(engine, ElasticSyncEngine):
             self.maybe_reform(engine)
 
@@ -291,8 +308,6 @@ class RunGuard:
     # -- elastic growth / rebalancing at an epoch boundary --------------------------
     def maybe_reform(self, engine: ElasticSyncEngine) -> None:
         run = self.run
-        if not engine.recoverable:  # ring chunks / server slices belong to the workers
-            return
         watcher = run.ctx.watcher
         joined = watcher.added_since(self.started, run.ctx.workers) if watcher else []
         from dasktf.cluster import alive_workers
@@ -316,7 +331,8 @@ class RunGuard:
         engine.carried = {w: [i] for i, w in enumerate(workers)}
         engine.schedule = run.placed.schedule
         engine.reform_needed = False
-        self.set_state(state)
+        self.set_state(state)  # the servers too, placed over the workers now
+        self._restore_point(engine, state)
         if lr_change is not None:
             self._scale_lr(state, lr_change, n, batch)
         self._announce(f"re-formed on {n} worker(s)" + (f" (joined: {', '.join(joined)})"

@@ -303,6 +303,19 @@ class Replica:
                 with _on(self.device):
                     self._apply_fn(summed.total, np.float32(summed.count))
 
+    def take_weights(self, flat: np.ndarray, update: int) -> None:
+        """The servers' weights after ``update`` (``placement="ps"``): counted and
+        taken once, like a sum :meth:`apply` applies."""
+        with self._apply_lock:
+            if self.fenced:
+                return
+            if update >= 0:
+                if update <= self.applied:
+                    return
+                self.applied = update
+                self.applied_log.append(update)
+            self.set_flat_weights(flat)
+
     def training_state(self) -> dict[str, Any]:
         """Weights, optimizer variables and ``applied``: a consistent cut (no
         apply half-way)."""
@@ -323,10 +336,8 @@ class Replica:
     def _ramp(self, update: int) -> None:
         """Linear learning-rate warm-up after a worker-count change (``scale_lr``)."""
         assert self.lr_ramp is not None
-        start, steps, low, high = self.lr_ramp
-        frac = min(1.0, max(0.0, (update - start + 1) / steps))
-        self.model.optimizer.learning_rate = low + (high - low) * frac
-        if frac >= 1.0:
+        self.model.optimizer.learning_rate, done = ramped_learning_rate(self.lr_ramp, update)
+        if done:
             self.lr_ramp = None
 
     def batch(self, epoch: int, step: int) -> tuple[np.ndarray, np.ndarray]:
@@ -613,6 +624,16 @@ def step_task(
     replica.record_step(epoch, step, previous, out, timing,
                         channel.last_bytes if channel is not None else None)
     return sent
+
+
+def ramped_learning_rate(
+    ramp: tuple[int, int, float, float], update: int
+) -> tuple[float, bool]:
+    """The learning rate of ``update`` in a linear warm-up ``(first update, steps,
+    from, to)``, and whether the warm-up is over."""
+    start, steps, low, high = ramp
+    frac = min(1.0, max(0.0, (update - start + 1) / steps))
+    return low + (high - low) * frac, frac >= 1.0
 
 
 def straggle(replica: Replica, compute_seconds: float) -> None:

@@ -74,16 +74,20 @@ class CommEngine(SyncEngine):
         self._shapes = shapes
         self.chunks = chunk_ranges(spec, [_size(s) for s in shapes], shapes)
         self.servers = server_workers(ctx.workers, spec.num_ps)
+        #: Raised whenever the servers' slices are reloaded (a rewind, a re-form):
+        #: server tasks of an older generation still running then do nothing.
+        self.generation = 0
         self._bytes_before: dict[str, tuple[int, int]] = {}
         self._epoch_bytes: dict[str, tuple[int, int]] = {}
 
     def respec(self, n_workers: int) -> None:
         """The run re-formed on ``n_workers`` (new replicas): cut the ring's chunks
-        as theirs are."""
+        as theirs are; the servers go to the workers of the run now."""
         import dataclasses
 
         self.spec = dataclasses.replace(self.spec, n_workers=n_workers)
         self.chunks = chunk_ranges(self.spec, [_size(s) for s in self._shapes], self._shapes)
+        self.servers = server_workers(self.ctx.workers, self.spec.num_ps)
 
     # -- the graph --------------------------------------------------------------
     def _submit_sum(self, parts: list[Future], key: str) -> Future:
@@ -146,7 +150,8 @@ class CommEngine(SyncEngine):
             if what == "ps":
                 future = client.submit(
                     ps_apply_task, run, c, self.chunks[c], self.spec.weights_dtype,
-                    *inputs, key=key,
+                    *inputs, key=key, update=self.update_base + step,
+                    keep=self.checkpoint_due(step), generation=self.generation,
                     # The server's master slice and optimizer state live there.
                     workers=[target], allow_other_workers=False,
                 )

@@ -455,14 +455,6 @@ class Trainer:
                 "does not change with the worker count. Use mode='sync' without "
                 "sync_quorum, or leave scale_lr off (the learning rate stays as given)."
             )
-        if self.comm.placement == "ps" and (options.checkpoint_every or options.resume):
-            # the optimizer state lives in the servers' slices, which checkpoints
-            # (read from a replica) do not hold yet
-            raise ValueError(
-                "checkpoint_every/resume are not supported with placement='ps' yet "
-                "(the optimizer state lives on the parameter servers); use the "
-                "mirrored placement to checkpoint and resume."
-            )
         if validation_data is not None and (
             not isinstance(validation_data, (tuple, list)) or len(validation_data) != 2
         ):
@@ -598,6 +590,17 @@ class _Run:
 
             shapes = [tuple(v.shape) for v in model.trainable_variables]
             shard_plan(shapes, t.comm.num_ps)
+        self.ps_layout = None
+        if t.comm.placement == "ps" and t.mode == "sync" and t.sync_quorum is None:
+            from dasktf.ps import optimizer_layout
+
+            # Checkpoints, restore points and re-forms merge the servers' optimizer
+            # slices into the model optimizer's layout: refuse one that has none.
+            positions = {id(w): i for i, w in enumerate(model.weights)}
+            self.ps_layout = (
+                optimizer_layout(t._optimizer, model.trainable_variables),
+                [positions[id(v)] for v in model.trainable_variables],
+            )
         self._create_replicas()
 
     def _create_replicas(self) -> None:

@@ -45,11 +45,14 @@ def _options(**kw):
     return options
 
 
-@pytest.mark.parametrize("topology", ["tree", "ring"])
-def test_sync_run_survives_sigkill_of_one_of_three_workers(digits, topology):
+@pytest.mark.parametrize("layout", [{"topology": "tree"}, {"topology": "ring"},
+                                    {"num_ps": 3}], ids=["tree", "ring", "ps3"])
+def test_sync_run_survives_sigkill_of_one_of_three_workers(digits, layout):
     """Worker 2 of 3 is SIGKILLed halfway: the run finishes on 2, reaches the target,
     and every survivor applied every global step exactly once (ring: the survivors
-    take the lost worker's chunk, then the run re-forms as a 2-worker ring)."""
+    take the lost worker's chunk, then the run re-forms as a 2-worker ring; ps3:
+    every worker is a server, so the run rewinds to the last epoch end, with new
+    servers on the survivors, and the survivors' logs are cut back to it)."""
     start = time.monotonic()
     with own_cluster(3) as (cluster, client):
         workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
@@ -58,12 +61,15 @@ def test_sync_run_survives_sigkill_of_one_of_three_workers(digits, topology):
         history = dasktf.fit(
             "mnist-mlp", digits.x_train, digits.y_train, client=client, n_workers=3,
             validation_data=(digits.x_test, digits.y_test), callbacks=[killer],
-            topology=topology, **_options(),
+            **layout, **_options(),
         )
         assert killer.killed_at is not None
         (recovery,) = history.recoveries
         assert recovery["lost"] == [workers[2]] and recovery["steps_lost"] == 0
         assert recovery["resume_s"] < 5
+        if "num_ps" in layout:  # back to the end of epoch 2, the updates since redone
+            assert recovery["rewound_to_update"] == 2 * steps - 1
+            assert 0 < recovery["steps_recomputed"] <= steps
         total = 4 * steps
         assert sorted(history.applied_updates) == [0, 1]
         for log in history.applied_updates.values():
