@@ -195,11 +195,23 @@ def test_cli_ps_and_compression_end_to_end():
     assert "MB/step/worker" in proc.stdout and "allreduce bound" in proc.stdout
 
 
-def test_ps_runs_refuse_checkpoints_they_could_not_restore(client, small_digits, tmp_path):
+def test_ps_checkpoints_hold_exactly_the_update_they_are_named_for(client, small_digits,
+                                                                    tmp_path):
+    """The servers keep their slices' state at checkpoint_every's grid, as the first
+    replica does: each file's Adam step count is its update's, however far ahead the
+    servers had run when the client read them (8 steps: after 3, 6 and the end)."""
+    from dasktf.checkpoint import list_checkpoints, load_latest
+
     x, y = small_digits
-    with pytest.raises(ValueError, match="not supported with placement='ps'"):
-        dasktf.fit("mnist-mlp", x, y, client=client, n_workers=2, num_ps=2,
-                   checkpoint_dir=str(tmp_path), checkpoint_every=5, verbose=0)
+    dasktf.fit("mnist-mlp", x, y, client=client, n_workers=2, num_ps=2, epochs=1,
+               batch_size=32, optimizer="adam", checkpoint_dir=str(tmp_path),
+               checkpoint_every=3, verbose=0)
+    files = list_checkpoints(tmp_path)
+    assert [p.stem for p in files] == ["ckpt-000000008", "ckpt-000000006", "ckpt-000000003"]
+    for p in files:
+        state, manifest, _ = load_latest(tmp_path)
+        assert int(np.asarray(state["optimizer"][0])) == state["applied"] + 1  # iterations
+        p.unlink()  # the next newest is read next
 
 
 # -- benchmarks/linkshape.py: the tc commands of the bandwidth-limited benchmark -------
