@@ -31,6 +31,7 @@ while a slow one finishes, so examples/s counts every example applied.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
@@ -1077,24 +1078,35 @@ class AsyncEngine:
         client = self.ctx.client
         poll = config.get_seconds("poll-interval")
         deadline = time.monotonic() + config.get_seconds("step-timeout")
-        while True:
-            try:
-                results = client.sync(client._gather, done, callback_timeout=poll)
-            except (TimeoutError, UnboundLocalError):
-                # (UnboundLocalError: distributed's sync() loses the outcome when its
-                # callback timeout races the gather's completion, dask/distributed#8514;
-                # the futures are untouched, so it is a timeout: gather them again)
-                if self._recover_lost(what):
-                    done = [f for f in done if f.key not in self._dead]
-                elif time.monotonic() > deadline:
-                    raise StepTimeoutError(
-                        f"Fetching the results of {what} took longer than "
-                        "dasktf.step-timeout; check the workers' logs."
-                    ) from None
-                continue
-            for f in done:
-                self._items.pop(f.key, None)
-            return results  # type: ignore[no-any-return]
+        # One gather on the client's loop, awaited a poll at a time. Not a new gather
+        # each poll (sync() with a callback_timeout): that leaves the old one running
+        # on the loop, so on a loaded machine, once one gather outlasts a poll, every
+        # retry starts over behind the abandoned ones and none ever finishes.
+        pending: concurrent.futures.Future[Any] | None = None
+        try:
+            while True:
+                if pending is None:
+                    pending = asyncio.run_coroutine_threadsafe(
+                        client._gather(done), client.loop.asyncio_loop)
+                try:
+                    results = pending.result(timeout=poll)
+                except concurrent.futures.TimeoutError:
+                    if self._recover_lost(what):
+                        pending.cancel()  # it may wait on a result that died
+                        pending = None
+                        done = [f for f in done if f.key not in self._dead]
+                    elif time.monotonic() > deadline:
+                        raise StepTimeoutError(
+                            f"Fetching the results of {what} took longer than "
+                            "dasktf.step-timeout; check the workers' logs."
+                        ) from None
+                    continue
+                for f in done:
+                    self._items.pop(f.key, None)
+                return results  # type: ignore[no-any-return]
+        finally:
+            if pending is not None and not pending.done():
+                pending.cancel()
 
     def _lost_now(self) -> list[str]:
         """Active workers the scheduler has reported removed (no round trip)."""

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Iterator
 from typing import Any
 
@@ -70,7 +71,10 @@ class Training:
 
     def join(self, timeout: float = 120) -> Any:
         self._thread.join(timeout)
-        assert not self._thread.is_alive(), "the training run did not finish in time"
+        if self._thread.is_alive():  # say where it is: a hang must be diagnosable
+            frame = sys._current_frames().get(self._thread.ident or -1)
+            where = "".join(traceback.format_stack(frame)) if frame else "(no frame)"
+            raise AssertionError(f"the training run did not finish in time; at\n{where}")
         if self.error is not None:
             raise self.error
         return self.history
