@@ -4,8 +4,9 @@ Runs the digits MLP on a loopback cluster of 3 worker processes, once without a
 fault and once with worker 2 SIGKILLed halfway (sync, then async), then async with
 the parameter holder's own worker (0) SIGKILLed halfway, then async with two
 holders (``num_ps=2``, on workers 0 and 1) losing the slice holder's worker (1) and
-the coordinator's (0), and prints the figures side by side. About five minutes on a
-loaded 2-core machine.
+the coordinator's (0), then sync with three parameter servers (``num_ps=3``, one per
+worker: the kill always takes a server, and the run rewinds to its restore point),
+and prints the figures side by side. About six minutes on a loaded 2-core machine.
 
     python benchmarks/fault_recovery.py
 """
@@ -47,7 +48,8 @@ def run(mode: str, kill: bool, victim: int = 2, num_ps: int = 1) -> dict[str, fl
             (rec,) = history.recoveries
             out.update(detect_s=lost["detected_at"] - cbs[0].killed_at,
                        resume_s=rec["resume_s"], steps_lost=rec["steps_lost"],
-                       redone=rec.get("holder", {}).get("redone", 0))
+                       redone=rec.get("holder", {}).get("redone", 0)
+                       or rec.get("steps_recomputed", 0))
         return out
 
 
@@ -56,7 +58,8 @@ def main() -> None:
     cases = [("sync", 2, 1, "1 of 3"), ("async", 2, 1, "1 of 3"),
              ("async", 0, 1, "the holder's worker"),
              ("async", 1, 2, "the slice holder's worker"),
-             ("async", 0, 2, "the coordinator's worker")]
+             ("async", 0, 2, "the coordinator's worker"),
+             ("sync", 2, 3, "a server's worker")]
     clean_runs: dict[tuple[str, int], dict[str, float]] = {}
     for mode, victim, num_ps, what in cases:
         if (mode, num_ps) not in clean_runs:
