@@ -261,9 +261,9 @@ class ElasticSyncEngine(CommEngine):
         finished = [s for s, (_, total) in sorted(self.in_flight.items())
                     if all(f.status == "finished" for f in _futures(total))]
         # 1. nothing in flight may apply from here on
-        for parts, total in self.in_flight.values():
-            client.cancel([*parts, *_futures(total)], force=True)
-        self.in_flight = {}
+        for step, (parts, total) in self.in_flight.items():
+            client.cancel([*parts, *self.held.get(step, []), *_futures(total)], force=True)
+        self.in_flight, self.held = {}, {}
         if not survivors:
             path = self.on_all_lost() if self.on_all_lost is not None else None
             raise AllWorkersLostError(

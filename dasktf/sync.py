@@ -153,6 +153,11 @@ class SyncEngine:
         #: This epoch's step futures: ``step -> (gradient parts, their sum)``; recovery
         #: (:mod:`dasktf.elastic`) cancels the unfinished ones and reuses the sums.
         self.in_flight: dict[int, tuple[list[Future], Any]] = {}
+        #: The steps' inner futures (a ring's or servers' chunk picks, a deep tree's
+        #: partial sums), held with their step: distributed's cancel, which a
+        #: recovery uses, asserts that a client wants every dependent it reaches.
+        self.held: dict[int, list[Future]] = {}
+        self._holding: list[Future] = []
         #: The last step of this epoch whose sum the client saw complete.
         self.retired: int | None = None
         #: Checkpoint after every this many steps of an epoch (set by the run's
@@ -174,17 +179,24 @@ class SyncEngine:
                 )
                 for j in range(0, len(level), self.fan_in)
             ]
+            self.hold(level)
             depth += 1
         return level[0]
+
+    def hold(self, futures: list[Future]) -> None:
+        """Keep the step being submitted's inner ``futures`` with it (see ``held``)."""
+        self._holding.extend(futures)
 
     def _submit_sum(self, parts: list[Future], key: str) -> Future:
         """One reduction task (dasktf.topology's engine sums encoded packets)."""
         return self.ctx.client.submit(sum_gradients, *parts, key=key)
 
     def submit_step(self, epoch: int, step: int, previous: Any) -> Any:
+        self._holding = []
         parts = self._step_parts(epoch, step, previous)
         total = self._combine(parts, epoch, step)
         self.in_flight[step] = (parts, total)
+        self.held[step] = self._holding
         return total
 
     def _combine(self, parts: list[Future], epoch: int, step: int) -> Any:
@@ -220,7 +232,7 @@ class SyncEngine:
         (metric states, weights)."""
         window: deque[tuple[int, Future]] = deque()
         previous: Future | None = None
-        self.in_flight, self.retired = {}, None
+        self.in_flight, self.retired, self.held = {}, None, {}
         for step in range(start, self.ctx.steps_per_epoch):
             previous = self.submit_step(epoch, step, previous)
             window.append((step, previous))
@@ -263,7 +275,7 @@ class SyncEngine:
         ]
         wait_for(self.ctx, ends, f"the end of epoch {epoch + 1}")
         self.update_base += self.ctx.steps_per_epoch
-        self.in_flight, self.retired = {}, None
+        self.in_flight, self.retired, self.held = {}, None, {}
         return self.ctx.client.gather(ends)  # type: ignore[no-any-return]
 
     def set_learning_rate(self, lr: float) -> None:
@@ -300,6 +312,7 @@ class SyncEngine:
         wait_for(self.ctx, futures, f"step {step + 1} of epoch {epoch + 1}")
         for old in [s for s in self.in_flight if s < step - 1]:
             del self.in_flight[old]  # applied everywhere: never needed again
+            self.held.pop(old, None)
         self.retired = step
         if on_step is not None:
             on_step(step)

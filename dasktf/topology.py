@@ -146,6 +146,7 @@ class CommEngine(SyncEngine):
                     )
                     for i, (p, w) in enumerate(zip(parts, self.ctx.workers))
                 ]
+                self.hold(inputs)
             key = f"dasktf-{what}-{run}-{epoch}-{step}-{c}{self.key_suffix}"
             if what == "ps":
                 future = client.submit(
