@@ -225,7 +225,9 @@ class _Lines:
 def test_dashboard_started_late_shows_the_earlier_points(client, digits, browser):
     known = _known_runs(client)
     # An async run with a straggler: the page must show real, non-zero staleness.
-    training = Training(client, digits, batch_size=24, mode="async", slow_workers={0: 3.0})
+    # (3 epochs: ~540 updates, far more than the page needs; the suite's time is shared)
+    training = Training(client, digits, batch_size=24, mode="async", slow_workers={0: 3.0},
+                        epochs=3)
     run = _wait(lambda: _updates_of_new_run(client, known, 40), 90, "40 updates")
     # Empty the scheduler's event log: the page must rebuild the run from the store.
     client.run_on_scheduler(lambda dask_scheduler: dask_scheduler._broker.truncate(TOPIC))
