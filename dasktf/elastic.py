@@ -410,7 +410,8 @@ class ElasticSyncEngine(CommEngine):
             return f.result()  # type: ignore[no-any-return]
         assert self.ps_layout is not None, "RunGuard sets the servers' layout"
         kept_by = self.in_flight[self.retired][1] if update is not None else None
-        slices = [client.submit(ps_state_task, ctx.run_id, s, self.chunks[s], update,
+        slices = [client.submit(ps_state_task, ctx.run_id, s, self.chunks[s],
+                                self.generation, update,
                                 kept_by[s] if kept_by is not None else None,
                                 workers=[w], allow_other_workers=False, pure=False)
                   for s, w in enumerate(self.servers)]

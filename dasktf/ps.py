@@ -189,10 +189,10 @@ def ps_apply_task(
     account(run_id, parts)
     state = _server(run_id, shard, ranges, generation)
     with state.lock:
-        if generation < state.generation:
-            return None  # superseded: nobody gathers it
-        if update >= 0 and update <= state.applied and state.last is not None:
-            return state.last
+        if generation < state.generation or 0 <= update < state.applied:
+            return None  # superseded (a recovery cancelled it): nobody gathers it
+        if update >= 0 and update == state.applied and state.last is not None:
+            return state.last  # asked again: the same weights, applied once
         if state.lr_ramp is not None and update >= 0:
             from dasktf.replica import ramped_learning_rate
 
@@ -214,11 +214,12 @@ def ps_apply_task(
 
 
 def ps_state_task(
-    run_id: str, shard: int, ranges: Ranges, update: int | None = None, after: Any = None
+    run_id: str, shard: int, ranges: Ranges, generation: int, update: int | None = None,
+    after: Any = None,
 ) -> dict[str, Any]:
     """Slice ``shard``'s state: kept right after ``update`` if asked and kept, else
     as it is now (``after``: the task that kept it, a dependency never read)."""
-    state = _server(run_id, shard, ranges, 0)
+    state = _server(run_id, shard, ranges, generation)
     with state.lock:
         kept = state.kept.pop(update, None) if update is not None else None
         return kept if kept is not None else state.snapshot()
