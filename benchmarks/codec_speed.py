@@ -27,27 +27,41 @@ CODECS = ("fp16", "bf16", "int8", "topk:0.01")
 
 
 def load_revision(rev: str):
-    """``dasktf.compression`` as it was at git revision ``rev`` (a module)."""
+    """``dasktf.compression`` as it was at git revision ``rev`` (a module), with
+    the ``dasktf._halfcast`` of that revision under it."""
     root = os.path.join(os.path.dirname(__file__), "..")
-    src = subprocess.run(
-        ["git", "show", f"{rev}:dasktf/compression.py"], cwd=root, check=True,
-        capture_output=True, text=True,
-    ).stdout
-    path = os.path.join(tempfile.mkdtemp(), f"compression_{rev.replace('/', '_')}.py")
-    with open(path, "w") as f:
-        f.write(src)
-    spec = importlib.util.spec_from_file_location(f"_compression_{rev}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    folder = tempfile.mkdtemp()
+
+    def load(name: str):
+        src = subprocess.run(
+            ["git", "show", f"{rev}:dasktf/{name}.py"], cwd=root, check=True,
+            capture_output=True, text=True,
+        ).stdout
+        path = os.path.join(folder, f"{name}_{rev.replace('/', '_')}.py")
+        with open(path, "w") as f:
+            f.write(src)
+        spec = importlib.util.spec_from_file_location(f"_{name}_{rev}", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+        return module
+
+    current = sys.modules.get("dasktf._halfcast")
+    sys.modules["dasktf._halfcast"] = load("_halfcast")  # what its compression imports
+    try:
+        return load("compression")
+    finally:
+        if current is None:
+            del sys.modules["dasktf._halfcast"]
+        else:
+            sys.modules["dasktf._halfcast"] = current
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", type=int, default=5_800_000)
     parser.add_argument("--against", default=None, help="a git revision to compare with")
-    parser.add_argument("--scales", default="1,1e-3,1e-6")
+    parser.add_argument("--scales", default="1,1e-3,1e-4,1e-6")
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
 

@@ -26,9 +26,13 @@ and ``_decode``, and add it to ``_CODECS`` (parametrised codecs also to
 :func:`get_codec`).
 
 Speed: a codec runs on the hot path twice per step per worker (encode, decode) on
-buffers of millions of values, so the kernels are whole-array NumPy with no
-value-dependent slow paths (NumPy's own float16 cast takes ~25x longer on
-gradient-sized values: see :mod:`dasktf._halfcast`), and decoding can write into a
+buffers of millions of values, so its cost must not depend on the values, which
+for half precision is hard: NumPy's own float16 cast takes ~25x longer on
+gradient-sized values, and bitwise NumPy kernels still pass through float32
+denormals on float16's subnormals. ``fp16`` therefore converts with TensorFlow's
+cast on the CPU (hardware F16C; the workers have TensorFlow loaded anyway),
+``bf16`` with the bitwise kernels of :mod:`dasktf._halfcast` (a shift and a
+rounding add), the others with whole-array NumPy. Decoding can write into a
 caller's buffer (``out=``) so error feedback allocates nothing per step.
 """
 
@@ -42,12 +46,7 @@ import numpy as np
 
 from dask.sizeof import sizeof
 
-from dasktf._halfcast import (
-    bf16_bits_to_f32,
-    f16_bits_to_f32,
-    f32_to_bf16_bits,
-    f32_to_f16_bits,
-)
+from dasktf._halfcast import bf16_bits_to_f32, f32_to_bf16_bits
 
 #: Values per int8 scale: small enough that one large component does not flatten
 #: a whole layer to zero, large enough that the scales cost under 2%.
@@ -117,16 +116,32 @@ class NoCompression(Codec):
 
 
 class Float16(Codec):
-    """IEEE half; it travels as a ``float16`` array (converted bitwise, see
-    :mod:`dasktf._halfcast`: bit-exact with NumPy's cast, at a fixed cost)."""
+    """IEEE half; it travels as a ``float16`` array. Converted by TensorFlow's cast
+    on the CPU: bit-exact with NumPy's (round to nearest even, subnormals, overflow
+    to infinity, NaN stays NaN) at ~5 ms per 5.8M values whatever the values,
+    where NumPy's cast took up to 370 ms and bitwise NumPy kernels 9-35 ms to
+    decode (benchmarks/RESULTS.md)."""
 
     name = "fp16"
 
     def encode(self, x: np.ndarray) -> Encoded:
-        return Encoded(self.name, x.size, (f32_to_f16_bits(x).view(np.float16),))
+        return Encoded(self.name, x.size, (_cpu_cast(x, "float16"),))
 
     def _decode(self, e: Encoded, out: np.ndarray | None = None) -> np.ndarray:
-        return f16_bits_to_f32(e.arrays[0], out)
+        values = _cpu_cast(e.arrays[0], "float32")
+        if out is None:
+            return values
+        np.copyto(out, values)
+        return out
+
+
+def _cpu_cast(x: np.ndarray, dtype: str) -> np.ndarray:
+    """``x`` (flattened) cast to ``dtype`` by TensorFlow on the CPU (a GPU worker
+    would otherwise send the buffer to its device and back); a new array."""
+    import tensorflow as tf
+
+    with tf.device("/CPU:0"):
+        return tf.cast(np.ascontiguousarray(x).ravel(), dtype).numpy()  # type: ignore[no-any-return]
 
 
 class BFloat16(Codec):

@@ -8,6 +8,7 @@ import pytest
 
 from dasktf.compression import (
     INT8_BLOCK,
+    Encoded,
     ErrorFeedback,
     decode,
     get_codec,
@@ -141,24 +142,29 @@ def _awkward_floats(n=300_000):
     return np.concatenate([bits, grads, ties, special])
 
 
-def test_fp16_kernels_match_numpys_cast_bit_for_bit():
-    from dasktf._halfcast import f16_bits_to_f32, f32_to_f16_bits
-
+def test_fp16_codec_matches_numpys_cast_bit_for_bit():
+    """Every float32 exponent, ties, subnormals, overflow and NaN encode as NumPy's
+    cast does; every one of the 65,536 halves decodes exactly (into ``out`` too)."""
+    codec = get_codec("fp16")
     x = _awkward_floats()
     with np.errstate(all="ignore"):
         want = x.astype(np.float16)
-    got = f32_to_f16_bits(x).view(np.float16)
+    got = codec.encode(x).arrays[0]
+    assert got.dtype == np.float16
     nan = np.isnan(x)
     assert np.array_equal(got.view(np.uint16)[~nan], want.view(np.uint16)[~nan])
     assert np.isnan(got[nan]).all()
-    every = np.arange(2**16, dtype=np.uint32).astype(np.uint16)
+    every = np.arange(2**16, dtype=np.uint32).astype(np.uint16).view(np.float16)
     with np.errstate(all="ignore"):
-        want32 = every.view(np.float16).astype(np.float32)
-    got32 = f16_bits_to_f32(every)
-    same = (got32.view(np.uint32) == want32.view(np.uint32)) | (
-        np.isnan(got32) & np.isnan(want32)
-    )
-    assert same.all()
+        want32 = every.astype(np.float32)
+    wire = Encoded("fp16", every.size, (every,))
+    out = np.full(every.size, 7.0, np.float32)
+    for got32 in (decode(wire), decode(wire, out=out)):
+        same = (got32.view(np.uint32) == want32.view(np.uint32)) | (
+            np.isnan(got32) & np.isnan(want32)
+        )
+        assert same.all()
+    assert decode(wire, out=out) is out
 
 
 def test_bf16_kernels_match_ml_dtypes_bit_for_bit():
