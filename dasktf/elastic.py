@@ -51,7 +51,7 @@ from dasktf.data import (
     interleaved_indices,
 )
 from dasktf.exceptions import AllWorkersLostError, WorkerLostError
-from dasktf.replica import EpochReport, get_replica
+from dasktf.replica import EpochReport, get_replica, take_kept
 from dasktf.comm import CommSpec
 from dasktf.ps import (
     merge_server_states,
@@ -78,7 +78,8 @@ def replica_state_task(run_id: str, update: int | None = None, after: Any = None
     with ``update``, the state kept right after that update if this replica kept it
     (``after`` is the step task that kept it: a dependency, never read)."""
     replica = get_replica(run_id)
-    kept = replica.kept.pop(update, None) if update is not None else None
+    with replica._apply_lock:
+        kept = take_kept(replica.kept, update)
     return kept if kept is not None else replica.training_state()
 
 

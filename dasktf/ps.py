@@ -206,7 +206,7 @@ def ps_apply_task(
         if update >= 0:
             state.applied = update
         if keep:
-            state.kept = {update: state.snapshot()}  # one at a time, as replicas keep
+            state.kept[update] = state.snapshot()  # until read, as replicas keep
         state.last = Packet(get_codec(weights_dtype).encode(weights), count, loss_sum,
                             max(p.compute_seconds for p in parts), address,
                             kind="weights", update=update)
@@ -219,9 +219,11 @@ def ps_state_task(
 ) -> dict[str, Any]:
     """Slice ``shard``'s state: kept right after ``update`` if asked and kept, else
     as it is now (``after``: the task that kept it, a dependency never read)."""
+    from dasktf.replica import take_kept
+
     state = _server(run_id, shard, ranges, generation)
     with state.lock:
-        kept = state.kept.pop(update, None) if update is not None else None
+        kept = take_kept(state.kept, update)
         return kept if kept is not None else state.snapshot()
 
 

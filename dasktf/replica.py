@@ -331,7 +331,10 @@ class Replica:
         checkpoint of exactly that update: the client reads it a little later, when
         this worker may be steps ahead (:meth:`dasktf.sync.SyncEngine.state_after`)."""
         state = self.training_state()
-        self.kept = {state["applied"]: state}  # one at a time: an older one is stale
+        # Several may wait: the client can lag more than checkpoint_every steps
+        # behind (a slow callback) while this replica keeps the next grid state.
+        with self._apply_lock:
+            self.kept[state["applied"]] = state
 
     def _ramp(self, update: int) -> None:
         """Linear learning-rate warm-up after a worker-count change (``scale_lr``)."""
@@ -624,6 +627,17 @@ def step_task(
     replica.record_step(epoch, step, previous, out, timing,
                         channel.last_bytes if channel is not None else None)
     return sent
+
+
+def take_kept(kept: dict[int, Any], update: int | None) -> Any:
+    """The state kept after ``update`` (``None`` if not kept or not asked), dropping
+    it and any older one: the client reads the checkpoint grid in order, so what
+    it skipped is never read."""
+    if update is None:
+        return None
+    for older in [u for u in kept if u < update]:
+        del kept[older]
+    return kept.pop(update, None)
 
 
 def ramped_learning_rate(

@@ -200,12 +200,21 @@ def test_ps_checkpoints_hold_exactly_the_update_they_are_named_for(client, small
     """The servers keep their slices' state at checkpoint_every's grid, as the first
     replica does: each file's Adam step count is its update's, however far ahead the
     servers had run when the client read them (8 steps: after 3, 6 and the end)."""
+    import time
+
     from dasktf.checkpoint import list_checkpoints, load_latest
+
+    class Stall(keras.callbacks.Callback):
+        """Holds the client before each checkpoint, so the servers run ahead."""
+
+        def on_train_batch_end(self, batch, logs=None):
+            if (batch + 1) % 3 == 0:
+                time.sleep(1.0)
 
     x, y = small_digits
     dasktf.fit("mnist-mlp", x, y, client=client, n_workers=2, num_ps=2, epochs=1,
                batch_size=32, optimizer="adam", checkpoint_dir=str(tmp_path),
-               checkpoint_every=3, verbose=0)
+               checkpoint_every=3, verbose=0, callbacks=[Stall()])
     files = list_checkpoints(tmp_path)
     assert [p.stem for p in files] == ["ckpt-000000008", "ckpt-000000006", "ckpt-000000003"]
     for p in files:
