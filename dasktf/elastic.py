@@ -440,8 +440,9 @@ class ElasticSyncEngine(CommEngine):
         wait_for(ctx, loads, "loading the parameter servers' slices")
 
     def take_restore_point(self, state: dict[str, Any] | None = None) -> None:
-        """Sharded servers: keep ``state`` (read now if not given) to rewind to."""
-        if self.spec.placement == "ps":
+        """Sharded servers: keep ``state`` (read now if not given) to rewind to;
+        a run that raises on a loss never rewinds and keeps none."""
+        if self.spec.placement == "ps" and self.policy == "recover":
             self.restore_point = state if state is not None else self.state()
 
 

@@ -75,6 +75,8 @@ class RunGuard:
         self.batch0 = run.batch_size
         self.started = time.time()
         self.last_checkpoint: Path | None = None
+        #: the sync graph engine, once :meth:`begin` has it (its servers load states)
+        self.engine: ElasticSyncEngine | None = None
         self._since_checkpoint = 0
         self.lines: list[str] = []
 
@@ -178,7 +180,8 @@ class RunGuard:
             return resume_async(self, engine) if self.options.resume else (0, 0)
         if hasattr(engine, "keep_every"):
             engine.keep_every = self.options.checkpoint_every
-        self.engine = engine
+        if isinstance(engine, ElasticSyncEngine):
+            self.engine = engine
         if self.options.checkpoint_every is not None and not hasattr(engine, "state"):
             raise ValueError(
                 "checkpoint_every checkpoints sync steps and async updates; a "
@@ -227,7 +230,7 @@ class RunGuard:
                                      allow_other_workers=False, pure=False)
                    for w in run.ctx.workers]
         wait_for(run.ctx, futures, "loading the checkpoint into the replicas")
-        if isinstance(getattr(self, "engine", None), ElasticSyncEngine):
+        if self.engine is not None:
             self.engine.load_servers(state)
 
     # -- checkpoints --------------------------------------------------------------
@@ -289,11 +292,14 @@ class RunGuard:
         if self.options.checkpoint_dir is not None and (
             hasattr(engine, "state") or getattr(engine, "mode", None) == "async"
         ):
-            self.checkpoint(engine, epoch, epoch_end=True)
-        elif epoch + 1 < self.epochs:
+            checkpointed = self.checkpoint(engine, epoch, epoch_end=True) is not None
+        else:
+            checkpointed = False
+        if epoch + 1 >= self.epochs:
+            return
+        reformed = isinstance(engine, ElasticSyncEngine) and self.maybe_reform(engine)
+        if not (checkpointed or reformed):  # each of those took the restore point
             self._restore_point(engine)
-        if epoch + 1 < self.epochs and isinstance(engine, ElasticSyncEngine):
-            self.maybe_reform(engine)
 
     def finish(self, model: Any, engine: Any) -> None:
         if self.options.checkpoint_dir is not None:
@@ -306,7 +312,9 @@ class RunGuard:
             model.save(path)
 
     # -- elastic growth / rebalancing at an epoch boundary --------------------------
-    def maybe_reform(self, engine: ElasticSyncEngine) -> None:
+    def maybe_reform(self, engine: ElasticSyncEngine) -> bool:
+        """Re-form the run over the workers alive now if any joined or left;
+        whether it did."""
         run = self.run
         watcher = run.ctx.watcher
         joined = watcher.added_since(self.started, run.ctx.workers) if watcher else []
@@ -315,7 +323,7 @@ class RunGuard:
         alive = set(alive_workers(run.client))
         joined = [w for w in joined if w in alive]
         if not joined and not engine.reform_needed:
-            return
+            return False
         workers = [w for w in run.ctx.workers if w in alive] + joined
         state = engine.state()
         n = len(workers)
@@ -339,6 +347,7 @@ class RunGuard:
                                                         if joined else "")
                        + f", global batch {batch}")
         self.started = time.time()
+        return True
 
     def _scale_lr(self, state: dict[str, Any], factor: float, n: int, batch: int) -> None:
         from dasktf.elastic import ramp_lr_task

@@ -289,13 +289,8 @@ class Replica:
         if summed is None:
             return
         with self._apply_lock:
-            if self.fenced:  # a recovery is reconciling the replicas (dasktf.elastic)
+            if not self._claim(summed.update):
                 return
-            if summed.update >= 0:
-                if summed.update <= self.applied:  # handed over again by a recovery
-                    return
-                self.applied = summed.update
-                self.applied_log.append(summed.update)
             if self.lr_ramp is not None and summed.update >= 0:
                 self._ramp(summed.update)
             if summed.count:
@@ -307,14 +302,21 @@ class Replica:
         """The servers' weights after ``update`` (``placement="ps"``): counted and
         taken once, like a sum :meth:`apply` applies."""
         with self._apply_lock:
-            if self.fenced:
-                return
-            if update >= 0:
-                if update <= self.applied:
-                    return
-                self.applied = update
-                self.applied_log.append(update)
-            self.set_flat_weights(flat)
+            if self._claim(update):
+                self.set_flat_weights(flat)
+
+    def _claim(self, update: int) -> bool:
+        """Whether ``update`` is to be applied here now, counting it if so (under
+        ``_apply_lock``): not while a recovery has fenced the replica, never twice
+        (recovery may hand an update over again); ``-1``: untracked, always."""
+        if self.fenced:
+            return False
+        if update >= 0:
+            if update <= self.applied:
+                return False
+            self.applied = update
+            self.applied_log.append(update)
+        return True
 
     def training_state(self) -> dict[str, Any]:
         """Weights, optimizer variables and ``applied``: a consistent cut (no
