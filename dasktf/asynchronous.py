@@ -826,6 +826,7 @@ class AsyncEngine:
     """
 
     mode = "async"
+    engine = "graph"
 
     def __init__(
         self,

@@ -27,6 +27,9 @@ class History(keras.callbacks.History):
         The trained Keras model (on the client).
     run_id
         The id under which the run published its metrics.
+    engine
+        The engine that ran: ``"graph"`` or ``"collective"`` (also
+        ``history.params["engine"]``, beside ``params["mode"]``).
     workers
         The addresses of the workers that held the replicas.
     replica_info
@@ -50,6 +53,7 @@ class History(keras.callbacks.History):
     def __init__(self) -> None:
         super().__init__()
         self.run_id = ""
+        self.engine = ""
         self.workers: list[str] = []
         self.replica_info: list[dict[str, Any]] = []
         self.wall_seconds = 0.0

@@ -69,7 +69,8 @@ def main() -> None:
               default="auto", show_default=True,
               help="sync: graph (a Dask task graph per step) or collective "
               "(MultiWorkerMirroredStrategy ring all-reduce in a TensorFlow child per "
-              "worker); auto picks collective for long runs of small models.")
+              "worker; its TensorFlow servers listen unauthenticated on every "
+              "interface). auto is graph, with a hint where collective measured faster.")
 @click.option("--max-staleness", type=int, default=None, metavar="K",
               help="async: bounded staleness; no update is applied more than K updates "
               "after the weights it was computed on (0: sequential SGD).")
@@ -175,6 +176,7 @@ def _fit(
 ) -> None:
     import dasktf
     from dasktf.asynchronous import validate_mode_options
+    from dasktf.collective import resolve_engine
     from dasktf.comm import validate_comm_options
 
     comm = dict(compression=compression, weights_dtype=weights_dtype, num_ps=num_ps,
@@ -224,7 +226,7 @@ def _fit(
         click.echo(
             f"dasktf fit: model {model}, data {dataset.name} "
             f"({len(dataset.x_train):,} train / {len(dataset.x_test):,} test), mode {mode}, "
-            f"global batch {batch_size}, {epochs} epoch(s)"
+            f"engine {resolve_engine(engine)}, global batch {batch_size}, {epochs} epoch(s)"
         )
         history = trainer.fit(
             dataset.x_train,

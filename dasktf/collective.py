@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -41,7 +42,7 @@ import numpy as np
 
 from dasktf import config
 from dasktf._tfprocess import ChildError, ChildProcess
-from dasktf.exceptions import DasktfError, WorkerLostError
+from dasktf.exceptions import DasktfError, EngineHint, WorkerLostError
 from dasktf.replica import EpochReport, ReplicaConfig
 
 if TYPE_CHECKING:
@@ -88,31 +89,61 @@ def validate_engine(engine: str, mode: str, sync_quorum: int | None,
         )
 
 
-def choose_engine(engine: str, mode: str, sync_quorum: int | None,
-                  slow_workers: dict[int, float] | None, n_params: int,
-                  n_workers: int, total_steps: int, gpu: bool,
-                  fault_options: bool = False) -> str:
-    """Resolve ``engine="auto"``: ``"collective"`` or ``"graph"``.
+def resolve_engine(engine: str) -> str:
+    """The engine a run uses: ``"graph"`` or ``"collective"``.
+
+    ``"auto"`` is always the graph engine. The collective engine starts TensorFlow
+    gRPC servers that listen, unauthenticated, on every interface (TensorFlow
+    hard-codes ``0.0.0.0:<port>``), so it runs only when asked for by name; where
+    it would have been faster, :func:`collective_hint` says so instead.
+    """
+    return "collective" if engine == "collective" else "graph"
+
+
+#: Where the hint's figure comes from: ``dasktf bench --models mnist-mlp --workers
+#: 1,3 --epochs 3`` on a 2-core machine (MEASUREMENTS.md, 2026-11-24).
+_MEASURED_SPEEDUP = ("ran 1.6x faster than the graph engine in `dasktf bench` (mnist-mlp, "
+                     "3 CPU workers: 20.7k against 13.2k examples/s)")
+_hinted = False
+
+
+def collective_hint(engine: str, mode: str, sync_quorum: int | None,
+                    slow_workers: dict[int, float] | None, n_params: int,
+                    n_workers: int, total_steps: int, gpu: bool,
+                    fault_options: bool = False) -> str | None:
+    """The hint for an ``engine="auto"`` run the collective engine would have run
+    faster, or ``None``.
 
     Measured here (2 cores, benchmarks/peers.py): the graph engine costs ~7 ms of
     scheduler hops per step, the collective engine ~10-15 s more to start (a
-    TensorFlow child per worker) and next to nothing per step. So ``auto`` picks
-    the collective engine for plain sync runs on 2+ CPU workers of a small model
-    (under ``dasktf.collective.auto-max-params`` parameters, where the hop is a
-    large share of the step) with enough steps (``auto-min-steps``) to pay back
-    its start-up, unless checkpoints, resume or ``scale_lr`` were asked for
-    (``fault_options``: the graph engine also recovers from a lost worker inside
-    the run, the collective engine only resumes from its epoch checkpoints);
-    otherwise the graph engine.
+    TensorFlow child per worker) and next to nothing per step. So it wins for
+    plain sync runs on 2+ CPU workers of a small model (under
+    ``dasktf.collective.hint-max-params`` parameters, where the hop is a large
+    share of the step) with enough steps (``hint-min-steps``) to pay back its
+    start-up, unless checkpoints, resume or ``scale_lr`` were asked for
+    (``fault_options``: only the graph engine recovers inside the run).
     """
-    if engine != "auto":
-        return engine
     plain_sync = mode == "sync" and sync_quorum is None and not slow_workers
-    if (plain_sync and not gpu and not fault_options and n_workers >= 2
-            and n_params < int(config.get("collective.auto-max-params"))
-            and total_steps >= int(config.get("collective.auto-min-steps"))):
-        return "collective"
-    return "graph"
+    if (engine == "auto" and plain_sync and not gpu and not fault_options
+            and n_workers >= 2
+            and n_params < int(config.get("collective.hint-max-params"))
+            and total_steps >= int(config.get("collective.hint-min-steps"))):
+        return (
+            f"This run's step is hop-bound (a {n_params:,}-parameter model, "
+            f"{n_workers} CPU workers, {total_steps:,} steps): engine='collective' "
+            f"(dasktf fit --engine collective) {_MEASURED_SPEEDUP}. It is not picked "
+            "by itself because its TensorFlow servers accept unauthenticated "
+            "connections on every interface; see the README's Security section."
+        )
+    return None
+
+
+def warn_collective_hint(hint: str | None) -> None:
+    """Say :func:`collective_hint`'s hint once per process."""
+    global _hinted
+    if hint is not None and not _hinted:
+        _hinted = True
+        warnings.warn(hint, EngineHint, stacklevel=2)
 
 
 # -- the child process (one per worker) ----------------------------------------
@@ -406,7 +437,7 @@ class CollectiveEngine:
                  keep_state: bool = False,
                  last_checkpoint: Callable[[], Any] | None = None) -> None:
         from dasktf.sync import wait_for
-        from dasktf.tfconfig import tf_config
+        from dasktf.tfconfig import tf_config, warn_tf_servers
 
         self.ctx = ctx
         self.on_epoch_end = on_epoch_end
@@ -419,6 +450,7 @@ class CollectiveEngine:
         self.learning_rate: float | None = None
         timeout = config.get_seconds("collective.start-timeout")
         configs = tf_config(ctx.client, ctx.workers, timeout=timeout)
+        warn_tf_servers(configs, "engine='collective'")
         started = time.perf_counter()
         futures = [
             ctx.client.submit(
@@ -551,23 +583,23 @@ class CollectiveEngine:
 
 
 def make_engine(run: Any, epochs: int, graph: Callable[[], Any]) -> Any:
-    """The sync engine of a trainer's ``_Run``: collective or ``graph()`` (the
-    fault-tolerant task-graph engine; see :func:`choose_engine`)."""
+    """The sync engine of a trainer's ``_Run``: collective when asked for by name,
+    else ``graph()`` (the fault-tolerant task-graph engine), with the hint of
+    :func:`collective_hint` where the collective engine would have been faster."""
     t = run.trainer
-    n_params = sum(int(np.prod(w.shape)) for w in run.model.trainable_weights)
-    # The graph engine also recovers from a lost worker inside the run; with
-    # checkpoints asked for, ``auto`` keeps to it (not measured otherwise).
-    options = run.options
-    fault_options = bool(options.checkpoint_dir or options.resume or options.scale_lr)
-    name = choose_engine(t.engine, t.mode, t.sync_quorum, t.slow_workers, n_params,
-                         len(run.workers), epochs * run.ctx.steps_per_epoch,
-                         bool(run.ctx.resources), fault_options)
-    if name == "graph":
+    if resolve_engine(t.engine) == "graph":
+        n_params = sum(int(np.prod(w.shape)) for w in run.model.trainable_weights)
+        options = run.options
+        fault_options = bool(options.checkpoint_dir or options.resume or options.scale_lr)
+        warn_collective_hint(collective_hint(
+            t.engine, t.mode, t.sync_quorum, t.slow_workers, n_params,
+            len(run.workers), epochs * run.ctx.steps_per_epoch,
+            bool(run.ctx.resources), fault_options))
         return graph()
     cfg, weights, val = run._engine_inputs
     return CollectiveEngine(run.ctx, cfg, run.placed.shards, run.placed.schedule,
                             weights, val, run.shuffle, on_epoch_end=t.on_epoch_end,
-                            keep_state=options.checkpoint_dir is not None,
+                            keep_state=run.options.checkpoint_dir is not None,
                             last_checkpoint=lambda: run.guard.last_checkpoint)
 
 

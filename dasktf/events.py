@@ -71,6 +71,7 @@ class RunStartRecord(TypedDict, total=False):
     run: str
     kind: str
     mode: str
+    engine: str  #: "graph" (a Dask task graph per step) or "collective"
     model: str
     workers: list[str]  #: worker addresses, by replica index
     devices: list[str]  #: "GPU" / "CPU" per worker
@@ -157,6 +158,7 @@ def run_start_record(
     mode: str,
     model: str,
     workers: list[str],
+    engine: str = "graph",
     replica_info: list[dict[str, Any]],
     epochs: int,
     steps_per_epoch: int,
@@ -170,7 +172,7 @@ def run_start_record(
         for info in replica_info
     ]
     return {
-        "run": run, "kind": "run_start", "mode": mode, "model": model,
+        "run": run, "kind": "run_start", "mode": mode, "engine": engine, "model": model,
         "workers": list(workers), "devices": devices,
         "shard_sizes": [int(info.get("shard_size", 0)) for info in replica_info],
         "epochs": int(epochs), "steps_per_epoch": int(steps_per_epoch),

@@ -1,7 +1,8 @@
 """The errors dasktf raises, so that callers can tell a failed run from a bad call.
 
 Bad arguments raise the built-in ``ValueError`` / ``TypeError``; everything that goes
-wrong once training has started derives from :class:`DasktfError`.
+wrong once training has started derives from :class:`DasktfError`. What a run
+says without failing is a warning of one of the categories at the end.
 """
 
 from __future__ import annotations
@@ -34,3 +35,12 @@ class ReplicaError(DasktfError):
 
 class StepTimeoutError(DasktfError, TimeoutError):
     """A step did not finish within ``dasktf.step-timeout``."""
+
+
+class SecurityWarning(UserWarning):
+    """dasktf started a network service that listens beyond loopback or without
+    authentication (the collective engine's TensorFlow servers)."""
+
+
+class EngineHint(UserWarning):
+    """Another engine would likely have run this job faster; nothing was switched."""

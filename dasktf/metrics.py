@@ -306,6 +306,7 @@ class RunHistory:
         return {
             "run": self.run,
             "mode": self.mode or m.get("mode", ""),
+            "engine": m.get("engine", ""),
             "model": m.get("model", ""),
             "n_workers": len(m.get("workers") or self.workers),
             "devices": sorted(set(devices)),

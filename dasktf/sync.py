@@ -141,6 +141,7 @@ class SyncEngine:
     """Runs epochs of synchronous data-parallel steps as Dask task graphs."""
 
     mode = "sync"
+    engine = "graph"
 
     def __init__(self, ctx: RunContext) -> None:
         self.ctx = ctx

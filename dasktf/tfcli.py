@@ -57,6 +57,9 @@ def _tf_cluster(n_workers: int, scheduler: str | None, ps: int, probe: bool,
         client.wait_for_workers(1 if scheduler else n_workers, timeout=120)
         configs = tf_config(client, chief=bool(ps), ps=ps, timeout=timeout)
         click.echo(json.dumps(configs, indent=2))
+        click.echo("note: a TensorFlow server started with these configs listens on "
+                   "every interface (0.0.0.0) without authentication; keep these "
+                   "ports on a trusted network (README: Security).", err=True)
         if probe:
             for row in run_tf_distributed(client, mwms_probe, timeout=timeout):
                 click.echo(f"probe: {json.dumps(row)}", err=True)

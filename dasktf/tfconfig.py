@@ -16,12 +16,13 @@ import ipaddress
 import os
 import socket
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from dasktf import config
 from dasktf._tfprocess import ChildProcess, call_and_reply
-from dasktf.exceptions import DasktfError, StepTimeoutError
+from dasktf.exceptions import DasktfError, SecurityWarning, StepTimeoutError
 
 if TYPE_CHECKING:
     from distributed import Client
@@ -130,6 +131,33 @@ def tf_config(
     return {w: {"cluster": cluster, "task": task} for w, task in zip(workers, tasks)}
 
 
+def tf_server_addresses(configs: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """Every ``host:port`` a TensorFlow server of ``configs`` will listen on."""
+    first = next(iter(configs.values()), {})
+    return [a for addresses in first.get("cluster", {}).values() for a in addresses]
+
+
+def warn_tf_servers(configs: Mapping[str, Mapping[str, Any]], who: str) -> None:
+    """Warn (:class:`~dasktf.exceptions.SecurityWarning`) that ``who`` is about to
+    start TensorFlow servers, naming their ports.
+
+    TensorFlow's gRPC server binds ``0.0.0.0:<port>`` whatever host ``TF_CONFIG``
+    names (``grpc_server_lib.cc``) and offers no authentication in its open-source
+    build, so anyone who reaches such a port can run computation in that process.
+    dasktf cannot narrow that; it can only say so, every time.
+    """
+    addresses = tf_server_addresses(configs)
+    ports = ", ".join(str(a).rsplit(":", 1)[-1] for a in addresses)
+    warnings.warn(
+        f"{who} starts {len(addresses)} TensorFlow gRPC server(s) ({', '.join(addresses)}). "
+        f"TensorFlow binds each on every interface (0.0.0.0/[::], port(s) {ports}), "
+        "not only on the host named, and they accept unauthenticated connections: "
+        "anyone who can reach these ports can run code in those processes. Use it "
+        "only on a trusted network or behind a firewall (README: Security).",
+        SecurityWarning, stacklevel=3,
+    )
+
+
 def _bracket(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
@@ -173,6 +201,7 @@ def run_tf_distributed(
 
     seconds = config.get_seconds("tf-cluster-timeout", timeout)
     configs = tf_config(client, workers, timeout=seconds)
+    warn_tf_servers(configs, "run_tf_distributed")
     futures = [
         client.submit(_run_child_task, cfg, fn, args, seconds, workers=[w],
                       allow_other_workers=False, pure=False,

@@ -213,8 +213,11 @@ class Trainer:
         Sync only: ``"graph"`` (a Dask task graph per step), ``"collective"``
         (``tf.distribute.MultiWorkerMirroredStrategy`` children of the workers, ring
         all-reduce, no scheduler per step; :mod:`dasktf.collective`) or ``"auto"``
-        (the collective engine for long runs of small models, where measurements
-        say it is faster; see :func:`dasktf.collective.choose_engine`).
+        (the default: the graph engine, with an
+        :class:`~dasktf.exceptions.EngineHint` warning where the collective engine
+        measured faster). The collective engine runs only when named: its
+        TensorFlow servers listen unauthenticated on every interface, which it
+        says in a :class:`~dasktf.exceptions.SecurityWarning` when it starts.
     on_epoch_end
         Collective engine: ``hook(weights, optimizer_variables, epoch)`` called on
         the client after each epoch (a checkpoint hook).
@@ -662,11 +665,13 @@ class _Run:
         self.ctx.watcher = MembershipWatcher(self.client)
         guard = self.guard = RunGuard(self, self.options, epochs)
         engine = self._make_engine(epochs)
-        history.engine = getattr(engine, "engine", "graph")
+        history.engine = engine.engine
+        # Which engine ran, where Keras callbacks (and users) read a run's settings.
+        cb.set_params({**cb.params, "mode": engine.mode, "engine": engine.engine})
         first_epoch, first_step = guard.begin(engine)
         # after begin: a resumed run's learning rate is the checkpoint's
         relay = LearningRateRelay(self.model, guard.lr_factor)
-        self._publish(self._run_start_record(epochs, engine.mode))
+        self._publish(self._run_start_record(epochs, engine.mode, engine.engine))
         self.client.subscribe_topic(TOPIC, self._on_event)
         self.model.stop_training = False
         cb.on_train_begin()
@@ -760,9 +765,10 @@ class _Run:
         logs["epoch_seconds"] = seconds
         return logs
 
-    def _run_start_record(self, epochs: int, mode: str) -> dict[str, Any]:
+    def _run_start_record(self, epochs: int, mode: str, engine: str) -> dict[str, Any]:
         return run_start_record(
-            self.run_id, mode=mode, model=self.spec_description, workers=self.workers,
+            self.run_id, mode=mode, engine=engine, model=self.spec_description,
+            workers=self.workers,
             replica_info=self.replica_info, epochs=epochs,
             steps_per_epoch=self.ctx.steps_per_epoch, batch_size=self.batch_size,
             n_samples=self.placed.n_samples,

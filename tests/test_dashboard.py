@@ -137,6 +137,7 @@ def test_live_dashboard_shows_loss_staleness_and_every_worker(client, digits, br
         _wait(lambda: "finished" in page.inner_text(".dasktf-header"), 20, "the run's end")
         header = page.inner_text(".dasktf-header").replace("\n", " ")
         assert re.search(r"mode\s+sync", header) and "mnist-mlp" in header, header
+        assert re.search(r"engine\s+graph", header), header
         assert "epoch 6 / 6" in header and "workers 3 (CPU)" in header, header
         loss = _source(page, "loss")
         assert loss["update"] == sorted(loss["update"]) and loss["update"][0] == 0
@@ -183,6 +184,7 @@ def test_live_dashboard_shows_loss_staleness_and_every_worker(client, digits, br
                            timeout=30_000)
     assert len(_source(page, "loss")["loss"]) == len(loss["loss"])
     assert _source(page, "workers")["address"] == history.workers
+    assert re.search(r"engine\s+graph", page.inner_text(".dasktf-header"))
     page.close()
 
 

@@ -17,7 +17,7 @@ from dasktf.metrics import DecimatedSeries, MetricsStore
 
 def _records(n: int, workers: int = 3, run: str = "r1", mode: str = "async"):
     rng = np.random.default_rng(0)
-    yield {"run": run, "kind": "run_start", "mode": mode, "model": "m",
+    yield {"run": run, "kind": "run_start", "mode": mode, "engine": "graph", "model": "m",
            "workers": [f"tcp://127.0.0.1:{4000 + i}" for i in range(workers)],
            "devices": ["CPU"] * workers, "shard_sizes": [100] * workers,
            "epochs": 1, "steps_per_epoch": n, "total_updates": n, "batch_size": 32}
@@ -112,6 +112,7 @@ def test_async_records_fill_the_staleness_panel():
     assert sum(st.histogram.data["count"]) == 300
     assert "async mode" in st.note.text
     assert "mode</b> <span class='mode'>async" in dashboard.header.root.text
+    assert "engine</b> <span class='engine'>graph" in dashboard.header.root.text
     assert dashboard.workers.source.data["state"] == ["running"] * 3
 
 

@@ -83,6 +83,8 @@ class RunHeader:
         parts = [
             f"<b>run</b> {html.escape(str(h['run']))}",
             f"<b>mode</b> <span class='mode'>{html.escape(str(h.get('mode') or '?'))}</span>",
+            f"<b>engine</b> <span class='engine'>"
+            f"{html.escape(str(h.get('engine') or '?'))}</span>",
             f"<b>model</b> {html.escape(str(h.get('model') or '?'))}",
             f"<b>workers</b> {h.get('n_workers')} ({', '.join(h.get('devices') or []) or '?'})",
             f"<b>epoch</b> {h.get('epoch')} / {h.get('epochs') or '?'}",
