@@ -106,7 +106,7 @@ def main() -> None:
         seen.append(row)
         med = [float(np.median(times[(*row, lab)])) for lab in labels]
         cells = " | ".join(
-            f"{m:.1f} ({min(times[(*row, lab)]):.1f})" for m, lab in zip(med, labels)
+            f"{m:.1f} ({min(times[(*row, lab)]):.1f})" for m, lab in zip(med, labels, strict=False)
         )
         ratio = f" {med[1] / med[0]:.1f}x |" if len(labels) > 1 else ""
         print(f"| {row[0]:g} | {row[1]} | {row[2]} | {cells} |{ratio}")

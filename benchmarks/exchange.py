@@ -38,9 +38,11 @@ def main() -> None:
     args = parser.parse_args()
 
     from distributed import Client
+    from sync_overhead import (
+        load_data,  # the sibling script: benchmarks/ is on sys.path
+    )
 
     import dasktf
-    from sync_overhead import load_data  # the sibling script: benchmarks/ is on sys.path
 
     x, y = load_data(args.mnist)
     loads = []

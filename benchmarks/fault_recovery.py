@@ -17,10 +17,10 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-from distributed import Client  # noqa: E402
+from distributed import Client
 
-import dasktf  # noqa: E402
-from dasktf.testing import KillWorkerAt  # noqa: E402
+import dasktf
+from dasktf.testing import KillWorkerAt
 
 EPOCHS, BATCH = 4, 64
 

@@ -10,6 +10,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from dasktf import config  # noqa: F401  (loads dasktf.yaml into dask.config first)
+
 # The public names load on first use (PEP 562): ``dasktf --help`` and the worker-side
 # imports of small modules must not pay TensorFlow's ~3 s import.
 _EXPORTS = {

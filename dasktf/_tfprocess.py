@@ -59,7 +59,7 @@ class ChildProcess:
         server.listen(1)
         server.settimeout(connect_timeout)
         env[_TOKEN_ENV] = token
-        env[_ADDRESS_ENV] = "127.0.0.1:%d" % server.getsockname()[1]
+        env[_ADDRESS_ENV] = f"127.0.0.1:{server.getsockname()[1]}"
         # stderr to a file: its tail goes into the error when the child dies.
         self.log = tempfile.NamedTemporaryFile(prefix="dasktf-child-", suffix=".log",
                                                delete=False)

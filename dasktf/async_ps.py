@@ -61,9 +61,9 @@ from dasktf import config
 from dasktf.asynchronous import (
     _HOLDER_INDEX,
     HolderRef,
-    _actor_call,
     ParameterHolder,
     PushOutcome,
+    _actor_call,
     choose_holder,
     spread_holders,
 )

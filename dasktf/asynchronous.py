@@ -42,7 +42,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-
 from distributed import as_completed
 
 from dasktf import config
@@ -461,7 +460,7 @@ class ParameterHolder:
     def _restore(self, weights: list[np.ndarray], optimizer: list[np.ndarray]) -> None:
         model = self.replica.model
         model.set_weights(weights)
-        for v, value in zip(model.optimizer.variables, optimizer):
+        for v, value in zip(model.optimizer.variables, optimizer, strict=False):
             v.assign(value)
         # the cut's learning rate (an optimizer variable) is the one to go on with
         self._base_lr = float(np.asarray(model.optimizer.learning_rate))
@@ -1200,7 +1199,7 @@ class AsyncEngine:
         if self._epoch_states is None:
             self._epoch_states = [np.array(s, copy=True) for s in states]
         else:
-            for total, s in zip(self._epoch_states, states):
+            for total, s in zip(self._epoch_states, states, strict=False):
                 total += s
 
     def send_non_trainable(self) -> None:
@@ -1286,7 +1285,7 @@ class AsyncEngine:
             if not self._stopped:
                 self.holder.stop().result(timeout=config.get_seconds("poll-interval") * 4)
             self.holder.close().result(timeout=config.get_seconds("poll-interval") * 4)
-        except Exception:  # noqa: BLE001 - clean-up must not mask the real error
+        except Exception:
             logger.debug("closing the holder of %s failed", self.ctx.run_id, exc_info=True)
         for f in list(self._outstanding):
             f.cancel()

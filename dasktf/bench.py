@@ -53,7 +53,7 @@ def fused_train_step(model: Any, optimizer: Any) -> Any:
         with tf.GradientTape() as tape:
             loss = loss_fn(yb, model(xb, training=True))
         grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=False))
         return loss
 
     return step
@@ -165,7 +165,7 @@ def mwms_train(model_name: str, x: np.ndarray, y: np.ndarray, x_val: np.ndarray,
             with tf.GradientTape() as tape:
                 loss = loss_fn(yb, model(xb, training=True)) / batch
             grads = tape.gradient(loss, model.trainable_variables)
-            opt.apply_gradients(zip(grads, model.trainable_variables))
+            opt.apply_gradients(zip(grads, model.trainable_variables, strict=False))
             return loss
 
         return strategy.run(replica_fn, args=(xb, yb))
@@ -253,7 +253,7 @@ def write_chart(rows: list[dict[str, Any]], path: str) -> None:
 
     models = sorted({r["model"] for r in rows})
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
-    for ax, model in zip(axes[0], models):
+    for ax, model in zip(axes[0], models, strict=False):
         mine = [r for r in rows if r["model"] == model]
         counts = sorted({r["workers"] for r in mine if r["runner"] != "keras"}) or [1]
         runners = [r for r in RUNNERS if any(m["runner"] == r for m in mine)]

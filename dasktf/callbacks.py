@@ -148,7 +148,7 @@ def adopt_learning_rate(model: Any, optimizer_values: list[Any]) -> None:
     optimizer = model.optimizer
     if not optimizer.built:
         optimizer.build(model.trainable_variables)
-    for v, value in zip(optimizer.variables, optimizer_values):
+    for v, value in zip(optimizer.variables, optimizer_values, strict=False):
         if v.path.endswith("learning_rate"):
             optimizer.learning_rate = float(value)
             return

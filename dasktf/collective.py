@@ -197,7 +197,7 @@ class _CollectiveReplica:
                 loss = loss * replicas
                 share = loss * n / total
             grads = tape.gradient(share, model.trainable_variables)
-            model.optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            model.optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=False))
             return y_pred, loss
 
         y_pred, loss = strategy.run(replica_fn, args=(x, y))
@@ -215,7 +215,7 @@ class _CollectiveReplica:
                 "checkpoint was written with."
             )
         self.model.set_weights(weights)
-        for v, value in zip(variables, optimizer):
+        for v, value in zip(variables, optimizer, strict=False):
             v.assign(value)
         return len(variables)
 
@@ -577,7 +577,7 @@ class CollectiveEngine:
             if workers:
                 self.ctx.client.run(stop_children, self.ctx.run_id, workers=workers,
                                     on_error="ignore")
-        except Exception:  # noqa: BLE001 - clean-up must not mask the real error
+        except Exception:
             logger.debug("stopping the collective children of %s failed",
                          self.ctx.run_id, exc_info=True)
 

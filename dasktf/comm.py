@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-
 from dask.sizeof import sizeof
 
 from dasktf.compression import (
@@ -244,7 +243,7 @@ class Channel:
         """Encode this step's gradient (chunk by chunk, with error feedback)."""
         packets = []
         lossy = self.feedback[0].codec.lossy
-        for ranges, feedback in zip(self.chunks, self.feedback):
+        for ranges, feedback in zip(self.chunks, self.feedback, strict=False):
             values = None
             if out.total is not None and out.count:
                 part = gather_ranges(out.total, ranges)
@@ -289,7 +288,7 @@ def receive(
     first = packets[0]
     if first.kind == "weights":
         flat = np.empty(ch.size, np.float32)
-        for ranges, p in zip(ch.chunks, packets):
+        for ranges, p in zip(ch.chunks, packets, strict=False):
             assert p.values is not None
             scatter_ranges(flat, ranges, decode(p.values))
         replica.take_weights(flat, first.update)
@@ -305,7 +304,7 @@ def receive(
         total = None
     else:
         total = np.empty(ch.size, np.float32)
-        for ranges, p in zip(ch.chunks, packets):
+        for ranges, p in zip(ch.chunks, packets, strict=False):
             scatter_ranges(total, ranges, p.total())  # type: ignore[arg-type]
     summed = GradientSum(total, first.count, first.loss_sum, update=first.update)
     return summed, summed

@@ -43,7 +43,6 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
-
 from dask.sizeof import sizeof
 
 from dasktf._halfcast import bf16_bits_to_f32, f32_to_bf16_bits

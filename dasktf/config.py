@@ -10,9 +10,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import yaml
-
 import dask.config
+import yaml
 from dask.utils import parse_timedelta
 
 _HERE = os.path.dirname(__file__)

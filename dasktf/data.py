@@ -162,7 +162,7 @@ def interleaved_indices(schedule: np.ndarray, batch_size: int) -> list[np.ndarra
         axis=1,
     )
     return [
-        np.concatenate([np.arange(s, s + c) for s, c in zip(starts[:, i], schedule[:, i])])
+        np.concatenate([np.arange(s, s + c) for s, c in zip(starts[:, i], schedule[:, i], strict=False)])
         for i in range(schedule.shape[1])
     ]
 
@@ -199,7 +199,7 @@ class ArraySource:
         rows = interleaved_indices(schedule, batch_size)
         shards = [
             client.scatter(Shard(self.x[r], self.y[r]), workers=[w], direct=True, hash=False)  # see _Run.build
-            for r, w in zip(rows, workers)
+            for r, w in zip(rows, workers, strict=False)
         ]
         stats = [_with_n(self.stats, len(r)) for r in rows]
         return PlacedData(shards, stats, schedule)
@@ -240,12 +240,12 @@ class _WorkerSideSource:
             [
                 # pure=False: the stats of a shard are cheap, never worth caching.
                 client.submit(_stats_of, s, workers=[w], pure=False)
-                for s, w in zip(shards, workers)
+                for s, w in zip(shards, workers, strict=False)
             ]
         )
         check_stats(stats)
         check_worker_count(sum(s.n for s in stats), len(workers), batch_size)
-        empty = [w for w, s in zip(workers, stats) if s.n == 0]
+        empty = [w for w, s in zip(workers, stats, strict=False) if s.n == 0]
         if empty:
             raise ValueError(
                 f"Worker(s) {empty} got an empty shard; every worker needs data. "
@@ -283,7 +283,7 @@ class DaskArraySource(_WorkerSideSource):
                 workers=[w],
                 pure=False,
             )
-            for w, chunks in zip(workers, assignment)
+            for w, chunks in zip(workers, assignment, strict=False)
         ]
 
 
@@ -364,5 +364,5 @@ def place_validation(
     parts = np.array_split(np.arange(len(x)), len(workers))
     return [
         client.scatter(Shard(x[p], y[p]), workers=[w], direct=True, hash=False)  # see _Run.build
-        for p, w in zip(parts, workers)
+        for p, w in zip(parts, workers, strict=False)
     ]

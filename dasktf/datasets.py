@@ -123,7 +123,7 @@ def _mnist_from_keras() -> Dataset:
         from keras.datasets import mnist
 
         mnist.load_data()  # downloads into the cache above
-    except Exception as exc:  # noqa: BLE001 - any download failure means the same
+    except Exception as exc:
         raise FileNotFoundError(
             f"MNIST is not cached at {cached} and could not be downloaded ({exc}). "
             "Copy a Keras-layout mnist.npz there, or pass its path: "
@@ -173,6 +173,6 @@ def _split(
     x: np.ndarray, y: np.ndarray, test_fraction: float, seed: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     order = np.random.default_rng(seed).permutation(len(x))
-    n_test = int(round(len(x) * test_fraction))
+    n_test = round(len(x) * test_fraction)
     test, train = order[:n_test], order[n_test:]
     return x[train], y[train], x[test], y[test]

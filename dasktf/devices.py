@@ -20,14 +20,14 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 from dasktf import config
 
 logger = logging.getLogger(__name__)
 
 #: What ``gpus=`` accepts: ``None`` (auto), ``"all"``, ``"none"``, a count, or indices.
-GpusArg = Union[None, str, int, Sequence[int]]
+GpusArg = None | str | int | Sequence[int]
 
 _QUERY = "index,name,memory.total,uuid"
 
@@ -396,5 +396,5 @@ def format_worker_table(rows: Sequence[WorkerInfo]) -> str:
                       gpu, gpu_mem, cvd, tf])
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     return "\n".join(
-        "  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines
+        "  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=False)).rstrip() for line in lines
     )

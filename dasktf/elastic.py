@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dasktf import config
+from dasktf.comm import CommSpec
 from dasktf.data import (
     ArraySource,
     DaskArraySource,
@@ -51,8 +52,6 @@ from dasktf.data import (
     interleaved_indices,
 )
 from dasktf.exceptions import AllWorkersLostError, WorkerLostError
-from dasktf.replica import EpochReport, get_replica, take_kept
-from dasktf.comm import CommSpec
 from dasktf.ps import (
     merge_server_states,
     ps_load_task,
@@ -60,6 +59,7 @@ from dasktf.ps import (
     server_workers,
     split_server_states,
 )
+from dasktf.replica import EpochReport, get_replica, take_kept
 from dasktf.sync import RunContext, wait_for
 from dasktf.topology import CommEngine
 
@@ -93,7 +93,7 @@ def set_state_task(
     replica = get_replica(run_id)
     with replica._apply_lock:
         replica.model.set_weights(state["weights"])
-        for v, value in zip(replica.model.optimizer.variables, state["optimizer"]):
+        for v, value in zip(replica.model.optimizer.variables, state["optimizer"], strict=False):
             v.assign(value)
         applied = int(state["applied"])
         if rewind:
@@ -292,10 +292,10 @@ class ElasticSyncEngine(CommEngine):
                               allow_other_workers=False, pure=False)
         sets = [client.submit(set_state_task, ctx.run_id, state, workers=[w],
                               allow_other_workers=False, pure=False)
-                for w, a in zip(survivors, applied) if a < target]
+                for w, a in zip(survivors, applied, strict=False) if a < target]
         unfences = [client.submit(unfence_task, ctx.run_id, workers=[w],
                                   allow_other_workers=False, pure=False)
-                    for w, a in zip(survivors, applied) if a == target]
+                    for w, a in zip(survivors, applied, strict=False) if a == target]
         wait_for(ctx, [state, *sets, *unfences], "reconciling the surviving replicas")
         moved = self._adopt(lost, survivors)
         # Updates whose sum was complete but that no survivor had applied: computed

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -55,13 +56,13 @@ def shard_plan(shapes: list[tuple[int, ...]], num_ps: int) -> list[Ranges]:
     fair = total / num_ps
     pieces: list[tuple[int, int]] = []  # (start, stop) in the flat buffer
     offset = 0
-    for shape, size in zip(shapes, sizes):
+    for shape, size in zip(shapes, sizes, strict=False):
         rows = shape[0] if len(shape) else 1
         if size > fair and rows > 1:
             row = size // rows
             n = min(rows, int(np.ceil(size / fair)))
             cuts = [round(rows * j / n) for j in range(n + 1)]
-            pieces += [(offset + a * row, offset + b * row) for a, b in zip(cuts, cuts[1:])]
+            pieces += [(offset + a * row, offset + b * row) for a, b in pairwise(cuts)]
         else:
             pieces.append((offset, offset + size))
         offset += size
@@ -337,7 +338,7 @@ def optimizer_layout(optimizer_config: Any, variables: list[Any]) -> OptimizerLa
             f"{type(full).__name__}'s variables do not map onto a flat slice's; "
             "parameter servers (placement='ps') cannot hold its state."
         )
-    for i, j in zip(rest, scalars):
+    for i, j in zip(rest, scalars, strict=False):
         entries[i] = ("scalar", j)
     return OptimizerLayout(tuple(entries), len(probe.variables),
                            tuple(int(np.prod(v.shape)) for v in variables),

@@ -11,7 +11,6 @@ workers alive now) and at the end (the final ``.keras`` model).
 from __future__ import annotations
 
 import dataclasses
-
 import logging
 import time
 from dataclasses import dataclass
@@ -22,7 +21,12 @@ import numpy as np
 
 from dasktf import checkpoint as ckpt
 from dasktf.callbacks import adopt_learning_rate
-from dasktf.elastic import ON_WORKER_LOSS, ElasticSyncEngine, reload_shard, set_state_task
+from dasktf.elastic import (
+    ON_WORKER_LOSS,
+    ElasticSyncEngine,
+    reload_shard,
+    set_state_task,
+)
 from dasktf.replica import non_trainable_floats
 from dasktf.sync import wait_for
 
@@ -306,7 +310,7 @@ class RunGuard:
             if hasattr(engine, "state"):  # the replicas' optimizer state goes along
                 state = engine.state()
                 model.optimizer.build(model.trainable_variables)
-                for v, value in zip(model.optimizer.variables, state["optimizer"]):
+                for v, value in zip(model.optimizer.variables, state["optimizer"], strict=False):
                     v.assign(value)
             path = Path(self.options.checkpoint_dir) / ckpt.FINAL_MODEL
             model.save(path)

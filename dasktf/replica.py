@@ -268,7 +268,7 @@ class Replica:
         flat = tf.concat(
             [
                 tf.reshape(tf.zeros_like(v) if g is None else tf.cast(g, v.dtype), [-1])
-                for g, v in zip(grads, self.variables)
+                for g, v in zip(grads, self.variables, strict=False)
             ],
             axis=0,
         )
@@ -280,9 +280,9 @@ class Replica:
         mean = total / count
         grads = [
             tf.reshape(part, shape)
-            for part, shape in zip(tf.split(mean, self.sizes), self.shapes)
+            for part, shape in zip(tf.split(mean, self.sizes), self.shapes, strict=False)
         ]
-        self.model.optimizer.apply_gradients(zip(grads, self.variables))
+        self.model.optimizer.apply_gradients(zip(grads, self.variables, strict=False))
 
     # -- what the tasks call --------------------------------------------------
     def apply(self, summed: GradientSum | None) -> None:
@@ -432,7 +432,7 @@ class Replica:
     def set_flat_weights(self, flat: np.ndarray) -> None:
         """Assign the trainable variables from one flat float32 buffer."""
         for v, part, shape in zip(
-            self.variables, np.split(flat, np.cumsum(self.sizes)[:-1]), self.shapes
+            self.variables, np.split(flat, np.cumsum(self.sizes)[:-1]), self.shapes, strict=False
         ):
             v.assign(part.reshape(shape))
 

@@ -114,9 +114,9 @@ def tf_config(
                       key=f"dasktf-tf-port-{i}-{time.monotonic_ns()}")
         for i, w in enumerate(workers)
     ]
-    done, pending = wait(futures, timeout=seconds)
+    _done, pending = wait(futures, timeout=seconds)
     if pending:
-        late = [w for w, f in zip(workers, futures) if f in pending]
+        late = [w for w, f in zip(workers, futures, strict=False) if f in pending]
         client.cancel(list(pending))
         raise StepTimeoutError(
             f"Worker(s) {late} did not answer tf_config within {seconds:g}s: they "
@@ -125,10 +125,10 @@ def tf_config(
     answers = client.gather(futures)
     cluster: dict[str, list[str]] = {}
     tasks = []
-    for role, a in zip(roles, answers):
+    for role, a in zip(roles, answers, strict=False):
         cluster.setdefault(role, []).append(f"{_bracket(a['host'])}:{a['port']}")
         tasks.append({"type": role, "index": len(cluster[role]) - 1})
-    return {w: {"cluster": cluster, "task": task} for w, task in zip(workers, tasks)}
+    return {w: {"cluster": cluster, "task": task} for w, task in zip(workers, tasks, strict=False)}
 
 
 def tf_server_addresses(configs: Mapping[str, Mapping[str, Any]]) -> list[str]:
@@ -209,12 +209,12 @@ def run_tf_distributed(
         for i, (w, cfg) in enumerate(configs.items())
     ]
     # The children enforce `seconds`; the margin covers their start and clean-up.
-    done, pending = wait(futures, timeout=seconds + 30)
-    for w, f in zip(configs, futures):
+    _done, pending = wait(futures, timeout=seconds + 30)
+    for w, f in zip(configs, futures, strict=False):
         if f.status == "error":
             raise DasktfError(f"run_tf_distributed failed on {w}: {f.exception()}")
     if pending:
-        late = [w for w, f in zip(configs, futures) if f in pending]
+        late = [w for w, f in zip(configs, futures, strict=False) if f in pending]
         client.cancel(list(pending))
         raise StepTimeoutError(f"run_tf_distributed: worker(s) {late} did not finish.")
     return client.gather(futures)  # type: ignore[no-any-return]

@@ -144,7 +144,7 @@ class CommEngine(SyncEngine):
                         # The packets are on worker i: taking one there moves nothing.
                         workers=[w], allow_other_workers=False,
                     )
-                    for i, (p, w) in enumerate(zip(parts, self.ctx.workers))
+                    for i, (p, w) in enumerate(zip(parts, self.ctx.workers, strict=False))
                 ]
                 self.hold(inputs)
             key = f"dasktf-{what}-{run}-{epoch}-{step}-{c}{self.key_suffix}"

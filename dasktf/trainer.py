@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from dasktf import config
+from dasktf.asynchronous import choose_holder, updates_frame, validate_mode_options
 from dasktf.callbacks import History, LearningRateRelay, ProgressBar
 from dasktf.cluster import (
     TensorFlowSetup,
@@ -29,7 +30,15 @@ from dasktf.cluster import (
     cluster_client,
     default_tf_threads,
 )
-from dasktf.data import PlacedData, ShardStats, check_labels, make_source, place_validation
+from dasktf.collective import validate_engine, validate_fault_options
+from dasktf.comm import validate_comm_options
+from dasktf.data import (
+    PlacedData,
+    ShardStats,
+    check_labels,
+    make_source,
+    place_validation,
+)
 from dasktf.devices import GpusArg, select_gpus
 from dasktf.events import (
     TOPIC,
@@ -41,6 +50,7 @@ from dasktf.events import (
 )
 from dasktf.metrics import ensure_store
 from dasktf.models import ModelLike, ModelSpec, model_spec
+from dasktf.recovery import FaultOptions, RunGuard
 from dasktf.replica import (
     ReplicaConfig,
     build_metrics,
@@ -49,10 +59,6 @@ from dasktf.replica import (
     release_replicas,
 )
 from dasktf.sync import RunContext, wait_for
-from dasktf.asynchronous import choose_holder, updates_frame, validate_mode_options
-from dasktf.collective import validate_engine, validate_fault_options
-from dasktf.recovery import FaultOptions, RunGuard
-from dasktf.comm import validate_comm_options
 
 if TYPE_CHECKING:
     from distributed import Client
@@ -553,7 +559,7 @@ class _Run:
         probe = np.zeros((2, *stats.x_shape), dtype=stats.x_dtype)
         try:
             model(probe)
-        except Exception as exc:  # noqa: BLE001 - any failure here means a mismatch
+        except Exception as exc:
             raise ValueError(
                 f"The model does not accept inputs of shape {(None, *stats.x_shape)} "
                 f"({type(exc).__name__}: {str(exc).splitlines()[0]}). Check x's shape "
@@ -657,7 +663,7 @@ class _Run:
         if verbose:
             cbs.append(ProgressBar(self.batch_size) if verbose == 1 else _LinePrinter())
         cb = keras.callbacks.CallbackList(
-            cbs + [history], add_history=False, add_progbar=False, model=self.model,
+            [*cbs, history], add_history=False, add_progbar=False, model=self.model,
             epochs=epochs, steps=self.ctx.steps_per_epoch, verbose=verbose,
         )
         from dasktf.membership import MembershipWatcher
@@ -780,7 +786,7 @@ class _Run:
             if record["kind"] == "run_start":
                 ensure_store(self.client)
             publish(self.client, record)
-        except Exception:  # noqa: BLE001 - metrics must not break training
+        except Exception:
             logger.warning("publishing the %s record of run %s failed",
                            record["kind"], self.run_id, exc_info=True)
 
@@ -813,7 +819,7 @@ class _Run:
             if workers:
                 self.client.run(release_replicas, self.run_id, workers=workers,
                                 on_error="ignore")
-        except Exception:  # noqa: BLE001 - clean-up must not mask the real error
+        except Exception:
             logger.debug("releasing replicas of %s failed", self.run_id, exc_info=True)
         self._futures = []
         self.placed.shards = []

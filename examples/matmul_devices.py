@@ -73,8 +73,9 @@ def _fallback_timings(size: int, repeats: int) -> list[dict[str, Any]]:
         with cp.cuda.Device(i):
             ga, gb = cp.asarray(a), cp.asarray(b)
             name = cp.cuda.runtime.getDeviceProperties(i)["name"].decode()
+            seconds = _timed(lambda ga=ga, gb=gb: float((ga @ gb).sum()), repeats)
             out.append({"device": f"GPU:{i} ({name})", "backend": "cupy (no TensorFlow)",
-                        "seconds": _timed(lambda: float((ga @ gb).sum()), repeats)})
+                        "seconds": seconds})
     return out
 
 

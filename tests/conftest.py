@@ -14,10 +14,10 @@ import pytest
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import dask  # noqa: E402
-from distributed import Client  # noqa: E402
+import dask
+from distributed import Client
 
-import dasktf  # noqa: E402
+import dasktf
 
 MNIST = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "mnist.npz")
 

@@ -102,7 +102,7 @@ def test_one_worker_never_stale_and_matches_sync(client, small_digits):
         )
     updates = runs["async"].updates
     assert len(updates) == 2 * 6 and (updates["staleness"] == 0).all()
-    for a, s in zip(runs["async"].model.get_weights(), runs["sync"].model.get_weights()):
+    for a, s in zip(runs["async"].model.get_weights(), runs["sync"].model.get_weights(), strict=False):
         assert relative_error(a, s) < 1e-5
 
 
@@ -160,12 +160,12 @@ def test_max_staleness_0_is_sequential_sgd_not_sync(client, small_digits):
     u = history.updates.sort_values("update")
     # Every shard twice; a worker may run ahead into a third pass meanwhile.
     assert (u["staleness"] == 0).all() and len(u) >= 2 * 6 * n_workers
-    for w, s in zip(u["worker"], u["step"]):
+    for w, s in zip(u["worker"], u["step"], strict=False):
         r = rows[w][offsets[w][s]: offsets[w][s + 1]]
         reference.train_on_batch(x[r], y[r])
     got = history.model.get_weights()
-    error = max(relative_error(a, b) for a, b in zip(got, reference.get_weights()))
-    gap = max(relative_error(a, b) for a, b in zip(got, sync.model.get_weights()))
+    error = max(relative_error(a, b) for a, b in zip(got, reference.get_weights(), strict=False))
+    gap = max(relative_error(a, b) for a, b in zip(got, sync.model.get_weights(), strict=False))
     print(f"K=0 vs sequential SGD: {error:.1e}; K=0 vs sync: {gap:.1e}")
     assert error < 1e-5
     assert gap > 1e-3, "K=0 async and sync apply different updates"

@@ -40,7 +40,7 @@ def test_async_resume_from_a_mid_run_checkpoint_applies_each_remaining_batch_onc
     updates = resumed.updates
     assert updates["update"].min() == manifest["async"]["version"] + 1
     new = [(w, p, s) for w, p, s in zip(updates["worker"], updates["shard_pass"],
-                                        updates["step"])]
+                                        updates["step"], strict=False)]
     assert len(new) == len(set(new)) and not set(new) & done  # nothing applied twice
     steps = -(-len(digits.x_train) // 64)  # every step has a local batch on both
     owed = {(w, p, s) for w in (0, 1) for p in range(epochs) for s in range(steps)}

@@ -51,7 +51,7 @@ def test_async_run_grows_from_two_to_three_workers_at_once(digits):
         # The helper takes its batches from shard 1's cursor: every batch of the run
         # is applied exactly once across the three workers.
         shard = updates["worker"].map({0: 0, 1: 1, 2: helped})
-        items = list(zip(shard, updates["shard_pass"], updates["step"]))
+        items = list(zip(shard, updates["shard_pass"], updates["step"], strict=False))
         assert len(items) == len(set(items))
         steps = -(-len(digits.x_train) // 64)
         owed = {(w, p, s) for w in (0, 1) for p in range(epochs) for s in range(steps)}

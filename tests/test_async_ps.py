@@ -35,7 +35,7 @@ def _sequential_reference(initial, x, y, history, batch, n_workers, lr):
         optimizer=keras.optimizers.SGD(lr), loss="sparse_categorical_crossentropy"
     )
     u = history.updates.sort_values("update")
-    for w, s in zip(u["worker"], u["step"]):
+    for w, s in zip(u["worker"], u["step"], strict=False):
         r = rows[w][offsets[w][s] : offsets[w][s + 1]]
         reference.train_on_batch(x[r], y[r])
     return reference.get_weights()
@@ -66,7 +66,7 @@ def test_num_ps_2_with_max_staleness_0_is_the_same_sequential_sgd(client, small_
         _check_records(history)
         reference = _sequential_reference(initial, x, y, history, 48, 2, lr)
         errors[num_ps] = max(
-            relative_error(a, b) for a, b in zip(history.model.get_weights(), reference)
+            relative_error(a, b) for a, b in zip(history.model.get_weights(), reference, strict=False)
         )
     assert errors[2] < 1e-5 and errors[1] < 1e-5, errors
 
@@ -89,7 +89,7 @@ def test_num_ps_3_equals_num_ps_1_with_adam_on_one_worker(client, small_digits):
             optimizer=keras.optimizers.Adam(0.01),
             **FIT,
         )
-    for a, b in zip(runs[3].model.get_weights(), runs[1].model.get_weights()):
+    for a, b in zip(runs[3].model.get_weights(), runs[1].model.get_weights(), strict=False):
         assert relative_error(a, b) < 1e-5
     assert runs[3].history["loss"][-1] < runs[3].history["loss"][0]
     assert runs[3].history["loss"] == pytest.approx(runs[1].history["loss"], rel=1e-5)
@@ -139,7 +139,7 @@ def test_each_holder_receives_only_its_slice(client, small_digits):
     slices = [sum(b - a for a, b in r) for r in shard_plan(shapes, 3)]
     traffic = history.holder_traffic
     assert len(traffic) == 3
-    for size, holder in zip(slices, traffic):
+    for size, holder in zip(slices, traffic, strict=False):
         assert holder["received"] / computed == pytest.approx(4 * size + 16, rel=1e-6)
         # the weights a gradient read: at most once per gradient (a worker that
         # already has the version reads nothing)
@@ -260,7 +260,7 @@ def test_async_num_ps_2_checkpoint_and_resume(client, digits, tmp_path):
     )
     u = resumed.updates
     assert u["update"].min() == manifest["async"]["version"] + 1
-    new = set(zip(u["worker"], u["shard_pass"], u["step"]))
+    new = set(zip(u["worker"], u["shard_pass"], u["step"], strict=False))
     assert len(new) == len(u) and not new & done  # nothing applied twice
     assert resumed.history["val_accuracy"][-1] > 0.85  # the suite's digits target
     with pytest.raises(ValueError, match="num_ps"):

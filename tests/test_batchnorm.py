@@ -16,7 +16,11 @@ import pytest
 from distributed import get_task_stream
 
 import dasktf
-from dasktf.replica import mean_non_trainable, non_trainable_floats, non_trainable_values
+from dasktf.replica import (
+    mean_non_trainable,
+    non_trainable_floats,
+    non_trainable_values,
+)
 
 
 def bn_model(input_shape, num_outputs):

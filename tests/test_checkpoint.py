@@ -14,7 +14,12 @@ import numpy as np
 import pytest
 
 import dasktf
-from dasktf.checkpoint import CheckpointWarning, list_checkpoints, load_latest, save_checkpoint
+from dasktf.checkpoint import (
+    CheckpointWarning,
+    list_checkpoints,
+    load_latest,
+    save_checkpoint,
+)
 
 from .conftest import relative_error
 

@@ -7,10 +7,9 @@ import shutil
 import signal
 import time
 
+import dask
 import numpy as np
 import pytest
-
-import dask
 from distributed import Client
 
 import dasktf
@@ -55,7 +54,7 @@ def test_collective_equals_the_graph_engine_after_sgd_steps(client, digits):
         )
         assert history.engine == engine
         weights[engine] = history.model.get_weights()
-    for a, b in zip(weights["collective"], weights["graph"]):
+    for a, b in zip(weights["collective"], weights["graph"], strict=False):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
     moved = max(float(np.abs(w).max()) for w in weights["graph"])
     assert moved > 0
@@ -106,12 +105,12 @@ def test_resume_continues_to_the_uninterrupted_result_across_engines(
     assert resumed.engine == "collective"
     assert len(resumed.history["loss"]) == 2  # epochs 3 and 4 only
     assert list_checkpoints(part)[0].name == "ckpt-000000020.json"
-    for a, b in zip(resumed.model.get_weights(), full):
+    for a, b in zip(resumed.model.get_weights(), full, strict=False):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     # The graph engine resumes the collective engine's checkpoint to the same result.
     graph = fit("graph", 4, tmp_path / "copy", resume=True)
     assert graph.engine == "graph" and len(graph.history["loss"]) == 2
-    for a, b in zip(graph.model.get_weights(), full):
+    for a, b in zip(graph.model.get_weights(), full, strict=False):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
     # And the collective engine resumes a graph-engine checkpoint taken mid-epoch:
     # the newest three are after updates 5, 8 and 10; without the last, 8 (epoch 2,
@@ -124,7 +123,7 @@ def test_resume_continues_to_the_uninterrupted_result_across_engines(
     resumed = fit("collective", 4, mid, resume=True)
     assert len(resumed.history["loss"]) == 3  # the rest of epoch 2, then 3 and 4
     assert list_checkpoints(mid)[0].name == "ckpt-000000020.json"
-    for a, b in zip(resumed.model.get_weights(), full):
+    for a, b in zip(resumed.model.get_weights(), full, strict=False):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 

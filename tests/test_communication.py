@@ -22,7 +22,7 @@ def _fit(client, data, **kw):
 
 
 def _max_diff(a, b):
-    return max(float(np.abs(u - v).max()) for u, v in zip(a, b))
+    return max(float(np.abs(u - v).max()) for u, v in zip(a, b, strict=False))
 
 
 def test_bytes_per_step_drop_by_the_codec_factor(client, small_digits):
@@ -218,7 +218,7 @@ def test_ps_checkpoints_hold_exactly_the_update_they_are_named_for(client, small
     files = list_checkpoints(tmp_path)
     assert [p.stem for p in files] == ["ckpt-000000008", "ckpt-000000006", "ckpt-000000003"]
     for p in files:
-        state, manifest, _ = load_latest(tmp_path)
+        state, _manifest, _ = load_latest(tmp_path)
         assert int(np.asarray(state["optimizer"][0])) == state["applied"] + 1  # iterations
         p.unlink()  # the next newest is read next
 
@@ -248,7 +248,7 @@ def test_link_shaping_matches_only_the_workers_source_ports():
     classes = [c for c in rest if c[1] == "class"]
     filters = [c for c in rest if c[1] == "filter"]
     assert len(classes) == len(filters) == 3
-    for i, (cls, flt) in enumerate(zip(classes, filters)):
+    for i, (cls, flt) in enumerate(zip(classes, filters, strict=False)):
         classid = cls[cls.index("classid") + 1]
         assert classid == f"d7f:{i + 1:x}"
         assert cls[cls.index("rate") + 1] == cls[cls.index("ceil") + 1] == "1000mbit"

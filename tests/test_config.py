@@ -17,7 +17,7 @@ def _keys(tree: dict, schema: bool, prefix: str = "") -> set[str]:
         name = f"{prefix}{key}"
         nested = value.get("properties") if schema else value if isinstance(value, dict) else None
         if nested:
-            out |= _keys(value if schema else value, schema, name + ".")
+            out |= _keys(value, schema, name + ".")
         else:
             out.add(name)
     return out

@@ -17,10 +17,9 @@ import traceback
 from collections.abc import Iterator
 from typing import Any
 
+import dask
 import pytest
 from click.testing import CliRunner
-
-import dask
 from distributed import Client
 
 import dasktf

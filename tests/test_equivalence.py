@@ -57,9 +57,9 @@ def test_sync_matches_single_process(client, small_digits, optimizer, n_workers)
     )
 
     trained = history.model.get_weights()
-    moved = max(relative_error(w, w0) for w, w0 in zip(trained, initial))
+    moved = max(relative_error(w, w0) for w, w0 in zip(trained, initial, strict=False))
     assert moved > 1e-3, "training must move the weights for the comparison to mean anything"
-    for got, want in zip(trained, reference.get_weights()):
+    for got, want in zip(trained, reference.get_weights(), strict=False):
         assert relative_error(got, want) < 1e-5
     np.testing.assert_allclose(history.history["loss"], ref_history.history["loss"], rtol=1e-5)
 
@@ -78,5 +78,5 @@ def test_uneven_last_batch_gives_empty_shares(client, small_digits):
         distributed, x, y, client=client, n_workers=3, batch_size=124,
         optimizer=keras.optimizers.SGD(0.5), shuffle=False, verbose=0,
     )
-    for got, want in zip(history.model.get_weights(), reference.get_weights()):
+    for got, want in zip(history.model.get_weights(), reference.get_weights(), strict=False):
         assert relative_error(got, want) < 1e-5

@@ -58,7 +58,7 @@ def test_sync_run_survives_sigkill_of_one_of_three_workers(digits, layout):
     twice-applied update)."""
     start = time.monotonic()
     failed_ops = _SchedulerOpErrors()
-    with own_cluster(3) as (cluster, client), failed_ops:
+    with own_cluster(3) as (_cluster, client), failed_ops:
         workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
         steps = -(-len(digits.x_train) // 64)
         epoch = 3 if "num_ps" in layout else 2
@@ -114,7 +114,7 @@ def test_async_run_survives_sigkill_of_one_of_three_workers(digits):
     gradient is dropped, its shard goes to a survivor, the run finishes."""
     start = time.monotonic()
     epochs = 3
-    with own_cluster(3) as (cluster, client):
+    with own_cluster(3) as (_cluster, client):
         workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
         steps = -(-len(digits.x_train) // 64)
         killer = KillWorkerAt(client, workers[2], step=3 * steps * epochs // 2)
@@ -141,7 +141,7 @@ def test_async_run_survives_sigkill_of_the_parameter_holders_worker(digits, tmp_
     every batch of every shard's passes is applied exactly once."""
     start = time.monotonic()
     epochs = 3
-    with own_cluster(3) as (cluster, client):
+    with own_cluster(3) as (_cluster, client):
         workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
         steps = -(-len(digits.x_train) // 64)
         killer = KillWorkerAt(client, workers[0], step=3 * steps * epochs // 2)
@@ -182,7 +182,7 @@ def test_a_rebuilt_holder_takes_the_learning_rate_set_after_its_cut(digits, tmp_
         return 0.005 if epoch == 0 else 0.0025
 
     epochs = 3
-    with own_cluster(3) as (cluster, client):
+    with own_cluster(3) as (_cluster, client):
         workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
         steps = -(-len(digits.x_train) // 64)
         killer = KillWorkerAt(client, workers[0], step=3 * steps * epochs // 2)
@@ -210,7 +210,7 @@ def test_quorum_run_survives_sigkill(digits, victim):
     2 gradients read at that step's version."""
     start = time.monotonic()
     epochs = 3
-    with own_cluster(3) as (cluster, client):
+    with own_cluster(3) as (_cluster, client):
         workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
         steps = -(-len(digits.x_train) // 64)
         killer = KillWorkerAt(client, workers[victim], step=steps * epochs // 2)
@@ -272,7 +272,7 @@ def test_sync_run_grows_from_two_to_three_workers_with_scaled_lr(digits):
 
 
 def test_losing_the_last_worker_names_the_last_checkpoint(digits, tmp_path):
-    with own_cluster(1) as (cluster, client):
+    with own_cluster(1) as (_cluster, client):
         (worker,) = client.scheduler_info(n_workers=-1)["workers"]
         steps = -(-len(digits.x_train) // 64)
         with pytest.raises(dasktf.AllWorkersLostError, match="ckpt-") as info:
@@ -304,7 +304,7 @@ def test_lost_shard_is_reloaded_from_its_source(digits, source):
 
     start = time.monotonic()
     x_all, y_all = digits.x_train, digits.y_train
-    with own_cluster(3) as (cluster, client):
+    with own_cluster(3) as (_cluster, client):
         workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
         if source == "loader":
             def load(index, count):

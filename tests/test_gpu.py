@@ -15,14 +15,14 @@ import pytest
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import dask  # noqa: E402
-from click.testing import CliRunner  # noqa: E402
-from distributed import Client, Nanny, Scheduler, SpecCluster, get_task_stream  # noqa: E402
+import dask
+from click.testing import CliRunner
+from distributed import Client, Nanny, Scheduler, SpecCluster, get_task_stream
 
-import dasktf  # noqa: E402
-from dasktf.cli import main  # noqa: E402
-from dasktf.cluster import GPUCluster, choose_run_workers  # noqa: E402
-from dasktf.devices import GPU, parse_gpus, select_gpus, simulated_gpus  # noqa: E402
+import dasktf
+from dasktf.cli import main
+from dasktf.cluster import GPUCluster, choose_run_workers
+from dasktf.devices import GPU, parse_gpus, select_gpus, simulated_gpus
 
 
 def _tf_sees_gpu() -> bool:
@@ -226,7 +226,7 @@ def test_float16_replica_scales_loss_and_keeps_float32_gradients(digits, monkeyp
     scale = float(r.model.optimizer.dynamic_scale.numpy())
     assert scale > 1  # the buffer holds scaled gradients ...
     r.apply(replica.GradientSum(out.total, out.count, out.loss_sum))
-    step = max(float(np.abs(a - b).max()) for a, b in zip(r.model.get_weights(), weights))
+    step = max(float(np.abs(a - b).max()) for a, b in zip(r.model.get_weights(), weights, strict=False))
     assert 0 < step < 1  # ... which apply_gradients unscaled before the update
     assert "mixed_float16" in devices.placement_summary(r.model, r.device)
 

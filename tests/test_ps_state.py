@@ -62,7 +62,7 @@ def test_server_slices_map_onto_the_model_optimizer_and_back(optimizer):
     grads = [rng.normal(size=v.shape).astype("float32") for v in variables]
     stepped = keras.optimizers.deserialize(optimizer)
     stepped.build(variables)
-    stepped.apply_gradients(zip(grads, variables))
+    stepped.apply_gradients(zip(grads, variables, strict=False))
     flat_var = keras.Variable(np.concatenate([np.ravel(v.numpy()) for v in variables]) * 0,
                               name=SLICE_NAME)
     sliced = keras.optimizers.deserialize(optimizer)
@@ -81,7 +81,7 @@ def test_server_slices_map_onto_the_model_optimizer_and_back(optimizer):
     slices = [{"applied": 7, "values": v, "optimizer": o} for _, v, o in parts]
     merged = merge_server_states({**state, "weights": [w * 0 for w in state["weights"]]},
                                  slices, plan, layout, trainable)
-    for a, b, p in zip(merged["weights"], state["weights"], range(len(state["weights"]))):
+    for a, b, p in zip(merged["weights"], state["weights"], range(len(state["weights"])), strict=False):
         if p in trainable:  # the servers' master copy; the rest is the replica's
             np.testing.assert_array_equal(a, b)
     np.testing.assert_equal(merged["optimizer"], values)

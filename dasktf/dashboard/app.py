@@ -13,15 +13,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from bokeh.layouts import column
 from bokeh.models import Div
 
 from dasktf import config
-from dasktf.dashboard.components import LossCurves, RunHeader, StalenessPanel, WorkerPanel
+from dasktf.dashboard.components import (
+    LossCurves,
+    RunHeader,
+    StalenessPanel,
+    WorkerPanel,
+)
 from dasktf.metrics import Cursor, ensure_store, fetch_async
 
 if TYPE_CHECKING:
@@ -82,7 +87,7 @@ class TrainingDashboard:
         """Fetch what is new and show it (one fetch at a time)."""
         try:
             snapshot = await fetcher(self.run, self.cursor)
-        except Exception as exc:  # noqa: BLE001 - keep the page alive; say why
+        except Exception as exc:
             logger.debug("dashboard fetch failed", exc_info=True)
             self.header.root.text = (
                 f"<b>dasktf</b>: cannot reach the scheduler ({type(exc).__name__}: {exc})"

@@ -56,7 +56,7 @@ def _apply_series(source: ColumnDataSource, part: dict[str, Any] | None,
 def format_seconds(seconds: float | None) -> str:
     if seconds is None:
         return "unknown"
-    seconds = int(round(seconds))
+    seconds = round(seconds)
     h, rest = divmod(seconds, 3600)
     m, s = divmod(rest, 60)
     return f"{h}h {m:02d}m {s:02d}s" if h else f"{m}m {s:02d}s" if m else f"{s}s"
