@@ -27,8 +27,8 @@ CODECS = ("fp16", "bf16", "int8", "topk:0.01")
 
 
 def load_revision(rev: str):
-    """``dasktf.compression`` as it was at git revision ``rev`` (a module), with
-    the ``dasktf._halfcast`` of that revision under it."""
+    """``dasktf.wire.codecs`` as it was at git revision ``rev`` (a module), with
+    the ``dasktf.wire.halfcast`` of that revision under it."""
     root = os.path.join(os.path.dirname(__file__), "..")
     folder = tempfile.mkdtemp()
 
@@ -46,15 +46,15 @@ def load_revision(rev: str):
         spec.loader.exec_module(module)
         return module
 
-    current = sys.modules.get("dasktf._halfcast")
-    sys.modules["dasktf._halfcast"] = load("_halfcast")  # what its compression imports
+    current = sys.modules.get("dasktf.wire.halfcast")
+    sys.modules["dasktf.wire.halfcast"] = load("_halfcast")  # what its compression imports
     try:
         return load("compression")
     finally:
         if current is None:
-            del sys.modules["dasktf._halfcast"]
+            del sys.modules["dasktf.wire.halfcast"]
         else:
-            sys.modules["dasktf._halfcast"] = current
+            sys.modules["dasktf.wire.halfcast"] = current
 
 
 def main() -> None:
@@ -65,7 +65,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
 
-    from dasktf import compression
+    from dasktf.wire import codecs as compression
 
     versions = {"this tree": compression}
     if args.against:

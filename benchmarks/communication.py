@@ -14,7 +14,7 @@ reduction with the default fan-in 4, i.e. all-to-one over 3 workers) are the
 figures to read: absolute rates on a shared 2-core machine are noise.
 
 ``--async`` runs the async cases instead: one parameter holder, then the parameters
-split over ``num_ps`` 2 and 3 holders (:mod:`dasktf.async_ps`). Per update (one
+split over ``num_ps`` 2 and 3 holders (:mod:`dasktf.engines.holder.sharded`). Per update (one
 worker's step): the MB the worker moves (its push and the weights it pulls), the
 busiest holder's MB (the traffic a holder's link carries), and examples/s, each
 against the single holder.

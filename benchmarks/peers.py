@@ -1,10 +1,10 @@
 """dasktf vs plain Keras and MultiWorkerMirroredStrategy, side by side in one run.
 
-A thin wrapper: the benchmark lives in :mod:`dasktf.bench` so that ``dasktf bench``
+A thin wrapper: the benchmark lives in :mod:`dasktf.cli.bench` so that ``dasktf bench``
 works from an installed package too. ``python benchmarks/peers.py --help``.
 """
 
-from dasktf.bench import main
+from dasktf.cli.bench import bench
 
 if __name__ == "__main__":  # LocalCluster workers re-import the main module
-    main()
+    bench()

@@ -25,11 +25,12 @@ def main(batch: int, reps: int) -> None:
     import keras
     import numpy as np
 
-    from dasktf.bench import fused_train_step
-    from dasktf.data import Shard
+    from dasktf.cli.bench import fused_train_step
+    from dasktf.data.sources import Shard
     from dasktf.datasets import load_dataset, load_mnist_npz
     from dasktf.models import model_spec
-    from dasktf.replica import Replica, ReplicaConfig, sum_gradients
+    from dasktf.runtime.replica import Replica, ReplicaConfig
+    from dasktf.wire.messages import sum_gradients
 
     d = load_mnist_npz(MNIST) if os.path.exists(MNIST) else load_dataset("digits")
     x, y = d.x_train[: batch * reps], d.y_train[: batch * reps]

@@ -49,7 +49,7 @@ def single_process(model_name: str, x, y, batch: int, steps: int) -> float:
     import keras
     import tensorflow as tf
 
-    from dasktf.bench import fused_train_step
+    from dasktf.cli.bench import fused_train_step
     from dasktf.models import BUILTIN_MODELS
 
     n = batch * steps
@@ -117,7 +117,8 @@ def metrics_overhead(client, x, y, steps: int, workers: int, reps: int = 3,
     """Step ms with metrics off / on (best of ``reps`` interleaved runs) per case."""
     import dask
 
-    from dasktf.metrics import ensure_store, publishing_cost
+    from dasktf.diagnostics.metrics import ensure_store
+    from dasktf.runtime.cost import publishing_cost
 
     ensure_store(client)
     per_record = publishing_cost(client, workers)

@@ -14,9 +14,9 @@ from dasktf import config  # noqa: F401  (loads dasktf.yaml into dask.config fir
 # The public names load on first use (PEP 562): ``dasktf --help`` and the worker-side
 # imports of small modules must not pay TensorFlow's ~3 s import.
 _EXPORTS = {
-    "UpdateRecord": "dasktf.asynchronous",
+    "UpdateRecord": "dasktf.engines.holder.records",
     "History": "dasktf.callbacks",
-    "make_local_cluster": "dasktf.cluster",
+    "make_local_cluster": "dasktf.cluster.local",
     "Dataset": "dasktf.datasets",
     "load_dataset": "dasktf.datasets",
     "AllWorkersLostError": "dasktf.exceptions",
@@ -25,18 +25,18 @@ _EXPORTS = {
     "SchedulerUnreachableError": "dasktf.exceptions",
     "StepTimeoutError": "dasktf.exceptions",
     "WorkerLostError": "dasktf.exceptions",
-    "check_tf_config": "dasktf.tfconfig",
-    "run_tf_distributed": "dasktf.tfconfig",
-    "tf_config": "dasktf.tfconfig",
+    "check_tf_config": "dasktf.tf.bridge",
+    "run_tf_distributed": "dasktf.tf.bridge",
+    "tf_config": "dasktf.tf.bridge",
     "Trainer": "dasktf.trainer",
     "fit": "dasktf.trainer",
 }
 
 if TYPE_CHECKING:
-    from dasktf.asynchronous import UpdateRecord
     from dasktf.callbacks import History
-    from dasktf.cluster import make_local_cluster
+    from dasktf.cluster.local import make_local_cluster
     from dasktf.datasets import Dataset, load_dataset
+    from dasktf.engines.holder.records import UpdateRecord
     from dasktf.exceptions import (
         AllWorkersLostError,
         DasktfError,
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
         StepTimeoutError,
         WorkerLostError,
     )
-    from dasktf.tfconfig import check_tf_config, run_tf_distributed, tf_config
+    from dasktf.tf.bridge import check_tf_config, run_tf_distributed, tf_config
     from dasktf.trainer import Trainer, fit
 
 

@@ -36,7 +36,7 @@ class History(keras.callbacks.History):
         What each replica reported when it was built (devices, threads, shard size).
     updates
         Async and quorum runs: a pandas DataFrame with one row per applied update
-        (:class:`dasktf.asynchronous.UpdateRecord`: update, worker, epoch,
+        (:class:`dasktf.engines.holder.records.UpdateRecord`: update, worker, epoch,
         version_read, version_applied, staleness, loss, batch_size, compute_s,
         wall_time, ...); ``None`` for sync runs.
     dropped
@@ -47,7 +47,13 @@ class History(keras.callbacks.History):
         their quorum step never completed.
     holder_traffic
         Async runs with ``num_ps=K > 1``: per holder, the bytes it ``received`` and
-        ``sent`` over the run, counted by the holder (:mod:`dasktf.async_ps`).
+        ``sent`` over the run, counted by the holder (:mod:`dasktf.engines.holder.sharded`).
+    recoveries
+        One entry per lost worker the run went on without (when it was detected,
+        how long the run took to resume, what moved where).
+    applied_updates
+        Sync graph runs: per replica, the global updates it applied, in order
+        (every surviving replica reads ``0..N-1``); ``None`` for other engines.
     """
 
     def __init__(self) -> None:
@@ -61,6 +67,8 @@ class History(keras.callbacks.History):
         self.dropped: dict[int, int] = {}
         self.gradient_tasks: dict[str, int] = {}
         self.holder_traffic: list[dict[str, int]] | None = None
+        self.recoveries: list[dict[str, Any]] = []
+        self.applied_updates: dict[int, list[int]] | None = None
 
 
 class ProgressBar(keras.callbacks.Callback):

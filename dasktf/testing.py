@@ -101,7 +101,7 @@ class KillWorkerAt(_Callback):  # type: ignore[misc]
 
 
 def _set_delay(factor: float) -> float:
-    from dasktf.replica import WORKER_DELAY
+    from dasktf.runtime.replica import WORKER_DELAY
 
     old, WORKER_DELAY["factor"] = WORKER_DELAY["factor"], float(factor)
     return old

@@ -120,7 +120,7 @@ if __name__ == "__main__":  # workers re-import this module when they spawn
                         help="CPU workers where there is no GPU (default 2)")
     parser.add_argument("--gpus", default=None, help="all, none, N or 0,2,3")
     args = parser.parse_args()
-    from dasktf.devices import parse_gpus
+    from dasktf.cluster.devices import parse_gpus
 
     # dasktf: one worker per GPU (each pinned through CUDA_VISIBLE_DEVICES), else CPUs.
     # On a real cluster, replace these two lines with `client = Client("tcp://...")`.

@@ -12,10 +12,11 @@ import pytest
 from click.testing import CliRunner
 
 import dasktf
-from dasktf.asynchronous import StalenessGate, validate_mode_options
 from dasktf.cli import main
-from dasktf.data import interleaved_indices, interleaved_schedule
-from dasktf.events import TOPIC, unpack
+from dasktf.data.sources import interleaved_indices, interleaved_schedule
+from dasktf.diagnostics.events import TOPIC, unpack
+from dasktf.engines.holder.actor import StalenessGate
+from dasktf.engines.holder.options import validate_mode_options
 from tests.conftest import relative_error
 
 pytestmark = pytest.mark.timeout(240)

@@ -6,7 +6,7 @@ import json
 import time
 
 import dasktf
-from dasktf.checkpoint import list_checkpoints
+from dasktf.run.checkpoint import list_checkpoints
 
 ACCURACY = 0.85  # the digits target every training test in the suite uses
 
@@ -53,9 +53,9 @@ def test_async_resume_from_a_mid_run_checkpoint_applies_each_remaining_batch_onc
 
 
 def test_a_restored_cursor_computes_the_gaps_first_then_goes_on():
-    from dasktf.asynchronous import _WorkerCursor
+    from dasktf.engines.holder.cursors import WorkerCursor
 
-    cursor = _WorkerCursor([0, 1, 2])
+    cursor = WorkerCursor([0, 1, 2])
     # pass 0 done but step 1 (in flight at the cut); pass 1 begun with step 0
     cursor.restore({(0, 0), (0, 2), (1, 0)})
     taken = [cursor.take() for _ in range(6)]

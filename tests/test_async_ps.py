@@ -1,4 +1,4 @@
-"""Async training over ``num_ps=K`` parameter holders (dasktf.async_ps), and the
+"""Async training over ``num_ps=K`` parameter holders (dasktf.engines.holder.sharded), and the
 byte figures of async runs, on the session's 3 worker processes."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 import dasktf
-from dasktf.checkpoint import list_checkpoints
-from dasktf.data import interleaved_indices, interleaved_schedule
-from dasktf.ps import shard_plan
+from dasktf.data.sources import interleaved_indices, interleaved_schedule
+from dasktf.run.checkpoint import list_checkpoints
 from dasktf.testing import KillWorkerAt
+from dasktf.wire.packets import shard_plan
 from tests.conftest import relative_error
 from tests.test_async import _check_records, _copy, _mlp
 from tests.test_fault import _options, assert_every_batch_applied_once, own_cluster

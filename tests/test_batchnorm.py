@@ -16,7 +16,7 @@ import pytest
 from distributed import get_task_stream
 
 import dasktf
-from dasktf.replica import (
+from dasktf.runtime.replica import (
     mean_non_trainable,
     non_trainable_floats,
     non_trainable_values,
@@ -57,9 +57,10 @@ def _accuracy(model, x, y):
 
 
 def _replica_stats(run_id, dask_worker=None):
-    from dasktf.replica import _REPLICAS
+    from dasktf.runtime.replica import registered_replicas
 
-    return {run: r.non_trainable_values() for (run, _), r in _REPLICAS.items()}
+    return {run: r.non_trainable_values()
+            for (run, _), r in registered_replicas().items()}
 
 
 class ReadReplicas(keras.callbacks.Callback):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import dasktf
-from dasktf.checkpoint import (
+from dasktf.run.checkpoint import (
     CheckpointWarning,
     list_checkpoints,
     load_latest,

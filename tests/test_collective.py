@@ -13,10 +13,11 @@ import pytest
 from distributed import Client
 
 import dasktf
-from dasktf.checkpoint import list_checkpoints
-from dasktf.collective import resolve_engine
-from dasktf.events import TOPIC, unpack
+from dasktf.diagnostics.events import TOPIC, unpack
+from dasktf.engines.collective.child import child_count
 from dasktf.exceptions import WorkerLostError
+from dasktf.run.checkpoint import list_checkpoints
+from dasktf.run.engine import resolve_engine
 
 
 @pytest.mark.timeout(240)
@@ -162,7 +163,7 @@ def test_a_killed_worker_gives_a_clear_error_fast(digits, tmp_path):
             assert str(newest[0]) in str(info.value)
             assert "resume=True" in str(info.value)
             # The survivor's child is gone too: nothing is left blocked in a ring.
-            left = c.run(lambda: len(__import__("dasktf.collective").collective._CHILDREN))
+            left = c.run(child_count)
             assert all(n == 0 for n in left.values()), left
             # As the error says: resume from that checkpoint (on the worker left).
             history = dasktf.fit("mnist-mlp", digits.x_train, digits.y_train, client=c,

@@ -104,7 +104,7 @@ def test_async_compressed_pushes_and_bf16_weights(client, small_digits):
     assert _max_diff(packed.model.get_weights(), plain.model.get_weights()) < 0.05
     assert _max_diff(packed.model.get_weights(), plain.model.get_weights()) > 0
     # the stream's update records carry the bytes as they travelled
-    from dasktf.events import TOPIC, unpack
+    from dasktf.diagnostics.events import TOPIC, unpack
 
     def mean_bytes(run):
         records = [r for e in client.get_events(TOPIC) for r in unpack(e)
@@ -202,7 +202,7 @@ def test_ps_checkpoints_hold_exactly_the_update_they_are_named_for(client, small
     servers had run when the client read them (8 steps: after 3, 6 and the end)."""
     import time
 
-    from dasktf.checkpoint import list_checkpoints, load_latest
+    from dasktf.run.checkpoint import list_checkpoints, load_latest
 
     class Stall(keras.callbacks.Callback):
         """Holds the client before each checkpoint, so the servers run ahead."""
@@ -291,8 +291,8 @@ def test_link_shaping_reads_tc_output():
 
 
 def test_packet_totals_never_write_into_a_shared_wire_array():
-    from dasktf.comm import Packet, _sum
-    from dasktf.compression import get_codec
+    from dasktf.wire.codecs import get_codec
+    from dasktf.wire.packets import Packet, sum_parts
 
     rng = np.random.default_rng(5)
     mean = rng.standard_normal(1000).astype(np.float32)
@@ -306,13 +306,13 @@ def test_packet_totals_never_write_into_a_shared_wire_array():
     np.testing.assert_array_equal(dense.arrays[0], wire)
     plain = Packet(get_codec("none").encode(mean.copy()), 1, 0.0)
     before = plain.values.arrays[0].copy()
-    total, count, _ = _sum([plain, plain])
+    total, count, _ = sum_parts([plain, plain])
     np.testing.assert_array_equal(total, 2 * before)
     np.testing.assert_array_equal(plain.values.arrays[0], before)
     assert count == 2
     # lossy packets: the decoded buffers are summed in place, same values
     fp16 = [Packet(get_codec("fp16").encode(mean), 2, 0.0, mean=True) for _ in range(3)]
-    total, count, _ = _sum(fp16)
+    total, count, _ = sum_parts(fp16)
     expected = 3 * (mean.astype(np.float16).astype(np.float32) * np.float32(2))
     np.testing.assert_array_equal(total, expected)
     assert count == 6

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dasktf.compression import (
+from dasktf.wire.codecs import (
     INT8_BLOCK,
     Encoded,
     ErrorFeedback,
@@ -101,7 +101,7 @@ def test_weights_dtype():
 
 
 def test_shard_plan_is_balanced_and_covers_every_value():
-    from dasktf.ps import shard_plan
+    from dasktf.wire.packets import shard_plan
 
     # a big embedding-like matrix, a dense layer, biases
     shapes = [(5000, 64), (64, 100), (100,), (100, 10), (10,)]
@@ -123,7 +123,7 @@ def test_shard_plan_is_balanced_and_covers_every_value():
         shard_plan([(1,)], 3)
 
 
-# -- the fast kernels (dasktf._halfcast, Int8, ErrorFeedback buffers) are exact ---------
+# -- the fast kernels (dasktf.wire.halfcast, Int8, ErrorFeedback buffers) are exact ---------
 def _awkward_floats(n=300_000):
     """Every float32 exponent (random bit patterns), gradient-like magnitudes, the
     float16 midpoints (ties), and the special values."""
@@ -170,7 +170,7 @@ def test_fp16_codec_matches_numpys_cast_bit_for_bit():
 def test_bf16_kernels_match_ml_dtypes_bit_for_bit():
     import ml_dtypes
 
-    from dasktf._halfcast import bf16_bits_to_f32, f32_to_bf16_bits
+    from dasktf.wire.halfcast import bf16_bits_to_f32, f32_to_bf16_bits
 
     x = _awkward_floats()
     with np.errstate(all="ignore"):

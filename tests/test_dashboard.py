@@ -24,9 +24,9 @@ from distributed import Client
 
 import dasktf
 import dasktf.cli
-from dasktf import metrics
 from dasktf.dashboard import DashboardServer, write_report
-from dasktf.events import TOPIC
+from dasktf.diagnostics import metrics
+from dasktf.diagnostics.events import TOPIC
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 DOCS = os.path.join(os.path.dirname(__file__), "..", "docs")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dasktf.data import (
+from dasktf.data.sources import (
     assign_chunks,
     interleaved_indices,
     interleaved_schedule,

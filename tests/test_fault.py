@@ -176,7 +176,7 @@ def test_a_rebuilt_holder_takes_the_learning_rate_set_after_its_cut(digits, tmp_
     """The learning rate changes at the second epoch's start, after the restore point
     (the first epoch's end); the holder's worker is then SIGKILLed. The rebuilt
     holder must go on with the new rate, not the cut's: the last checkpoint holds it."""
-    from dasktf.checkpoint import load_latest
+    from dasktf.run.checkpoint import load_latest
 
     def schedule(epoch, lr):
         return 0.005 if epoch == 0 else 0.0025

@@ -21,8 +21,8 @@ from distributed import Client, Nanny, Scheduler, SpecCluster, get_task_stream
 
 import dasktf
 from dasktf.cli import main
-from dasktf.cluster import GPUCluster, choose_run_workers
-from dasktf.devices import GPU, parse_gpus, select_gpus, simulated_gpus
+from dasktf.cluster.devices import GPU, parse_gpus, select_gpus, simulated_gpus
+from dasktf.cluster.local import GPUCluster, choose_run_workers
 
 
 def _tf_sees_gpu() -> bool:
@@ -165,7 +165,7 @@ def test_steps_run_only_on_gpu_workers(digits, caplog):
             info = client.scheduler_info(n_workers=-1)["workers"]
             gpu_workers = sorted(a for a, w in info.items() if w["resources"].get("GPU"))
             cpu_worker = next(a for a in info if a not in gpu_workers)
-            with caplog.at_level("WARNING", logger="dasktf.cluster"):
+            with caplog.at_level("WARNING", logger="dasktf.cluster.local"):
                 assert choose_run_workers(client, None) == (gpu_workers, {"GPU": 1})
             assert cpu_worker in caplog.text
             with get_task_stream(client) as ts:
@@ -195,9 +195,11 @@ def test_float16_replica_scales_loss_and_keeps_float32_gradients(digits, monkeyp
 
     import keras
 
-    from dasktf import devices, replica
-    from dasktf.data import Shard
+    from dasktf.cluster import devices
+    from dasktf.data.sources import Shard
     from dasktf.models import model_spec
+    from dasktf.runtime import replica
+    from dasktf.wire.messages import GradientSum
 
     @contextlib.contextmanager
     def float16_policy(mixed):
@@ -225,7 +227,7 @@ def test_float16_replica_scales_loss_and_keeps_float32_gradients(digits, monkeyp
     assert out.total is not None and out.total.dtype == np.float32
     scale = float(r.model.optimizer.dynamic_scale.numpy())
     assert scale > 1  # the buffer holds scaled gradients ...
-    r.apply(replica.GradientSum(out.total, out.count, out.loss_sum))
+    r.apply(GradientSum(out.total, out.count, out.loss_sum))
     step = max(float(np.abs(a - b).max()) for a, b in zip(r.model.get_weights(), weights, strict=False))
     assert 0 < step < 1  # ... which apply_gradients unscaled before the update
     assert "mixed_float16" in devices.placement_summary(r.model, r.device)
@@ -253,7 +255,7 @@ def test_info_lists_both_cpu_workers_with_devices():
 @pytest.mark.timeout(240)
 def test_real_gpu_workers_see_one_gpu_each():
     with dasktf.make_local_cluster(gpus="all") as cluster, Client(cluster) as client:
-        from dasktf.devices import cluster_info
+        from dasktf.cluster.devices import cluster_info
 
         rows = cluster_info(client)
         assert rows and all(r.gpu_resource == 1 for r in rows)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import dasktf
-from dasktf.checkpoint import load_latest
+from dasktf.run.checkpoint import load_latest
 
 from .conftest import relative_error
 

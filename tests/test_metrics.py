@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 
 import dasktf
-from dasktf import metrics
 from dasktf.dashboard import TrainingDashboard
-from dasktf.events import TOPIC, unpack
-from dasktf.metrics import DecimatedSeries, MetricsStore
+from dasktf.diagnostics import metrics
+from dasktf.diagnostics.events import TOPIC, unpack
+from dasktf.diagnostics.metrics import DecimatedSeries, MetricsStore
+from dasktf.runtime.cost import publishing_cost
 
 
 def _records(n: int, workers: int = 3, run: str = "r1", mode: str = "async"):
@@ -168,7 +169,7 @@ def test_publishing_costs_under_2_percent_of_the_sync_step(client, digits):
     wall = time.monotonic() - start
     step_seconds = statistics.median(history.history["epoch_seconds"][1:]) / steps
 
-    cost = metrics.publishing_cost(client, n_workers=2, n=5_000)
+    cost = publishing_cost(client, n_workers=2, n=5_000)
     assert cost < 0.005 * step_seconds, (cost, step_seconds)
 
     time.sleep(1)  # the last flushes

@@ -14,14 +14,14 @@ import numpy as np
 import pytest
 
 import dasktf
-from dasktf.checkpoint import list_checkpoints, load_latest
-from dasktf.ps import (
+from dasktf.run.checkpoint import list_checkpoints, load_latest
+from dasktf.runtime.servers import (
     SLICE_NAME,
     merge_server_states,
     optimizer_layout,
-    shard_plan,
     split_server_states,
 )
+from dasktf.wire.packets import shard_plan
 
 from .conftest import relative_error
 

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from dasktf.exceptions import DasktfError
-from dasktf.tfconfig import (
+from dasktf.tf.bridge import (
     _run_child_task,
     check_tf_config,
     mwms_probe,

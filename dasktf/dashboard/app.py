@@ -1,7 +1,7 @@
 """The training dashboard document: components laid out, fed by polling the store.
 
 :class:`TrainingDashboard` owns the components and the cursor into the scheduler's
-:class:`~dasktf.metrics.MetricsStore`. :func:`training_doc` adds it to a Bokeh
+:class:`~dasktf.diagnostics.metrics.MetricsStore`. :func:`training_doc` adds it to a Bokeh
 document with a periodic callback that fetches what is new every
 ``dasktf.dashboard.refresh``. Where the snapshots come from is a *fetcher*, an async
 ``(run, cursor) -> snapshot`` callable: :func:`client_fetcher` asks a scheduler
@@ -27,7 +27,7 @@ from dasktf.dashboard.components import (
     StalenessPanel,
     WorkerPanel,
 )
-from dasktf.metrics import Cursor, ensure_store, fetch_async
+from dasktf.diagnostics.metrics import Cursor, ensure_store, fetch_async
 
 if TYPE_CHECKING:
     from bokeh.document import Document
@@ -155,7 +155,7 @@ _SHARED: dict[str, Client] = {}
 def shared_client(address: str) -> Client:
     """One client per scheduler address for this process (Bokeh directory apps run
     their ``main.py`` once per session; they must not open a connection each)."""
-    from dasktf.cluster import connect
+    from dasktf.cluster.local import connect
 
     client = _SHARED.get(address)
     if client is None or client.status not in ("running", "connecting"):

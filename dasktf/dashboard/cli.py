@@ -40,8 +40,8 @@ def write_run_report(client: Client, run: str | None, path: str) -> None:
 def attach(scheduler: str, run: str | None, address: str | None, port: int | None,
            report: str | None) -> None:
     """``dasktf dashboard``: serve (or write the report of) a run on a cluster."""
-    from dasktf.cluster import connect
-    from dasktf.metrics import fetch
+    from dasktf.cluster.local import connect
+    from dasktf.diagnostics.metrics import fetch
 
     with connect(scheduler) as client:
         first = fetch(client, run)

@@ -10,7 +10,7 @@ scheduler imports its preloads before it builds its Bokeh server from
 ``distributed.dashboard.scheduler.applications`` (a ``{path: doc_function}``
 mapping, each called as ``doc_function(scheduler, extra, doc)``), so adding a page
 to that mapping at import time serves it. ``dask_setup`` then installs the
-:class:`~dasktf.metrics.MetricsStore` on the scheduler from the start, so the page
+:class:`~dasktf.diagnostics.metrics.MetricsStore` on the scheduler from the start, so the page
 shows runs before any client registered one. The page reads the store in-process
 (the Bokeh server runs on the scheduler's event loop): no extra connection.
 """
@@ -21,7 +21,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from dasktf.dashboard.app import training_doc
-from dasktf.metrics import PLUGIN_NAME, Cursor, MetricsStore
+from dasktf.diagnostics.metrics import PLUGIN_NAME, Cursor, MetricsStore
 
 if TYPE_CHECKING:
     from bokeh.document import Document

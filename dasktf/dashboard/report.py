@@ -6,7 +6,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from dasktf.dashboard.app import TITLE, TrainingDashboard
-from dasktf.metrics import fetch
+from dasktf.diagnostics.metrics import fetch
 
 if TYPE_CHECKING:
     from distributed import Client
@@ -34,7 +34,7 @@ def write_report(
     """Write the report of ``run`` (default: the newest) to ``path``; return the path.
 
     Give either a ``client`` (its scheduler's MetricsStore is read) or a
-    ``snapshot`` from :func:`dasktf.metrics.fetch`. The file needs no server and no
+    ``snapshot`` from :func:`dasktf.diagnostics.metrics.fetch`. The file needs no server and no
     internet: BokehJS is inlined.
     """
     if snapshot is None:

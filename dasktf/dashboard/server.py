@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from dasktf import config
 from dasktf.dashboard.app import Fetcher, client_fetcher, training_doc
-from dasktf.metrics import ensure_store
+from dasktf.diagnostics.metrics import ensure_store
 
 if TYPE_CHECKING:
     from distributed import Client

@@ -1,0 +1,5 @@
+"""``python -m dasktf.cli``: the same as the ``dasktf`` command."""
+
+from dasktf.cli.app import main
+
+main()

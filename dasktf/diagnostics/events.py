@@ -1,0 +1,201 @@
+"""The metrics stream: compact records published through the Dask scheduler.
+
+Workers buffer one record per step and send a batch at most every
+``dasktf.metrics-interval`` with ``Worker.log_event`` (fire-and-forget over the
+worker's existing batched stream: no round trip on the hot path). The client adds a
+few records per run (its start, each epoch, its end) with ``Client.log_event``. Any
+client connected to the scheduler can follow a run with
+``Client.subscribe_topic(TOPIC, ...)`` or read the recent past with
+``Client.get_events(TOPIC)``; the scheduler keeps only the last
+``distributed.admin.low-level-log-length`` events per topic, so the whole run lives,
+downsampled, in :class:`dasktf.diagnostics.metrics.MetricsStore` on the scheduler.
+
+Every event is ``{"records": [record, ...]}``; a record is a flat dict of
+msgpack-friendly values whose ``kind`` says which of the schemas below it follows.
+Fields a producer cannot measure are absent or ``None``; consumers (the dashboard,
+the store) must accept both, so sync and async engines share one schema.
+
+Async and quorum runs publish ``kind="update"`` records with ``staleness``,
+``version_read`` and the update's timings (``push_s``, ``task_s``, ``idle_s``), and
+``dropped: True`` on the record of a gradient a quorum step left out.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any, TypedDict
+
+from dasktf import config
+
+if TYPE_CHECKING:
+    from distributed import Client
+
+#: The scheduler event topic every dasktf run publishes on.
+TOPIC = "dasktf-metrics"
+
+
+class StepRecord(TypedDict, total=False):
+    """One applied step (sync: one per worker per step) or update (async).
+
+    ``kind`` is ``"step"`` in sync mode and ``"update"`` in async modes.
+    """
+
+    run: str  #: run id
+    kind: str  #: "step" | "update"
+    mode: str  #: "sync" | "async" | ...
+    epoch: int
+    step: int  #: step within the epoch
+    update: int  #: global step / update number, from 0, monotonic over the run
+    worker: int  #: replica index (``run_start.workers[worker]`` is its address)
+    batch_size: int  #: examples this worker's gradient covered
+    #: the global (all-worker) loss of step ``loss_step`` (sync: the step before,
+    #: read from the sum this worker just applied); async: this update's loss
+    loss: float | None
+    loss_step: int | None  #: the global update number ``loss`` belongs to
+    local_loss: float | None  #: this worker's mean loss on its own batch
+    staleness: int  #: updates applied between reading the weights and applying (sync: 0)
+    compute_s: float  #: apply + gradient on the worker
+    communication_s: float  #: Dask-measured transfers of this step's inputs to the worker
+    waiting_s: float  #: idle time since this worker's previous step, minus transfers
+    #: bytes this step received from other workers plus the bytes of the gradient
+    #: it produced, counted at the codec (dasktf.wire.packets): what it moves at most (a
+    #: reduction that runs on the same worker moves less; the exact per-worker
+    #: figures are history.history["bytes_per_step"])
+    bytes: int
+    wall_time: float  #: time.time() on the worker when the record was made
+
+
+class RunStartRecord(TypedDict, total=False):
+    """Published by the client once the replicas are built (``kind="run_start"``)."""
+
+    run: str
+    kind: str
+    mode: str
+    engine: str  #: "graph" (a Dask task graph per step) or "collective"
+    model: str
+    workers: list[str]  #: worker addresses, by replica index
+    devices: list[str]  #: "GPU" / "CPU" per worker
+    shard_sizes: list[int]
+    epochs: int
+    steps_per_epoch: int
+    total_updates: int  #: updates the run will apply if it is not stopped early
+    batch_size: int  #: the global batch
+    n_samples: int
+    wall_time: float
+
+
+class EpochRecord(TypedDict, total=False):
+    """The merged metrics of one epoch (``kind="epoch"``), validation included."""
+
+    run: str
+    kind: str
+    epoch: int
+    update: int  #: the last global update of the epoch
+    logs: dict[str, float]  #: loss, accuracy, val_loss, val_accuracy, examples_per_sec ...
+    wall_time: float
+
+
+class RunEndRecord(TypedDict, total=False):
+    """The run finished (``status="finished"``) or failed (``"failed"``, ``error``)."""
+
+    run: str
+    kind: str
+    status: str
+    error: str | None
+    wall_time: float
+
+
+class MetricsBuffer:
+    """Worker-side batching of records; flushes by time, never per record.
+
+    ``dasktf.metrics: false`` turns publishing off (records are dropped), which the
+    sync benchmark uses to measure what publishing costs.
+    """
+
+    def __init__(self, interval: float | None = None, enabled: bool | None = None,
+                 topic: str = TOPIC) -> None:
+        self.interval = config.get_seconds("metrics-interval", interval)
+        self.enabled = bool(config.get("metrics", enabled))
+        self.topic = topic
+        self.records: list[dict[str, Any]] = []
+        self._last_flush = time.monotonic()
+
+    def add(self, record: dict[str, Any], *, flush: bool = False) -> None:
+        if not self.enabled:
+            return
+        self.records.append(record)
+        if flush or time.monotonic() - self._last_flush >= self.interval:
+            self.flush()
+
+    def flush(self, worker: Any = None) -> None:
+        """Send the buffered records (``worker``: the Worker, outside a task)."""
+        if not self.records:
+            return
+        if worker is None:
+            from distributed import get_worker
+
+            worker = get_worker()
+        worker.log_event(self.topic, {"records": self.records})
+        self.records = []
+        self._last_flush = time.monotonic()
+
+
+def publish(client: Client, *records: dict[str, Any]) -> None:
+    """Publish a few client-side records (run start, epoch ends): one message."""
+    if records and config.get("metrics"):
+        client.log_event(TOPIC, {"records": list(records)})
+
+
+def unpack(event: Any) -> list[dict[str, Any]]:
+    """The records of one event as delivered by ``subscribe_topic``/``get_events``."""
+    _, msg = event if isinstance(event, tuple) else (None, event)
+    return list(msg.get("records", [])) if isinstance(msg, dict) else []
+
+
+def run_start_record(
+    run: str,
+    *,
+    mode: str,
+    model: str,
+    workers: list[str],
+    engine: str = "graph",
+    replica_info: list[dict[str, Any]],
+    epochs: int,
+    steps_per_epoch: int,
+    batch_size: int,
+    n_samples: int,
+    total_updates: int | None = None,
+) -> dict[str, Any]:
+    """The :class:`RunStartRecord` of a run whose replicas are built."""
+    devices = [
+        "GPU" if any("GPU" in str(d) for d in info.get("devices", [])) else "CPU"
+        for info in replica_info
+    ]
+    return {
+        "run": run, "kind": "run_start", "mode": mode, "engine": engine, "model": model,
+        "workers": list(workers), "devices": devices,
+        "shard_sizes": [int(info.get("shard_size", 0)) for info in replica_info],
+        "epochs": int(epochs), "steps_per_epoch": int(steps_per_epoch),
+        "total_updates": int(total_updates if total_updates is not None
+                             else epochs * steps_per_epoch),
+        "batch_size": int(batch_size), "n_samples": int(n_samples),
+        "wall_time": time.time(),
+    }
+
+
+def epoch_record(run: str, epoch: int, update: int, logs: dict[str, Any]) -> dict[str, Any]:
+    """The :class:`EpochRecord` of a finished epoch (numeric logs only)."""
+    values = {k: float(v) for k, v in logs.items() if isinstance(v, (int, float))}
+    return {"run": run, "kind": "epoch", "epoch": int(epoch), "update": int(update),
+            "logs": values, "wall_time": time.time()}
+
+
+def run_end_record(run: str, error: BaseException | None = None) -> dict[str, Any]:
+    """The :class:`RunEndRecord`: ``finished``, or ``failed`` with the error's first line."""
+    text = None
+    if error is not None:
+        lines = str(error).strip().splitlines()
+        text = f"{type(error).__name__}: {lines[0] if lines else ''}"
+    return {"run": run, "kind": "run_end",
+            "status": "finished" if error is None else "failed",
+            "error": text, "wall_time": time.time()}

@@ -1,0 +1,522 @@
+"""The scheduler-side history of every run: :class:`MetricsStore`.
+
+The scheduler's event log keeps only the last ``distributed.admin.low-level-log-length``
+events per topic (1000 by default), so a dashboard that attaches late to a long run
+could not rebuild it from there. The client of every run therefore registers a
+:class:`MetricsStore` scheduler plugin (idempotently: one store per scheduler, shared by
+all runs). Its ``log_event`` hook sees every batch of records published on
+:data:`dasktf.diagnostics.events.TOPIC` as the scheduler receives it, and folds them into a
+bounded per-run summary:
+
+* series (global loss against update, per-worker staleness against update, the epoch
+  metrics) of at most ``dasktf.dashboard.max-points`` rows each; a full series merges
+  neighbouring rows in pairs (their mean) and from then on averages twice as many
+  records per row, so the whole run stays visible at a resolution that halves as it
+  grows, in constant memory;
+* a staleness histogram (exact counts);
+* per-worker aggregates (steps, examples, compute / communication / waiting seconds,
+  bytes, the last update) and a short window of recent steps for rates.
+
+Anyone connected to the scheduler reads it through the scheduler handler
+``dasktf_metrics`` (:func:`fetch`): the first call returns the whole summary, later
+calls pass back the returned cursor and receive only the rows added since, or a
+whole series again when pairs were merged in the meantime.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import statistics
+import time
+from collections import OrderedDict, deque
+from typing import TYPE_CHECKING, Any
+
+from distributed.diagnostics.plugin import SchedulerPlugin
+
+from dasktf import config
+from dasktf.diagnostics.events import TOPIC
+
+if TYPE_CHECKING:
+    from distributed import Client, Scheduler
+
+logger = logging.getLogger(__name__)
+
+#: The name of the scheduler plugin and of its handler.
+PLUGIN_NAME = "dasktf-metrics-store"
+HANDLER = "dasktf_metrics"
+#: Staleness values above this share the last histogram bucket (bounds its size).
+MAX_STALENESS_BUCKET = 256
+
+Cursor = dict[str, Any]
+
+
+class DecimatedSeries:
+    """A table of numeric columns that never holds more than ``max_points`` rows.
+
+    Rows are appended one at a time. When the table is full, each pair of
+    neighbouring rows is replaced by its mean and ``stride`` doubles: from then on a
+    row is the mean of ``stride`` appended records. ``generation`` counts these
+    rewrites, so a reader holding ``(generation, length)`` knows whether it may take
+    just the new rows or must reload the series.
+    """
+
+    def __init__(
+        self, columns: list[str], max_points: int, order_by: str | None = None
+    ) -> None:
+        self.columns = list(columns)
+        # Async workers flush their records independently, so rows can arrive out of
+        # order; a late row is inserted in place (and readers reload the series).
+        self.order_by = order_by
+        self.max_points = max(2, int(max_points) // 2 * 2)
+        self.data: dict[str, list[float | None]] = {c: [] for c in self.columns}
+        self.stride = 1
+        self.generation = 0
+        self.appended = 0
+        self._pending: list[dict[str, Any]] = []
+
+    def __len__(self) -> int:
+        return len(self.data[self.columns[0]])
+
+    def append(self, row: dict[str, Any]) -> None:
+        """Add one record (missing columns are ``None``)."""
+        self.appended += 1
+        if self.stride == 1:
+            key = self.order_by
+            column = self.data[key] if key else None
+            if column and row.get(key) is not None and column[-1] is not None \
+                    and row[key] < column[-1]:
+                at = bisect.bisect_right(column, row[key])
+                for c in self.columns:
+                    self.data[c].insert(at, row.get(c))
+                self.generation += 1
+            else:
+                self._push(row)
+        else:
+            self._pending.append(row)
+            if len(self._pending) >= self.stride:
+                self._push(_mean_row(self._pending, self.columns))
+                self._pending = []
+        if len(self) >= self.max_points:
+            self._compact()
+
+    def _push(self, row: dict[str, Any]) -> None:
+        for c in self.columns:
+            self.data[c].append(row.get(c))
+
+    def _compact(self) -> None:
+        n = len(self)
+        for c in self.columns:
+            old = self.data[c]
+            self.data[c] = [_mean2(old[i], old[i + 1]) for i in range(0, n - 1, 2)] + (
+                [old[-1]] if n % 2 else []
+            )
+        self.stride *= 2
+        self.generation += 1
+
+    def since(self, cursor: list[int] | None) -> tuple[dict[str, Any], list[int]]:
+        """Rows after ``cursor`` (``[generation, length]``) and the new cursor.
+
+        The result has ``reset: True`` and every row when the reader's cursor is
+        from an older generation (or absent).
+        """
+        n = len(self)
+        if cursor is None or cursor[0] != self.generation or cursor[1] > n:
+            start, reset = 0, True
+        else:
+            start, reset = int(cursor[1]), False
+        rows = {c: self.data[c][start:] for c in self.columns}
+        return {"reset": reset, "data": rows, "stride": self.stride}, [self.generation, n]
+
+
+def _mean2(a: float | None, b: float | None) -> float | None:
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return (a + b) / 2
+
+
+def _mean_row(rows: list[dict[str, Any]], columns: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for c in columns:
+        values = [r[c] for r in rows if r.get(c) is not None]
+        out[c] = sum(values) / len(values) if values else None
+    return out
+
+
+class WorkerStats:
+    """Running totals of one replica plus a window of its recent steps."""
+
+    __slots__ = (
+        "bytes", "communication_s", "compute_s", "examples", "last_seen", "last_update",
+        "recent", "staleness_max", "staleness_sum", "steps", "waiting_s",
+    )
+
+    def __init__(self, window: int = 32) -> None:
+        self.steps = 0
+        self.examples = 0
+        self.compute_s = 0.0
+        self.communication_s = 0.0
+        self.waiting_s = 0.0
+        self.bytes = 0
+        self.staleness_sum = 0
+        self.staleness_max = 0
+        self.last_update = -1
+        self.last_seen = 0.0
+        # (batch, compute, communication, waiting) of the last steps: live rates
+        self.recent: deque[tuple[int, float, float, float]] = deque(maxlen=window)
+
+    def add(self, r: dict[str, Any], now: float) -> None:
+        batch = int(r.get("batch_size") or 0)
+        compute = float(r.get("compute_s") or 0.0)
+        comm = float(r.get("communication_s") or 0.0)
+        wait = float(r.get("waiting_s") or 0.0)
+        staleness = int(r.get("staleness") or 0)
+        self.steps += 1
+        self.examples += batch
+        self.compute_s += compute
+        self.communication_s += comm
+        self.waiting_s += wait
+        self.bytes += int(r.get("bytes") or 0)
+        self.staleness_sum += staleness
+        self.staleness_max = max(self.staleness_max, staleness)
+        self.last_update = max(self.last_update, int(r.get("update", -1)))
+        self.last_seen = now
+        self.recent.append((batch, compute, comm, wait))
+
+    def recent_means(self) -> tuple[float, float, float, float]:
+        """Examples/s and mean compute / communication / waiting seconds per step."""
+        if not self.recent:
+            return 0.0, 0.0, 0.0, 0.0
+        n = len(self.recent)
+        batch = sum(x[0] for x in self.recent)
+        compute = sum(x[1] for x in self.recent) / n
+        comm = sum(x[2] for x in self.recent) / n
+        wait = sum(x[3] for x in self.recent) / n
+        period = compute + comm + wait
+        return (batch / n / period if period > 0 else 0.0), compute, comm, wait
+
+
+class RunHistory:
+    """The bounded summary of one run, as the store keeps it."""
+
+    def __init__(self, run: str, max_points: int) -> None:
+        self.run = run
+        self.max_points = max_points
+        self.meta: dict[str, Any] = {}
+        self.status = "running"
+        self.error: str | None = None
+        self.first_seen = time.time()
+        self.last_seen = self.first_seen
+        self.records = 0
+        self.mode = ""
+        self.max_update = -1
+        self.max_epoch = -1
+        self.loss = DecimatedSeries(["update", "loss"], max_points, order_by="update")
+        self.epochs = DecimatedSeries(
+            ["epoch", "update", "loss", "accuracy", "val_loss", "val_accuracy",
+             "examples_per_sec"],
+            max_points,
+        )
+        self.staleness: dict[int, DecimatedSeries] = {}
+        self.histogram: dict[int, int] = {}
+        self.workers: dict[int, WorkerStats] = {}
+        self.lost: set[str] = set()
+        self._last_loss_update = -1
+        self._first_step: tuple[float, int] | None = None
+
+    # -- ingestion ------------------------------------------------------------
+    def add(self, r: dict[str, Any], now: float) -> None:
+        self.records += 1
+        self.last_seen = now
+        kind = r.get("kind")
+        if kind in ("step", "update"):
+            self._add_step(r, now)
+        elif kind == "epoch":
+            self._add_epoch(r)
+        elif kind == "run_start":
+            self.meta = dict(r)
+            self.mode = str(r.get("mode", self.mode))
+            self.first_seen = now
+        elif kind == "run_end":
+            self.status = str(r.get("status", "finished"))
+            self.error = r.get("error")
+        elif kind == "worker_lost" and r.get("worker_address"):  # dasktf.engines.graph.elastic
+            self.lost.add(str(r["worker_address"]))
+
+    def _add_step(self, r: dict[str, Any], now: float) -> None:
+        worker = int(r.get("worker", 0))
+        update = int(r.get("update", r.get("step", 0)))
+        if not self.mode and r.get("mode"):
+            self.mode = str(r["mode"])
+        stats = self.workers.get(worker)
+        if stats is None:
+            stats = self.workers[worker] = WorkerStats()
+        stats.add(r, now)
+        if self._first_step is None:
+            self._first_step = (now, update)
+        self.max_update = max(self.max_update, update)
+        self.max_epoch = max(self.max_epoch, int(r.get("epoch", 0)))
+        staleness = int(r.get("staleness") or 0)
+        bucket = min(staleness, MAX_STALENESS_BUCKET)
+        self.histogram[bucket] = self.histogram.get(bucket, 0) + 1
+        series = self.staleness.get(worker)
+        if series is None:
+            series = self.staleness[worker] = DecimatedSeries(
+                ["update", "staleness"], self.max_points
+            )
+        series.append({"update": update, "staleness": staleness})
+        loss = r.get("loss")
+        if loss is not None:
+            # Sync: every worker carries the same global loss; keep it once. Async:
+            # one loss per update, possibly arriving late (inserted in order).
+            at = int(r.get("loss_step", update))
+            if r.get("kind") == "update":
+                self.loss.append({"update": at, "loss": float(loss)})
+            elif at > self._last_loss_update:
+                self._last_loss_update = at
+                self.loss.append({"update": at, "loss": float(loss)})
+
+    def _add_epoch(self, r: dict[str, Any]) -> None:
+        logs = r.get("logs") or {}
+        row = {k: logs.get(k) for k in self.epochs.columns}
+        row["epoch"] = int(r.get("epoch", 0)) + 1
+        row["update"] = r.get("update", self.max_update)
+        self.epochs.append(row)
+        self.max_epoch = max(self.max_epoch, int(r.get("epoch", 0)))
+
+    # -- reading ----------------------------------------------------------------
+    def header(self, now: float) -> dict[str, Any]:
+        m = self.meta
+        epochs = m.get("epochs")
+        total = m.get("total_updates")
+        done = self.max_update + 1
+        rate = 0.0
+        eta = None
+        if self._first_step is not None and self.last_seen > self._first_step[0]:
+            rate = (self.max_update - self._first_step[1]) / (
+                self.last_seen - self._first_step[0]
+            )
+        if self.status == "running" and total and rate > 0:
+            eta = max(0.0, (total - done) / rate)
+        elif self.status != "running":
+            eta = 0.0
+        devices = m.get("devices") or []
+        return {
+            "run": self.run,
+            "mode": self.mode or m.get("mode", ""),
+            "engine": m.get("engine", ""),
+            "model": m.get("model", ""),
+            "n_workers": len(m.get("workers") or self.workers),
+            "devices": sorted(set(devices)),
+            "epoch": self.max_epoch + 1,
+            "epochs": epochs,
+            "updates": done,
+            "total_updates": total,
+            "updates_per_s": rate,
+            "eta_s": eta,
+            "elapsed_s": self.last_seen - self.first_seen,
+            "status": self.status,
+            "error": self.error,
+            "records": self.records,
+            "age_s": now - self.last_seen,
+        }
+
+    def worker_rows(self, now: float, slow_factor: float) -> dict[str, list[Any]]:
+        addresses = list(self.meta.get("workers") or [])
+        n = max(len(addresses), max(self.workers, default=-1) + 1)
+        devices = list(self.meta.get("devices") or [])
+        shards = list(self.meta.get("shard_sizes") or [])
+        means = {i: s.recent_means() for i, s in self.workers.items()}
+        computes = [means[i][1] for i in means if self.workers[i].steps]
+        periods = [sum(means[i][1:]) for i in means if self.workers[i].steps]
+        median_compute = statistics.median(computes) if computes else 0.0
+        median_period = statistics.median(periods) if periods else 0.0
+        cols: dict[str, list[Any]] = {
+            k: []
+            for k in (
+                "worker", "address", "device", "shard_size", "steps", "last_update",
+                "state", "examples_per_s", "compute_ms", "communication_ms",
+                "waiting_ms", "mb_moved", "staleness_mean", "label",
+            )
+        }
+        for i in range(n):
+            s = self.workers.get(i)
+            address = addresses[i] if i < len(addresses) else ""
+            rate, compute, comm, wait = means.get(i, (0.0, 0.0, 0.0, 0.0))
+            cols["worker"].append(i)
+            cols["address"].append(address)
+            cols["device"].append(devices[i] if i < len(devices) else "")
+            cols["shard_size"].append(shards[i] if i < len(shards) else None)
+            cols["steps"].append(s.steps if s else 0)
+            cols["last_update"].append(s.last_update if s else -1)
+            cols["state"].append(
+                self._state(s, address, now, slow_factor, compute, median_compute,
+                            median_period)
+            )
+            cols["examples_per_s"].append(rate)
+            cols["compute_ms"].append(1000 * compute)
+            cols["communication_ms"].append(1000 * comm)
+            cols["waiting_ms"].append(1000 * wait)
+            cols["mb_moved"].append((s.bytes if s else 0) / 1e6)
+            cols["staleness_mean"].append(s.staleness_sum / s.steps if s and s.steps else 0.0)
+            cols["label"].append(f"{i}: {address.rsplit('/', 1)[-1]}" if address else str(i))
+        return cols
+
+    def _state(
+        self, s: WorkerStats | None, address: str, now: float, slow_factor: float,
+        compute: float, median_compute: float, median_period: float,
+    ) -> str:
+        if address and address in self.lost:
+            return "lost"
+        if self.status != "running":
+            return self.status
+        if s is None or not s.steps:
+            return "starting"
+        silent_limit = max(5.0, slow_factor * 10 * median_period)
+        if now - s.last_seen > silent_limit:
+            return "slow"
+        if median_compute > 0 and compute > slow_factor * median_compute:
+            return "slow"
+        return "running"
+
+    def snapshot(self, cursor: Cursor | None, now: float, slow_factor: float) -> dict[str, Any]:
+        """Everything a dashboard shows, with only new rows since ``cursor``."""
+        cursor = cursor if cursor and cursor.get("run") == self.run else {}
+        loss, loss_cursor = self.loss.since(cursor.get("loss"))
+        epochs, epochs_cursor = self.epochs.since(cursor.get("epochs"))
+        old = cursor.get("staleness") or {}
+        staleness: dict[str, Any] = {}
+        staleness_cursor: dict[str, list[int]] = {}
+        for w, series in sorted(self.staleness.items()):
+            staleness[str(w)], staleness_cursor[str(w)] = series.since(old.get(str(w)))
+        if any(p["reset"] for p in staleness.values()):
+            # The dashboard shows all workers in one source: reload them together.
+            for w, series in sorted(self.staleness.items()):
+                staleness[str(w)], staleness_cursor[str(w)] = series.since(None)
+        hist = sorted(self.histogram.items())
+        return {
+            "run": self.run,
+            "meta": self.meta,
+            "header": self.header(now),
+            "workers": self.worker_rows(now, slow_factor),
+            "histogram": {"staleness": [k for k, _ in hist], "count": [v for _, v in hist]},
+            "series": {"loss": loss, "epochs": epochs, "staleness": staleness},
+            "cursor": {
+                "run": self.run,
+                "loss": loss_cursor,
+                "epochs": epochs_cursor,
+                "staleness": staleness_cursor,
+            },
+        }
+
+
+class MetricsStore(SchedulerPlugin):
+    """Keeps a bounded history of every dasktf run on the scheduler.
+
+    Register it from a client with :func:`ensure_store` (idempotent: a store already
+    there, with its history, is kept), or from a scheduler preload
+    (``dasktf.dashboard.preload``). Read it with :func:`fetch`.
+
+    Parameters
+    ----------
+    max_points
+        Rows kept per series (default ``dasktf.dashboard.max-points``).
+    max_runs
+        Runs remembered, oldest dropped first (default ``dasktf.dashboard.max-runs``).
+    """
+
+    name = PLUGIN_NAME
+    idempotent = True
+
+    def __init__(
+        self,
+        max_points: int | None = None,
+        max_runs: int | None = None,
+        slow_factor: float | None = None,
+    ) -> None:
+        self.max_points = int(config.get("dashboard.max-points", max_points))
+        self.max_runs = int(config.get("dashboard.max-runs", max_runs))
+        self.slow_factor = float(config.get("dashboard.slow-factor", slow_factor))
+        self.runs: OrderedDict[str, RunHistory] = OrderedDict()
+        self.scheduler: Scheduler | None = None
+
+    # -- scheduler hooks --------------------------------------------------------
+    async def start(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        scheduler.handlers[HANDLER] = self.fetch
+
+    def log_event(self, topic: str, msg: Any) -> None:
+        if topic != TOPIC or not isinstance(msg, dict):
+            return
+        self.add_records(msg.get("records") or [])
+
+    def remove_worker(self, scheduler: Scheduler, worker: str, **kwargs: Any) -> None:
+        for history in self.runs.values():
+            if history.status == "running" and worker in (history.meta.get("workers") or []):
+                history.lost.add(worker)
+
+    # -- the store ----------------------------------------------------------------
+    def add_records(self, records: list[dict[str, Any]], now: float | None = None) -> None:
+        """Fold a batch of records into the per-run histories."""
+        now = time.time() if now is None else now
+        for r in records:
+            run = r.get("run")
+            if not run:
+                continue
+            history = self.runs.get(run)
+            if history is None:
+                history = self.runs[run] = RunHistory(run, self.max_points)
+                while len(self.runs) > self.max_runs:
+                    self.runs.popitem(last=False)
+            history.add(r, now)
+
+    def fetch(self, run: str | None = None, cursor: Cursor | None = None) -> dict[str, Any]:
+        """The scheduler handler ``dasktf_metrics``: a run's summary after ``cursor``.
+
+        ``run=None`` is the newest run. The answer always lists the known ``runs``;
+        ``error`` says why there is nothing else (no run yet, an unknown id).
+        """
+        runs = [
+            {"run": h.run, "mode": h.mode, "model": h.meta.get("model", ""),
+             "status": h.status, "started": h.first_seen}
+            for h in self.runs.values()
+        ]
+        if not self.runs:
+            return {"runs": runs, "run": None, "error": "no dasktf run has published yet"}
+        if run is None:
+            history = next(reversed(self.runs.values()))
+        elif run in self.runs:
+            history = self.runs[run]
+        else:
+            known = ", ".join(self.runs) or "none"
+            return {"runs": runs, "run": None,
+                    "error": f"unknown run {run!r}; the scheduler knows: {known}"}
+        out = history.snapshot(cursor, time.time(), self.slow_factor)
+        out["runs"] = runs
+        return out
+
+
+def ensure_store(client: Client) -> None:
+    """Register a :class:`MetricsStore` on ``client``'s scheduler unless one is there."""
+    client.register_plugin(MetricsStore(), name=PLUGIN_NAME)
+
+
+async def fetch_async(client: Client, run: str | None = None,
+                      cursor: Cursor | None = None) -> dict[str, Any]:
+    """Await a run's summary from the scheduler's store (see :meth:`MetricsStore.fetch`)."""
+    out = await client.scheduler.dasktf_metrics(run=run, cursor=cursor)
+    if out is None:  # a scheduler without the handler answers None (and logs it)
+        return {"runs": [], "run": None,
+                "error": "the scheduler has no dasktf MetricsStore yet (no run has "
+                "started there since it started)"}
+    return out  # type: ignore[no-any-return]
+
+
+def fetch(client: Client, run: str | None = None, cursor: Cursor | None = None,
+          timeout: float | None = None) -> dict[str, Any]:
+    """Blocking :func:`fetch_async` for scripts: ``fetch(client)["header"]``."""
+    timeout = config.get_seconds("connect-timeout", timeout)
+    return client.sync(fetch_async, client, run, cursor,  # type: ignore[no-any-return]
+                       callback_timeout=timeout)

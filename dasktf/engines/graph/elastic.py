@@ -1,0 +1,470 @@
+"""Worker loss and growth in a sync run: recover without losing or repeating a step.
+
+Every sync step carries its global update number, and a replica applies each update
+at most once (:meth:`dasktf.runtime.replica.Replica.apply`). When a worker is lost
+(:class:`~dasktf.cluster.membership.MembershipWatcher` hears it from the scheduler):
+
+1. the client cancels the steps in flight and *fences* the survivors (no replica
+   applies anything more), then reads how far each one got;
+2. the survivors are reconciled to the most advanced one: it hands its weights and
+   optimizer state to those behind (all replicas are identical after an applied
+   update, so this is exactly the last applied state);
+3. the lost shard is reloaded from its source on the survivor carrying the fewest
+   shards (:func:`reload_shard`), which *adopts* it: its rows join that replica's
+   batches, in the order the lost worker would have read them, so the global batch
+   and every later update are unchanged;
+4. the epoch resumes at the first update no survivor applied, with N-1 workers. No
+   update is applied twice, none is skipped (``steps_lost`` is 0 by construction;
+   the tests check every replica's log of applied updates); ``steps_recomputed``
+   counts updates whose sum was complete but reached no survivor.
+
+Sharded parameter servers (``placement="ps"``) hold the only copy of their slice
+of the optimizer state, so a loss there *rewinds* instead: the client keeps a
+restore point (the merged state of the replicas and servers at the start, at every
+epoch end and with every checkpoint); the survivors and a new set of servers on
+them load it, the lost shard is adopted as above, and the updates after the restore
+point are computed again (``steps_recomputed``). Every update in the final weights
+is still applied exactly once; the replicas' logs are cut back to the restore point.
+
+At the next epoch boundary the run re-forms (:meth:`ElasticSyncEngine.pending_reform`):
+data re-placed over the workers alive then (the adopter's double share goes away, and
+a worker that joined gets a replica and a share), state copied from a replica.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from dasktf.cluster.waits import RunContext, wait_for
+from dasktf.data.sources import (
+    ArraySource,
+    DaskArraySource,
+    LoaderSource,
+    Shard,
+    interleaved_indices,
+    load_shard,
+    shard_from_parts,
+)
+from dasktf.engines.base import Capabilities, RunHooks
+from dasktf.engines.graph.topology import CommEngine
+from dasktf.exceptions import AllWorkersLostError, WorkerLostError
+from dasktf.runtime.replica import EpochReport, get_replica, take_kept
+from dasktf.runtime.servers import (
+    merge_server_states,
+    ps_load_task,
+    ps_state_task,
+    server_workers,
+    split_server_states,
+)
+from dasktf.wire.packets import CommSpec
+
+if TYPE_CHECKING:
+    from distributed import Client, Future
+
+logger = logging.getLogger(__name__)
+
+#: Accepted values of ``on_worker_loss``.
+ON_WORKER_LOSS = ("recover", "raise")
+
+
+# -- the worker side --------------------------------------------------------------
+def replica_state_task(run_id: str, update: int | None = None, after: Any = None) -> dict[str, Any]:
+    """The replica's full training state: weights, optimizer variables, counters;
+    with ``update``, the state kept right after that update if this replica kept it
+    (``after`` is the step task that kept it: a dependency, never read)."""
+    replica = get_replica(run_id)
+    with replica.apply_lock:
+        kept = take_kept(replica.kept, update)
+    return kept if kept is not None else replica.training_state()
+
+
+def set_state_task(
+    run_id: str, state: dict[str, Any], unfence: bool = True, rewind: bool = False
+) -> int:
+    """Load a state from :func:`replica_state_task` (or a checkpoint) into the
+    replica. ``rewind``: an older state than the replica's (a sharded run's restore
+    point): the updates after it are forgotten, to be applied again, and the
+    epoch's metric totals start over."""
+    replica = get_replica(run_id)
+    with replica.apply_lock:
+        replica.model.set_weights(state["weights"])
+        for v, value in zip(replica.model.optimizer.variables, state["optimizer"], strict=False):
+            v.assign(value)
+        applied = int(state["applied"])
+        if rewind:
+            replica.applied_log = [u for u in replica.applied_log if u <= applied]
+            replica.kept = {}
+            replica.model.reset_metrics()
+        # The updates this state holds count as applied here, once each.
+        replica.applied_log.extend(range(replica.applied + 1, applied + 1))
+        replica.applied = applied
+        if unfence:
+            replica.fenced = False
+        return replica.applied
+
+
+def fence_task(run_id: str) -> int:
+    """Stop this replica applying anything (cancelled steps may still be running);
+    return the last update it applied."""
+    replica = get_replica(run_id)
+    with replica.apply_lock:
+        replica.fenced = True
+        return replica.applied
+
+
+def unfence_task(run_id: str) -> int:
+    replica = get_replica(run_id)
+    with replica.apply_lock:
+        replica.fenced = False
+        return replica.applied
+
+
+def adopt_task(
+    run_id: str, index: int, shard: Shard, column: np.ndarray, val: Shard | None
+) -> int:
+    """Take over a lost worker's shard (and validation piece); returns rows held."""
+    replica = get_replica(run_id)
+    with replica.apply_lock:
+        replica.adopted.append((index, shard, np.asarray(column)))
+        if val is not None and len(val):
+            mine = replica.val_shard
+            replica.val_shard = val if mine is None else Shard(
+                np.concatenate([mine.x, val.x]), np.concatenate([mine.y, val.y])
+            )
+    return len(replica.shard) + sum(len(s) for _, s, _ in replica.adopted)
+
+
+def ramp_lr_task(run_id: str, factor: float, steps: int) -> tuple[float, float]:
+    """Scale the learning rate by ``factor``, linearly over the next ``steps`` updates
+    (the warm-up of Goyal et al., 2017); returns (old, new)."""
+    from dasktf.runtime.servers import ramp_shards_learning_rate
+
+    replica = get_replica(run_id)
+    with replica.apply_lock:
+        old = float(np.asarray(replica.model.optimizer.learning_rate))
+        new = old * float(factor)
+        replica.lr_ramp = (replica.applied + 1, max(1, int(steps)), old, new)
+    ramp_shards_learning_rate(run_id, float(factor), steps)  # placement="ps": they train
+    return old, new
+
+
+def applied_log_task(run_id: str) -> tuple[int, list[int]]:
+    replica = get_replica(run_id)
+    return replica.index, list(replica.applied_log)
+
+
+# -- reloading a shard from its source ------------------------------------------------
+def reload_shard(
+    client: Client, source: Any, index: int, n_shards: int, worker: str,
+    schedule: np.ndarray, batch_size: int,
+) -> Future:
+    """Rebuild shard ``index`` of ``n_shards`` on ``worker`` from where it came from."""
+    if isinstance(source, ArraySource):
+        rows = interleaved_indices(schedule, batch_size)[index]
+        return client.scatter(
+            Shard(source.x[rows], source.y[rows]), workers=[worker], direct=True, hash=False
+        )
+    if isinstance(source, LoaderSource):
+        return client.submit(load_shard, source.load, index, n_shards,
+                             workers=[worker], pure=False)
+    if isinstance(source, DaskArraySource):
+        chunks = source.assignment[index]
+        # Recomputed from the Dask graph where the lost worker held the only copy.
+        x_parts = client.compute([source.x.to_delayed().ravel()[j] for j in chunks])
+        y_parts = client.compute([source.y.to_delayed().ravel()[j] for j in chunks])
+        return client.submit(shard_from_parts, x_parts, y_parts, workers=[worker], pure=False)
+    raise TypeError(f"cannot reload a shard from {type(source).__name__}")
+
+
+# -- the client side ------------------------------------------------------------------
+class ElasticSyncEngine(CommEngine):
+    """A sync engine (:class:`~dasktf.engines.graph.topology.CommEngine`: codec, topology,
+    placement) that survives losing workers.
+
+    The mirrored placement, with any reduction (tree, all-to-one, ring: the
+    survivors take the lost worker's ring chunks until the run re-forms at the epoch
+    boundary) and any codec, goes on from the most advanced survivor; the sharded
+    servers' placement (a server's optimizer slice goes with its worker) rewinds to
+    its restore point (see the module).
+
+    Parameters
+    ----------
+    ctx
+        The run (its ``watcher`` reports removals).
+    spec, shapes
+        The run's communication spec and trainable variables' shapes (see
+        :class:`~dasktf.engines.graph.topology.CommEngine`).
+    schedule
+        The run's ``steps x workers`` local batch sizes.
+    hooks
+        What the run provides (:class:`~dasktf.engines.base.RunHooks`): ``reload``
+        a lost shard on a survivor, ``publish`` records, ``announce`` a loss, name
+        the ``last_checkpoint`` when every worker is gone, ``on_worker_loss``.
+    average_stats
+        The model has non-trainable float state (BatchNormalization's moving
+        statistics) to average over the replicas at each epoch end.
+    ps_layout
+        ``placement="ps"``: ``(OptimizerLayout, positions of the trainable
+        variables among the model's weights)``, to merge the servers' slices into
+        one state.
+    """
+
+    capabilities = Capabilities(checkpoints="steps", resume=True, reforms=True)
+
+    def __init__(
+        self,
+        ctx: RunContext,
+        spec: CommSpec,
+        shapes: list[tuple[int, ...]],
+        schedule: np.ndarray,
+        hooks: RunHooks,
+        average_stats: bool = False,
+        ps_layout: tuple[Any, list[int]] | None = None,
+    ) -> None:
+        super().__init__(ctx, spec, shapes)
+        self.schedule = schedule
+        #: ``{worker address: [replica indices whose shards it trains on]}``
+        self.carried = {w: [i] for i, w in enumerate(ctx.workers)}
+        self.hooks = hooks
+        self.announce = hooks.announce
+        self.attempt = 0
+        #: ``"recover"`` or ``"raise"`` (the trainer's ``on_worker_loss``)
+        self.policy = hooks.on_worker_loss
+        self.average_stats = average_stats
+        self.reform_needed = False
+        self.last_state: dict[str, Any] | None = None
+        self.ps_layout = ps_layout
+        #: The newest state sharded servers rewind to after a loss.
+        self.restore_point: dict[str, Any] | None = None
+
+    def run_epoch(
+        self, epoch: int, on_step: Callable[[int], None] | None = None, start: int = 0
+    ) -> list[EpochReport]:
+        while True:
+            try:
+                return super().run_epoch(epoch, on_step, start)
+            except WorkerLostError as exc:
+                if self.policy == "raise":
+                    raise
+                start = self.recover(exc.workers, epoch)
+
+    def recover(self, lost: list[str], epoch: int) -> int:
+        """Reconcile the survivors, hand out the lost shards; the step to resume at."""
+        detected = time.time()
+        client, ctx = self.ctx.client, self.ctx
+        removals = {c.worker: c for c in ctx.watcher.removed(lost)} if ctx.watcher else {}
+        lost = sorted(set(lost) | set(removals))
+        survivors = [w for w in ctx.workers if w not in lost]
+        finished = [s for s, (_, total) in sorted(self.in_flight.items())
+                    if all(f.status == "finished" for f in _futures(total))]
+        # 1. nothing in flight may apply from here on
+        for step, (parts, total) in self.in_flight.items():
+            client.cancel([*parts, *self.held.get(step, []), *_futures(total)], force=True)
+        self.in_flight, self.held = {}, {}
+        if not survivors:
+            path = self.hooks.last_checkpoint()
+            raise AllWorkersLostError(
+                f"Every worker of the run was lost ({', '.join(lost)}); the run cannot "
+                "go on. " + (f"The last checkpoint is {path}; resume from it with "
+                             "resume=True (--resume) once workers are back."
+                             if path else "Pass checkpoint_dir= to keep checkpoints."),
+                lost,
+            )
+        ctx.workers = survivors
+        self.attempt += 1
+        self.key_suffix = f"-r{self.attempt}"  # the cancelled keys may linger
+        fences = [client.submit(fence_task, ctx.run_id,
+                                key=f"dasktf-fence-{ctx.run_id}-{self.attempt}-{i}",
+                                workers=[w], allow_other_workers=False, pure=False)
+                  for i, w in enumerate(survivors)]
+        wait_for(ctx, fences, "fencing the surviving replicas")
+        applied = client.gather(fences)
+        if self.spec.placement == "ps":
+            return self._rewind(lost, epoch, removals, detected, max(applied))
+        target = max(applied)
+        # 2. everyone to the most advanced survivor's state
+        source = survivors[applied.index(target)]
+        state = client.submit(replica_state_task, ctx.run_id, workers=[source],
+                              allow_other_workers=False, pure=False)
+        sets = [client.submit(set_state_task, ctx.run_id, state, workers=[w],
+                              allow_other_workers=False, pure=False)
+                for w, a in zip(survivors, applied, strict=False) if a < target]
+        unfences = [client.submit(unfence_task, ctx.run_id, workers=[w],
+                                  allow_other_workers=False, pure=False)
+                    for w, a in zip(survivors, applied, strict=False) if a == target]
+        wait_for(ctx, [state, *sets, *unfences], "reconciling the surviving replicas")
+        moved = self._adopt(lost, survivors)
+        # Updates whose sum was complete but that no survivor had applied: computed
+        # again (never skipped: numbering goes on from the survivors' last update).
+        last_finished = self.update_base + finished[-1] if finished else target
+        recomputed = max(0, last_finished - target)
+        self._report(lost, epoch, removals, detected, moved, target, recomputed)
+        return target + 1 - self.update_base
+
+    def _rewind(
+        self, lost: list[str], epoch: int, removals: dict[str, Any], detected: float,
+        reached: int,
+    ) -> int:
+        """Sharded servers: every survivor and a new set of servers on them go back
+        to the restore point; the step to resume at (see the module)."""
+        client, ctx = self.ctx.client, self.ctx
+        restore = self.restore_point
+        if restore is None or restore["applied"] + 1 < self.update_base:
+            raise WorkerLostError(
+                f"Lost {', '.join(lost)}, and this sharded-server run has no restore "
+                "point in the current epoch; this is a dasktf bug.", lost,
+            )
+        self.servers = server_workers(ctx.workers, self.spec.num_ps)
+        self.load_servers(restore)
+        state = client.scatter(restore, broadcast=True, hash=False)
+        rewinds = [client.submit(set_state_task, ctx.run_id, state, True, True,
+                                 workers=[w], allow_other_workers=False, pure=False)
+                   for w in ctx.workers]
+        wait_for(ctx, rewinds, "rewinding the surviving replicas to the restore point")
+        moved = self._adopt(lost, ctx.workers)
+        target = int(restore["applied"])
+        self._report(lost, epoch, removals, detected, moved, target,
+                     max(0, reached - target), rewound=True)
+        return target + 1 - self.update_base
+
+    def _adopt(self, lost: list[str], survivors: list[str]) -> list[tuple[int, str]]:
+        """The lost shards go to the survivors carrying the fewest."""
+        client, ctx = self.ctx.client, self.ctx
+        moved: list[tuple[int, str]] = []
+        for w in lost:
+            for index in self.carried.pop(w, []):
+                adopter = min(survivors, key=lambda s: len(self.carried[s]))
+                shard, val = self.hooks.reload(index, adopter)  # type: ignore[misc]
+                f = client.submit(adopt_task, ctx.run_id, index, shard,
+                                  self.schedule_column(index), val, workers=[adopter],
+                                  allow_other_workers=False, pure=False)
+                wait_for(ctx, [f], f"reloading shard {index} on {adopter}")
+                self.carried[adopter].append(index)
+                moved.append((index, adopter))
+        self.reform_needed = True
+        return moved
+
+    def _report(
+        self, lost: list[str], epoch: int, removals: dict[str, Any], detected: float,
+        moved: list[tuple[int, str]], target: int, recomputed: int,
+        rewound: bool = False,
+    ) -> None:
+        """The ``worker_lost`` and ``recovered`` records, and the one line."""
+        ctx = self.ctx
+        survivors = list(ctx.workers)
+        resumed = time.time()
+        for w in lost:
+            change = removals.get(w)
+            record = {
+                "run": ctx.run_id, "kind": "worker_lost", "worker_address": w,
+                "epoch": epoch, "update": target,
+                "detect_s": (change.seen_time - change.scheduler_time) if change else None,
+                "removed_at": change.scheduler_time if change else None,
+                "detected_at": change.seen_time if change else detected,
+                "wall_time": time.time(),
+            }
+            self.hooks.publish(record)
+        since = min((c.seen_time for c in removals.values()), default=detected)
+        recovered = {
+            "run": ctx.run_id, "kind": "recovered", "workers": list(survivors),
+            "lost": list(lost), "moved": [[i, a] for i, a in moved],
+            "resumed_at_update": target + 1, "steps_lost": 0,
+            "steps_recomputed": recomputed, "rewound_to_update": target if rewound else None,
+            "resume_s": resumed - since, "wall_time": time.time(),
+        }
+        self.hooks.publish(recovered)
+        self.losses.append(recovered)
+        self.announce(
+            f"worker lost: {', '.join(lost)}; recovered in {resumed - since:.2f}s with "
+            f"{len(survivors)} worker(s), shard(s) "
+            f"{', '.join(f'{i}->{a}' for i, a in moved)}, "
+            + (f"servers on {', '.join(self.servers)} rewound to the restore point, "
+               if rewound else "")
+            + f"resuming at update {target + 1} (steps lost: 0, recomputed: {recomputed})"
+        )
+
+    def schedule_column(self, index: int) -> np.ndarray:
+        return self.schedule[:, index]
+
+    def applied_logs(self) -> dict[int, list[int]]:
+        """``{replica index: updates it applied, in order}`` over the survivors."""
+        futures = [self.ctx.client.submit(applied_log_task, self.ctx.run_id, workers=[w],
+                                          allow_other_workers=False, pure=False)
+                   for w in self.ctx.workers]
+        wait_for(self.ctx, futures, "reading the applied updates")
+        return dict(self.ctx.client.gather(futures))
+
+    def state(self) -> dict[str, Any]:
+        """The run's training state: the replicas' (identical) state, read from the
+        first one; with sharded servers, their master weights and optimizer slices
+        merged into it (the mirrored placement's format)."""
+        client, ctx = self.ctx.client, self.ctx
+        update, after = self.kept_request()
+        f = client.submit(replica_state_task, ctx.run_id, update, after,
+                          workers=[ctx.workers[0]], allow_other_workers=False, pure=False)
+        if self.spec.placement != "ps":
+            wait_for(ctx, [f], "reading the training state")
+            return f.result()  # type: ignore[no-any-return]
+        assert self.ps_layout is not None, "RunGuard sets the servers' layout"
+        kept_by = self.in_flight[self.retired][1] if update is not None else None
+        slices = [client.submit(ps_state_task, ctx.run_id, s, self.chunks[s],
+                                self.generation, update,
+                                kept_by[s] if kept_by is not None else None,
+                                workers=[w], allow_other_workers=False, pure=False)
+                  for s, w in enumerate(self.servers)]
+        wait_for(ctx, [f, *slices], "reading the training state and the servers' slices")
+        layout, trainable = self.ps_layout
+        return merge_server_states(f.result(), client.gather(slices), self.chunks,
+                                   layout, trainable)
+
+    def load_servers(self, state: dict[str, Any]) -> None:
+        """Sharded servers: make ``self.servers`` hold ``state``'s slices (a newer
+        generation: older server tasks still running do nothing)."""
+        if self.spec.placement != "ps":
+            return
+        assert self.ps_layout is not None, "RunGuard sets the servers' layout"
+        client, ctx = self.ctx.client, self.ctx
+        self.generation += 1
+        parts = split_server_states(state, self.chunks, *self.ps_layout)
+        mine: dict[str, dict[int, Any]] = {w: {} for w in ctx.workers}
+        for s, w in enumerate(self.servers):
+            mine[w][s] = parts[s]
+        loads = [client.submit(ps_load_task, ctx.run_id, slices, int(state["applied"]),
+                               self.generation, workers=[w], allow_other_workers=False,
+                               pure=False)
+                 for w, slices in mine.items()]
+        wait_for(ctx, loads, "loading the parameter servers' slices")
+
+    def keep_restore_point(self, state: dict[str, Any] | None = None) -> None:
+        """Sharded servers: keep ``state`` (read now if not given) to rewind to;
+        a run that raises on a loss never rewinds and keeps none."""
+        if self.spec.placement == "ps" and self.policy == "recover":
+            self.restore_point = state if state is not None else self.state()
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Load ``state`` into every replica and the sharded servers, if any."""
+        ctx = self.ctx
+        big = ctx.client.scatter(state, broadcast=True, hash=False)
+        futures = [ctx.client.submit(set_state_task, ctx.run_id, big, workers=[w],
+                                     allow_other_workers=False, pure=False)
+                   for w in ctx.workers]
+        wait_for(ctx, futures, "loading the checkpoint into the replicas")
+        self.load_servers(state)
+
+    def reform(self, schedule: np.ndarray) -> None:
+        """Go on over ``ctx.workers`` as they are now (the run re-placed its data
+        with ``schedule``), one shard each; the caller loads the state."""
+        self.respec(len(self.ctx.workers))
+        self.carried = {w: [i] for i, w in enumerate(self.ctx.workers)}
+        self.schedule = schedule
+        self.reform_needed = False
+
+
+def _futures(total: Any) -> list[Any]:
+    """A step's result: one future, or several (ring, sharded servers)."""
+    return total if isinstance(total, list) else [total]

@@ -1,0 +1,231 @@
+"""The synchronous step engine: one Dask task graph per training step.
+
+Per step ``k`` the graph is::
+
+    step(k, w0) ─┐
+    step(k, w1) ─┼─► sum ─► step(k+1, w0), step(k+1, w1), ...
+    step(k, w2) ─┘
+
+``step`` runs pinned on the worker that holds the shard and replica: it applies the
+previous step's summed gradient, then computes this step's gradient (one fused task,
+one flat buffer). ``sum`` is a tree of ``dasktf.reduction-fan-in``-ary additions. So a
+step costs two dependent task hops and two buffer moves (workers → sum → workers);
+with one worker the sum is skipped and a step is one hop, and so it is with two
+(lossless): each step sums the pair itself (a direct exchange, dasktf.engines.graph.topology).
+Gradients go worker to worker, never through the client, and the client submits
+``dasktf.submit-ahead`` steps before it waits for the oldest.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from dasktf import config
+from dasktf.cluster.waits import RunContext, wait_for
+from dasktf.engines.base import Capabilities, Engine
+from dasktf.runtime.replica import EpochReport
+from dasktf.runtime.tasks import (
+    end_epoch_task,
+    epoch_stats_task,
+    set_learning_rate_task,
+    step_task,
+)
+from dasktf.wire.messages import sum_gradients
+
+if TYPE_CHECKING:
+    from distributed import Future
+
+logger = logging.getLogger(__name__)
+
+
+class SyncEngine(Engine):
+    """Runs epochs of synchronous data-parallel steps as Dask task graphs."""
+
+    mode = "sync"
+    engine = "graph"
+    capabilities = Capabilities(checkpoints="steps", resume=True)
+
+    def __init__(self, ctx: RunContext) -> None:
+        self.ctx = ctx
+        self.fan_in = max(2, int(config.get("reduction-fan-in")))
+        self.ahead = max(1, int(config.get("submit-ahead")))
+        #: Global updates applied before the current epoch (steps are numbered from it).
+        self.update_base = 0
+        #: Appended to task keys after a recovery, whose cancelled keys may linger.
+        self.key_suffix = ""
+        #: This epoch's step futures: ``step -> (gradient parts, their sum)``; recovery
+        #: (:mod:`dasktf.engines.graph.elastic`) cancels the unfinished ones and reuses the sums.
+        self.in_flight: dict[int, tuple[list[Future], Any]] = {}
+        #: The steps' inner futures (a ring's or servers' chunk picks, a deep tree's
+        #: partial sums), held with their step: distributed's cancel, which a
+        #: recovery uses, asserts that a client wants every dependent it reaches.
+        self.held: dict[int, list[Future]] = {}
+        self._holding: list[Future] = []
+        #: The last step of this epoch whose sum the client saw complete.
+        self.retired: int | None = None
+        #: Checkpoint after every this many steps of an epoch (set by the run's
+        #: :class:`~dasktf.run.guard.RunGuard`): the first replica keeps its state after
+        #: those updates, so a checkpoint holds exactly them however far ahead it ran.
+        self.keep_every: int | None = None
+        #: The model has non-trainable float state (BatchNormalization's moving
+        #: statistics): every replica updates it from its own batches, so the epoch
+        #: end averages it over the replicas (tf.distribute's MEAN aggregation).
+        self.average_stats = False
+        self.losses: list[dict[str, Any]] = []
+
+    def _reduce(self, parts: list[Future], epoch: int, step: int) -> Future:
+        level, depth = parts, 0
+        while len(level) > 1:
+            level = [
+                self._submit_sum(
+                    level[j : j + self.fan_in],
+                    f"dasktf-sum-{self.ctx.run_id}-{epoch}-{step}-{depth}-{j}{self.key_suffix}",
+                )
+                for j in range(0, len(level), self.fan_in)
+            ]
+            self.hold(level)
+            depth += 1
+        return level[0]
+
+    def hold(self, futures: list[Future]) -> None:
+        """Keep the step being submitted's inner ``futures`` with it (see ``held``)."""
+        self._holding.extend(futures)
+
+    def _submit_sum(self, parts: list[Future], key: str) -> Future:
+        """One reduction task (dasktf.engines.graph.topology's engine sums encoded packets)."""
+        return self.ctx.client.submit(sum_gradients, *parts, key=key)
+
+    def submit_step(self, epoch: int, step: int, previous: Any) -> Any:
+        self._holding = []
+        parts = self._step_parts(epoch, step, previous)
+        total = self._combine(parts, epoch, step)
+        self.in_flight[step] = (parts, total)
+        self.held[step] = self._holding
+        return total
+
+    def _combine(self, parts: list[Future], epoch: int, step: int) -> Any:
+        """What the next step receives: the summed gradient (a future), or several
+        futures for a ring or sharded step or a direct exchange
+        (:class:`dasktf.engines.graph.topology.CommEngine`)."""
+        return self._reduce(parts, epoch, step)
+
+    def _step_parts(self, epoch: int, step: int, previous: Any) -> list[Future]:
+        """Every worker's step task of this step (their gradients, not yet summed)."""
+        return [
+            self.ctx.client.submit(
+                step_task,
+                self.ctx.run_id,
+                epoch,
+                step,
+                previous,
+                self.update_base + step,
+                i == 0 and step > 0 and self.checkpoint_due(step - 1),
+                key=f"dasktf-step-{self.ctx.run_id}-{epoch}-{step}-{i}{self.key_suffix}",
+                # The replica and shard live on this worker alone: never move the task.
+                workers=[w],
+                allow_other_workers=False,
+                resources=self.ctx.resources,
+            )
+            for i, w in enumerate(self.ctx.workers)
+        ]
+
+    def run_epoch(
+        self, epoch: int, on_step: Callable[[int], None] | None = None, start: int = 0
+    ) -> list[EpochReport]:
+        """Train one epoch (from step ``start``); return every replica's report
+        (metric states, weights)."""
+        window: deque[tuple[int, Future]] = deque()
+        previous: Future | None = None
+        self.in_flight, self.retired, self.held = {}, None, {}
+        for step in range(start, self.ctx.steps_per_epoch):
+            previous = self.submit_step(epoch, step, previous)
+            window.append((step, previous))
+            while len(window) > self.ahead:
+                self._retire(window.popleft(), epoch, on_step)
+        while window:
+            self._retire(window.popleft(), epoch, on_step)
+        stats: list[Future] = []
+        if self.average_stats:
+            # Two phases, submitted at once: every replica's statistics go worker to
+            # worker into every end task, which averages them itself (no round trip
+            # through the client). A model without them keeps the single task.
+            stats = [
+                self.ctx.client.submit(
+                    epoch_stats_task,
+                    self.ctx.run_id,
+                    previous,
+                    key=f"dasktf-epoch-stats-{self.ctx.run_id}-{epoch}-{i}"
+                        f"{self.key_suffix}",
+                    workers=[w],
+                    allow_other_workers=False,
+                    resources=self.ctx.resources,
+                )
+                for i, w in enumerate(self.ctx.workers)
+            ]
+            previous = None  # applied by the stats tasks
+        ends = [
+            self.ctx.client.submit(
+                end_epoch_task,
+                self.ctx.run_id,
+                previous,
+                i == 0,
+                *stats,
+                key=f"dasktf-end-epoch-{self.ctx.run_id}-{epoch}-{i}{self.key_suffix}",
+                workers=[w],
+                allow_other_workers=False,
+                resources=self.ctx.resources,
+            )
+            for i, w in enumerate(self.ctx.workers)
+        ]
+        wait_for(self.ctx, ends, f"the end of epoch {epoch + 1}")
+        self.update_base += self.ctx.steps_per_epoch
+        self.in_flight, self.retired, self.held = {}, None, {}
+        return self.ctx.client.gather(ends)  # type: ignore[no-any-return]
+
+    def set_learning_rate(self, lr: float) -> None:
+        """Every replica's optimizer takes ``lr`` (between epochs: nothing in flight)."""
+        futures = [self.ctx.client.submit(set_learning_rate_task, self.ctx.run_id, lr,
+                                          workers=[w], allow_other_workers=False,
+                                          pure=False)
+                   for w in self.ctx.workers]
+        wait_for(self.ctx, futures, "setting the learning rate")
+
+    def set_checkpoint_grid(self, every: int | None) -> None:
+        self.keep_every = every
+
+    def start_at(self, update: int) -> None:
+        self.update_base = update
+
+    def checkpoint_due(self, step: int) -> bool:
+        """Whether the update of ``step`` (of an epoch) is one ``keep_every`` asks a
+        checkpoint of; an epoch's last step is checkpointed at the epoch end."""
+        every = self.keep_every
+        return every is not None and (step + 1) % every == 0 and (
+            step + 1 < self.ctx.steps_per_epoch
+        )
+
+    def kept_request(self) -> tuple[int | None, Any]:
+        """``(update, the step task that kept the state after it)`` for the state
+        of the last retired step when it is due a checkpoint; ``(None, None)``
+        otherwise (the first replica's current state is read)."""
+        step = self.retired
+        if step is None or not self.checkpoint_due(step) or step + 1 not in self.in_flight:
+            return None, None
+        return self.update_base + step, self.in_flight[step + 1][0][0]
+
+    def _retire(
+        self, item: tuple[int, Future], epoch: int, on_step: Callable[[int], None] | None
+    ) -> None:
+        step, future = item
+        # A ring, sharded or exchange step ends in several futures (dasktf.engines.graph.topology).
+        futures = future if isinstance(future, list) else [future]
+        wait_for(self.ctx, futures, f"step {step + 1} of epoch {epoch + 1}")
+        for old in [s for s in self.in_flight if s < step - 1]:
+            del self.in_flight[old]  # applied everywhere: never needed again
+            self.held.pop(old, None)
+        self.retired = step
+        if on_step is not None:
+            on_step(step)

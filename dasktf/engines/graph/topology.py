@@ -1,0 +1,202 @@
+"""How a sync step moves gradients: the reduction topology and the placement.
+
+:class:`CommEngine` is the sync engine (:class:`dasktf.engines.graph.steps.SyncEngine`) with every
+gradient encoded by the run's codec (:mod:`dasktf.wire.codecs`) and counted at the
+codec (:mod:`dasktf.wire.packets`). Its step graph is one of:
+
+``topology="tree"`` (default)
+    a tree of reductions, ``dasktf.reduction-fan-in`` gradients each; Dask runs
+    each where most of its inputs already are. The reducing worker receives
+    ``fan_in - 1`` gradients and sends the sum to every other worker.
+``topology="naive"``
+    all-to-one: one task, pinned to the first worker (the master), sums all N
+    gradients.
+``topology="ring"``
+    reduce-scatter / all-gather in the graph: each gradient leaves its worker as N
+    chunks; worker c sums chunk c of all gradients (pinned there), and every
+    worker's next step gathers the N summed chunks. Each worker sends and receives
+    ``2 (N-1)/N`` gradients per step, the allreduce lower bound, at the price of
+    N^2 + N more (small) tasks per step.
+two workers, lossless (``compression="none"``), tree: a *direct exchange*
+    no reduction task: each worker's next step takes both gradients and sums them
+    itself, in worker order, bitwise as the reduction would. With two workers the
+    reduction is a pure extra hop (~7 ms of scheduling per step, see
+    benchmarks/RESULTS.md) that moves the same bytes: each worker sends one
+    gradient and receives one either way. A lossy codec keeps the reduction (its
+    re-encoded sum is what every replica applies).
+``placement="ps"``
+    sharded parameter servers (:mod:`dasktf.runtime.servers`): chunk s goes to server s, which
+    applies the optimizer to its slice and sends the slice's weights back.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from dasktf.cluster.waits import RunContext
+from dasktf.engines.graph.steps import SyncEngine
+from dasktf.runtime.servers import ps_apply_task, server_workers
+from dasktf.wire.packets import (
+    CommSpec,
+    allreduce_lower_bound,
+    chunk_ranges,
+    merge_traffic,
+    pick,
+    reduce_packets,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from distributed import Future
+
+    from dasktf.runtime.replica import EpochReport
+
+class CommEngine(SyncEngine):
+    """Sync steps with a codec, a reduction topology and a placement (see module).
+
+    Parameters
+    ----------
+    ctx
+        The run's workers and id.
+    spec
+        The run's :class:`~dasktf.wire.packets.CommSpec` (``n_workers`` filled in).
+    shapes
+        The trainable variables' shapes (chunks and server slices are cut from them).
+    """
+
+    def __init__(self, ctx: RunContext, spec: CommSpec, shapes: list[tuple[int, ...]]) -> None:
+        super().__init__(ctx)
+        self.spec = spec
+        self.n_params = int(sum(_size(s) for s in shapes))
+        if spec.topology == "naive":
+            self.fan_in = max(2, len(ctx.workers))
+        self._shapes = shapes
+        self.chunks = chunk_ranges(spec, [_size(s) for s in shapes], shapes)
+        self.servers = server_workers(ctx.workers, spec.num_ps)
+        #: Raised whenever the servers' slices are reloaded (a rewind, a re-form):
+        #: server tasks of an older generation still running then do nothing.
+        self.generation = 0
+        self._bytes_before: dict[str, tuple[int, int]] = {}
+        self._epoch_bytes: dict[str, tuple[int, int]] = {}
+
+    def respec(self, n_workers: int) -> None:
+        """The run re-formed on ``n_workers`` (new replicas): cut the ring's chunks
+        as theirs are; the servers go to the workers of the run now."""
+        import dataclasses
+
+        self.spec = dataclasses.replace(self.spec, n_workers=n_workers)
+        self.chunks = chunk_ranges(self.spec, [_size(s) for s in self._shapes], self._shapes)
+        self.servers = server_workers(self.ctx.workers, self.spec.num_ps)
+
+    # -- the graph --------------------------------------------------------------
+    def _submit_sum(self, parts: list[Future], key: str) -> Future:
+        # all-to-one means one master: pin it (Dask would otherwise move the sum to
+        # whichever worker holds most inputs, spreading the load like a tree)
+        where = (
+            {"workers": [self.ctx.workers[0]], "allow_other_workers": False}
+            if self.spec.topology == "naive" else {}
+        )
+        return self.ctx.client.submit(
+            reduce_packets, self.ctx.run_id, self.spec.compression, *parts, key=key,
+            **where,
+        )
+
+    def _combine(self, parts: list[Future], epoch: int, step: int) -> Any:
+        if self.spec.placement == "ps":
+            return self._scatter(parts, epoch, step, self.servers, "ps")
+        if self.spec.n_chunks > 1:
+            # chunk c on worker c; after a loss (until the run re-forms at the epoch
+            # boundary) the survivors take the N chunks round the ring
+            workers = self.ctx.workers
+            targets = [workers[c % len(workers)] for c in range(len(self.chunks))]
+            return self._scatter(parts, epoch, step, targets, "ring")
+        if self.exchanges(len(parts)):
+            return list(parts)  # the next step sums them (dasktf.runtime.channel.receive)
+        return self._reduce(parts, epoch, step)
+
+    def exchanges(self, n_workers: int) -> bool:
+        """Whether a step of ``n_workers`` is a direct exchange (see the module):
+        decided per step, as a lost worker can bring a run down to two."""
+        return (
+            n_workers == 2
+            and self.spec.topology == "tree"
+            and self.spec.placement == "mirrored"
+            and self.spec.compression == "none"
+        )
+
+    def _scatter(
+        self, parts: list[Future], epoch: int, step: int, targets: list[str], what: str
+    ) -> list[Future]:
+        """Chunk c of every gradient to ``targets[c]``, reduced (ring) or applied
+        (ps) there; returns the N (or K) futures the next step gathers."""
+        client, run = self.ctx.client, self.ctx.run_id
+        n = len(self.chunks)
+        out = []
+        for c, target in enumerate(targets):
+            if n == 1:
+                inputs = parts
+            else:
+                inputs = [
+                    client.submit(
+                        pick, p, c,
+                        key=f"dasktf-take-{run}-{epoch}-{step}-{i}-{c}{self.key_suffix}",
+                        # The packets are on worker i: taking one there moves nothing.
+                        workers=[w], allow_other_workers=False,
+                    )
+                    for i, (p, w) in enumerate(zip(parts, self.ctx.workers, strict=False))
+                ]
+                self.hold(inputs)
+            key = f"dasktf-{what}-{run}-{epoch}-{step}-{c}{self.key_suffix}"
+            if what == "ps":
+                future = client.submit(
+                    ps_apply_task, run, c, self.chunks[c], self.spec.weights_dtype,
+                    *inputs, key=key, update=self.update_base + step,
+                    keep=self.checkpoint_due(step), generation=self.generation,
+                    # The server's master slice and optimizer state live there.
+                    workers=[target], allow_other_workers=False,
+                )
+            else:
+                future = client.submit(
+                    reduce_packets, run, self.spec.compression, *inputs, key=key,
+                    workers=[target], allow_other_workers=False,
+                )
+            out.append(future)
+        return out
+
+    # -- the figures ------------------------------------------------------------
+    def run_epoch(
+        self, epoch: int, on_step: Callable[[int], None] | None = None, start: int = 0
+    ) -> list[EpochReport]:
+        reports = super().run_epoch(epoch, on_step, start)
+        # The ledgers ride on the reports: no round trip to the workers per epoch.
+        ledgers = {r.worker: r.traffic for r in reports if r.traffic is not None}
+        now = merge_traffic(ledgers, self.ctx.workers)
+        zero = (0, 0)
+        self._epoch_bytes = {
+            w: (s - self._bytes_before.get(w, zero)[0], r - self._bytes_before.get(w, zero)[1])
+            for w, (s, r) in now.items()
+        }
+        self._bytes_before = now
+        return reports
+
+    def epoch_logs(self, seconds: float) -> dict[str, float]:
+        """Per worker and step: bytes sent + received (mean over workers), sent
+        alone, and the busiest direction of the busiest worker over the allreduce
+        lower bound ``2 (N-1)/N x P x 4`` (each direction; ring: about 1)."""
+        steps = max(1, self.ctx.steps_per_epoch)
+        moved = list(self._epoch_bytes.values()) or [(0, 0)]
+        bound = allreduce_lower_bound(self.n_params, len(self.ctx.workers))
+        busiest = max(max(s, r) for s, r in moved) / steps
+        return {
+            "bytes_per_step": float(sum(s + r for s, r in moved) / len(moved) / steps),
+            "bytes_sent_per_step": float(sum(s for s, _ in moved) / len(moved) / steps),
+            "bytes_lower_bound": bound,
+            "bytes_bound_ratio": busiest / bound if bound else 0.0,
+        }
+
+def _size(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n

@@ -1,0 +1,6 @@
+"""Async and quorum training around a parameter holder (a Dask actor):
+:mod:`.engine` (the client side), :mod:`.actor` (the holder and its staleness
+gate), :mod:`.rpc` (fail-fast calls), :mod:`.tasks` (the workers' step task),
+:mod:`.cursors`, :mod:`.records`, :mod:`.sharded` (``num_ps=K``),
+:mod:`.recovery`, :mod:`.growth`, :mod:`.quorum`, :mod:`.options`.
+"""

@@ -1,0 +1,119 @@
+"""The one place that picks a run's engine (mode, ``engine=``, ``auto``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from dasktf import config
+from dasktf.engines.base import Engine
+from dasktf.engines.collective.engine import CollectiveEngine
+from dasktf.engines.graph.elastic import ElasticSyncEngine
+from dasktf.engines.holder.engine import AsyncEngine
+from dasktf.engines.holder.options import choose_holder
+from dasktf.engines.holder.quorum import QuorumEngine
+from dasktf.engines.holder.sharded import plan_holders
+from dasktf.exceptions import EngineHint
+from dasktf.runtime.replica import non_trainable_floats
+
+if TYPE_CHECKING:
+    from dasktf.run.run import Run
+
+# -- choosing an engine --------------------------------------------------------
+def resolve_engine(engine: str) -> str:
+    """The engine a run uses: ``"graph"`` or ``"collective"``.
+
+    ``"auto"`` is always the graph engine. The collective engine starts TensorFlow
+    gRPC servers that listen, unauthenticated, on every interface (TensorFlow
+    hard-codes ``0.0.0.0:<port>``), so it runs only when asked for by name; where
+    it would have been faster, :func:`collective_hint` says so instead.
+    """
+    return "collective" if engine == "collective" else "graph"
+
+
+#: Where the hint's figure comes from: ``dasktf bench --models mnist-mlp --workers
+#: 1,3 --epochs 3`` on a 2-core machine (MEASUREMENTS.md, 2026-11-24).
+_MEASURED_SPEEDUP = ("ran 1.6x faster than the graph engine in `dasktf bench` (mnist-mlp, "
+                     "3 CPU workers: 20.7k against 13.2k examples/s)")
+_hinted = False
+
+
+def collective_hint(engine: str, mode: str, sync_quorum: int | None,
+                    slow_workers: dict[int, float] | None, n_params: int,
+                    n_workers: int, total_steps: int, gpu: bool,
+                    fault_options: bool = False) -> str | None:
+    """The hint for an ``engine="auto"`` run the collective engine would have run
+    faster, or ``None``.
+
+    Measured here (2 cores, benchmarks/peers.py): the graph engine costs ~7 ms of
+    scheduler hops per step, the collective engine ~10-15 s more to start (a
+    TensorFlow child per worker) and next to nothing per step. So it wins for
+    plain sync runs on 2+ CPU workers of a small model (under
+    ``dasktf.collective.hint-max-params`` parameters, where the hop is a large
+    share of the step) with enough steps (``hint-min-steps``) to pay back its
+    start-up, unless checkpoints, resume or ``scale_lr`` were asked for
+    (``fault_options``: only the graph engine recovers inside the run).
+    """
+    plain_sync = mode == "sync" and sync_quorum is None and not slow_workers
+    if (engine == "auto" and plain_sync and not gpu and not fault_options
+            and n_workers >= 2
+            and n_params < int(config.get("collective.hint-max-params"))
+            and total_steps >= int(config.get("collective.hint-min-steps"))):
+        return (
+            f"This run's step is hop-bound (a {n_params:,}-parameter model, "
+            f"{n_workers} CPU workers, {total_steps:,} steps): engine='collective' "
+            f"(dasktf fit --engine collective) {_MEASURED_SPEEDUP}. It is not picked "
+            "by itself because its TensorFlow servers accept unauthenticated "
+            "connections on every interface; see the README's Security section."
+        )
+    return None
+
+
+def warn_collective_hint(hint: str | None) -> None:
+    """Say :func:`collective_hint`'s hint once per process."""
+    global _hinted
+    if hint is not None and not _hinted:
+        _hinted = True
+        warnings.warn(hint, EngineHint, stacklevel=2)
+
+
+def make_engine(run: Run, epochs: int) -> Engine:
+    """The engine of one run: async or quorum around a parameter holder; sync on the
+    collective engine when it is asked for by name, else on the fault-tolerant
+    task-graph engine (with :func:`collective_hint`'s hint where the collective
+    engine would have been faster). The run's guard supplies the hooks."""
+    t = run.trainer.options
+    hooks = run.guard.hooks()
+    cfg, weights, val = run.engine_inputs
+    if t.mode == "sync" and t.sync_quorum is None:
+        if resolve_engine(t.engine) == "collective":
+            return CollectiveEngine(run.ctx, cfg, run.placed.shards, run.placed.schedule,
+                                    weights, val, hooks,
+                                    keep_state=run.fault.checkpoint_dir is not None)
+        options = run.fault
+        shapes = [tuple(v.shape) for v in run.model.trainable_variables]
+        warn_collective_hint(collective_hint(
+            t.engine, t.mode, t.sync_quorum, t.slow_workers,
+            sum(int(np.prod(s)) for s in shapes), len(run.workers),
+            epochs * run.ctx.steps_per_epoch, bool(run.ctx.resources),
+            bool(options.checkpoint_dir or options.resume or options.scale_lr)))
+        spec = dataclasses.replace(t.comm, n_workers=len(run.workers))
+        return ElasticSyncEngine(run.ctx, spec, shapes, run.placed.schedule, hooks,
+                                 average_stats=bool(non_trainable_floats(run.model)),
+                                 ps_layout=run.ps_layout)
+    holder = choose_holder(run.workers, t.slow_workers)
+    args = (run.ctx, run.workers[holder], cfg, weights, run.placed.shards[holder], val,
+            run.placed.schedule)
+    if t.mode == "async":
+        # num_ps=K: K holders, one slice each (K=1: the one holder above)
+        holders, plan = plan_holders(
+            run.workers, t.slow_workers,
+            [tuple(v.shape) for v in run.model.trainable_variables], t.comm.num_ps,
+        )
+        return AsyncEngine(*args, max_staleness=t.max_staleness,
+                           staleness_lr=t.staleness_lr, epochs=epochs, holders=holders,
+                           plan=plan, hooks=hooks)
+    return QuorumEngine(*args, quorum=t.sync_quorum, epochs=epochs, hooks=hooks)

@@ -1,0 +1,290 @@
+"""What a run does about faults: resume, checkpoints, worker loss, elastic growth.
+
+:class:`RunGuard` is the policy side of one ``fit`` call; the mechanisms live in
+:mod:`dasktf.engines.graph.elastic` (recovering a sync run), :mod:`dasktf.run.checkpoint` (files) and
+:mod:`dasktf.cluster.membership` (hearing of workers from the scheduler). The trainer calls
+the guard at a few points: before the first epoch (resume), after every step
+(periodic checkpoints), at every epoch end (checkpoint, re-form the run on the
+workers alive now) and at the end (the final ``.keras`` model).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from dasktf.callbacks import adopt_learning_rate
+from dasktf.cluster.waits import wait_for
+from dasktf.engines.base import Engine, RunHooks
+from dasktf.engines.graph.elastic import reload_shard
+from dasktf.run import checkpoint as ckpt
+
+if TYPE_CHECKING:
+    from dasktf.run.options import FaultOptions
+    from dasktf.run.run import Run
+
+logger = logging.getLogger(__name__)
+
+#: Steps of linear warm-up when ``scale_lr`` changes the learning rate.
+WARMUP_STEPS = 5
+
+
+class RunGuard:
+    """Fault tolerance for one run (see the module docstring)."""
+
+    def __init__(self, run: Run, options: FaultOptions, epochs: int) -> None:
+        self.run = run
+        self.options = options
+        self.epochs = epochs
+        self.n0 = len(run.workers)
+        self.batch0 = run.batch_size
+        self.started = time.time()
+        self.last_checkpoint: Path | None = None
+        self._since_checkpoint = 0
+        self.lines: list[str] = []
+
+    # -- what the engine gets ------------------------------------------------------
+    def hooks(self) -> RunHooks:
+        """What the run's engine is built with (see :class:`RunHooks`)."""
+        run = self.run
+        return RunHooks(
+            publish=run.publish, announce=self.announce, reload=self._reload,
+            last_checkpoint=self._on_all_lost, holder_inputs=self._holder_inputs,
+            on_worker_loss=self.options.on_worker_loss, shuffle=run.shuffle,
+            on_epoch_end=run.trainer.options.on_epoch_end,
+        )
+
+    def scheduler_lost(self, exc: BaseException) -> Exception | None:
+        """A :class:`SchedulerUnreachableError` naming the last checkpoint when ``exc``
+        means the client lost its scheduler; else ``None``."""
+        from dasktf.exceptions import DasktfError, SchedulerUnreachableError
+
+        client = self.run.client
+        if isinstance(exc, DasktfError) and not isinstance(exc, SchedulerUnreachableError):
+            return None
+        if client.status == "running" and not isinstance(exc, (OSError, ConnectionError)):
+            return None
+        where = getattr(getattr(client, "scheduler", None), "address", "the scheduler")
+        path = self.last_checkpoint
+        return SchedulerUnreachableError(
+            f"Lost the scheduler {where} during the run ({type(exc).__name__}: {exc}). "
+            + (f"The last checkpoint is {path}: restart the scheduler and workers, then "
+               "resume with resume=True (dasktf fit --resume)."
+               if path else "No checkpoint was written; pass checkpoint_dir= "
+               "(--checkpoint-dir) to be able to resume.")
+        )
+
+    def announce(self, line: str) -> None:
+        self.lines.append(line)
+        if self.run.verbose:
+            print(f"dasktf: {line}", flush=True)  # the CLI's one line per loss
+        logger.warning("%s", line)
+
+    def _reload(self, index: int, worker: str) -> tuple[Any, Any]:
+        run = self.run
+        n = run.placed.schedule.shape[1]
+        shard = reload_shard(run.client, run.source, index, n, worker,
+                             run.placed.schedule, run.batch_size)
+        val = None
+        if run.validation_data is not None:
+            from dasktf.data.sources import Shard
+
+            x, y = (np.asarray(a) for a in run.validation_data)
+            part = np.array_split(np.arange(len(x)), n)[index]
+            val = run.client.scatter(Shard(x[part], y[part]), workers=[worker],
+                                     direct=True, hash=False)
+        return shard, val
+
+    def _holder_inputs(self, worker: str) -> tuple[Any, list[Any]]:
+        """What a parameter holder rebuilt on ``worker`` starts from: a probe batch
+        (to build its model) and the whole validation set, placed there."""
+        run = self.run
+        val = None
+        if run.validation_data is not None:
+            from dasktf.data.sources import Shard
+
+            x, y = (np.asarray(a) for a in run.validation_data)
+            val = run.client.scatter(Shard(x, y), workers=[worker], direct=True, hash=False)
+        probe = val if val is not None else self._reload(0, worker)[0]
+        return probe, [val]
+
+    def _on_all_lost(self) -> str | None:
+        return str(self.last_checkpoint) if self.last_checkpoint else None
+
+    def lr_factor(self) -> float:
+        """What ``scale_lr`` multiplies a learning rate set on the client by: the
+        global batch now over the one the run started with."""
+        return self.run.batch_size / self.batch0 if self.options.scale_lr else 1.0
+
+    # -- resume -------------------------------------------------------------------
+    def begin(self, engine: Engine) -> tuple[int, int]:
+        """Load the newest valid checkpoint into the replicas; (epoch, step) to start at."""
+        kind = engine.capabilities.checkpoints
+        if kind == "holder":  # the holder's state and progress
+            from dasktf.run.async_checkpoint import resume_async
+
+            return resume_async(self, engine) if self.options.resume else (0, 0)
+        engine.set_checkpoint_grid(self.options.checkpoint_every)
+        if self.options.checkpoint_every is not None and kind == "final":
+            raise ValueError(
+                "checkpoint_every checkpoints sync steps and async updates; a "
+                "sync_quorum run's checkpoint_dir receives the final model.keras."
+            )
+        if not self.options.resume:
+            engine.keep_restore_point()
+            return 0, 0
+        if not engine.capabilities.resume:
+            raise ValueError(
+                "resume=True continues sync and async runs; a sync_quorum run's "
+                "checkpoint_dir only receives the final model.keras."
+            )
+        found = ckpt.load_latest(self.options.checkpoint_dir)  # type: ignore[arg-type]
+        if found is None:
+            self.announce(f"no checkpoint in {self.options.checkpoint_dir}; starting afresh")
+            engine.keep_restore_point()
+            return 0, 0
+        state, manifest, path = found
+        if manifest.get("mode") == "async":
+            raise ValueError(f"{path} is an async run's checkpoint; resume it with mode='async'.")
+        engine.load_state(state)
+        self.last_checkpoint = path
+        epoch, step = int(manifest["next_epoch"]), int(manifest["next_step"])
+        engine.start_at(int(manifest["epoch_base"]) if step else state["applied"] + 1)
+        self.run.model.set_weights(state["weights"])
+        adopt_learning_rate(self.run.model, state["optimizer"])
+        engine.keep_restore_point(state)
+        self.announce(f"resumed from {path} at epoch {epoch + 1}, step {step + 1} "
+                       f"(update {state['applied'] + 1})")
+        return epoch, step
+
+    # -- checkpoints --------------------------------------------------------------
+    def after_step(self, engine: Engine, epoch: int, step: int) -> None:
+        every = self.options.checkpoint_every
+        kind = engine.capabilities.checkpoints
+        if every is None or kind in ("final", "epochs"):
+            return
+        if kind == "steps":
+            # sync: every ``every`` steps of each epoch, on a grid the engine knew
+            # when it submitted them (its first replica kept those states)
+            if engine.checkpoint_due(step):
+                self.checkpoint(engine, epoch)
+            return
+        self._since_checkpoint += 1
+        if self._since_checkpoint >= every:
+            self.checkpoint(engine, epoch)
+
+    def _checkpoint_async(self, engine: Any, epoch: int, epoch_end: bool) -> Path | None:
+        from dasktf.engines.holder.rpc import HolderLostError
+        from dasktf.run.async_checkpoint import save_async_checkpoint
+
+        self._since_checkpoint = 0
+        try:
+            return save_async_checkpoint(self, engine, epoch + 1 if epoch_end else epoch)
+        except HolderLostError:
+            # the holder went between two results: the engine rebuilds it from its
+            # restore point as soon as it looks again; this checkpoint is skipped
+            logger.warning("checkpoint skipped: the parameter holder was lost")
+            return None
+
+    def checkpoint(self, engine: Engine, epoch: int, epoch_end: bool = False) -> Path | None:
+        if self.options.checkpoint_dir is None:
+            return None
+        if engine.capabilities.checkpoints == "holder":
+            return self._checkpoint_async(engine, epoch, epoch_end)
+        state = engine.state()
+        base = engine.update_base
+        step = state["applied"] + 1 - base
+        if epoch_end or step >= self.run.ctx.steps_per_epoch:
+            next_epoch, next_step = epoch + 1, 0
+        else:
+            next_epoch, next_step = epoch, step
+        meta = {
+            "next_epoch": next_epoch, "next_step": next_step,
+            "epoch_base": base if next_step else state["applied"] + 1,
+            "epochs": self.epochs, "seed": self.run.trainer.options.seed,
+            "batch_size": self.run.batch_size, "workers": list(self.run.ctx.workers),
+            "mode": self.run.trainer.options.mode, "run": self.run.run_id,
+            "model": self.run.spec_description, "wall_time": time.time(),
+        }
+        self.last_checkpoint = ckpt.save_checkpoint(self.options.checkpoint_dir, state, meta)
+        engine.keep_restore_point(state)
+        self._since_checkpoint = 0
+        logger.info("checkpoint %s", self.last_checkpoint)
+        return self.last_checkpoint
+
+    def end_epoch(self, engine: Engine, epoch: int) -> None:
+        if (self.options.checkpoint_dir is not None
+                and engine.capabilities.checkpoints != "final"):
+            checkpointed = self.checkpoint(engine, epoch, epoch_end=True) is not None
+        else:
+            checkpointed = False
+        if epoch + 1 >= self.epochs:
+            return
+        reformed = engine.capabilities.reforms and self.maybe_reform(engine)
+        if not (checkpointed or reformed):  # each of those took the restore point
+            engine.keep_restore_point()
+
+    def finish(self, model: Any, engine: Engine) -> None:
+        if self.options.checkpoint_dir is not None:
+            if engine.capabilities.checkpoints in ("steps", "epochs"):
+                # the replicas' optimizer state goes along
+                state = engine.state()
+                model.optimizer.build(model.trainable_variables)
+                for v, value in zip(model.optimizer.variables, state["optimizer"], strict=False):
+                    v.assign(value)
+            path = Path(self.options.checkpoint_dir) / ckpt.FINAL_MODEL
+            model.save(path)
+
+    # -- elastic growth / rebalancing at an epoch boundary --------------------------
+    def maybe_reform(self, engine: Engine) -> bool:
+        """Re-form the run over the workers alive now if any joined or left;
+        whether it did."""
+        run = self.run
+        watcher = run.ctx.watcher
+        joined = watcher.added_since(self.started, run.ctx.workers) if watcher else []
+        from dasktf.cluster.local import alive_workers
+
+        alive = set(alive_workers(run.client))
+        joined = [w for w in joined if w in alive]
+        if not joined and not engine.reform_needed:
+            return False
+        workers = [w for w in run.ctx.workers if w in alive] + joined
+        state = engine.state()
+        n = len(workers)
+        batch = run.batch_size
+        lr_change = None
+        if self.options.scale_lr and n != len(run.placed.schedule[0]):
+            # Linear scaling rule (Goyal et al., 2017): the per-worker batch stays,
+            # the global batch and the learning rate follow the worker count.
+            batch = max(n, round(self.batch0 * n / self.n0))
+            lr_change = (batch / run.batch_size)
+        run.reform(workers, batch)
+        engine.reform(run.placed.schedule)
+        engine.load_state(state)  # the servers too, placed over the workers now
+        engine.keep_restore_point(state)
+        if lr_change is not None:
+            self._scale_lr(state, lr_change, n, batch)
+        self.announce(f"re-formed on {n} worker(s)" + (f" (joined: {', '.join(joined)})"
+                                                        if joined else "")
+                       + f", global batch {batch}")
+        self.started = time.time()
+        return True
+
+    def _scale_lr(self, state: dict[str, Any], factor: float, n: int, batch: int) -> None:
+        from dasktf.engines.graph.elastic import ramp_lr_task
+
+        run = self.run
+        futures = [run.client.submit(ramp_lr_task, run.run_id, factor, WARMUP_STEPS,
+                                     workers=[w], allow_other_workers=False, pure=False)
+                   for w in run.ctx.workers]
+        wait_for(run.ctx, futures, "rescaling the learning rate")
+        old, new = run.client.gather(futures)[0]
+        run.publish({"run": run.run_id, "kind": "lr_scaled", "workers": n,
+                      "batch_size": batch, "learning_rate_from": old, "learning_rate": new,
+                      "warmup_steps": WARMUP_STEPS, "wall_time": time.time()})
+        self.announce(f"learning rate {old:.4g} -> {new:.4g} over {WARMUP_STEPS} "
+                       f"warm-up steps (linear scaling, {n} workers, batch {batch})")

@@ -1,0 +1,218 @@
+"""Every option of a training run, declared and checked in one place.
+
+:class:`TrainOptions` holds what a :class:`~dasktf.Trainer` is built with (all but
+the cluster connection); :class:`FaultOptions` what one ``fit`` call adds for
+checkpoints and worker loss. ``Trainer``, :func:`~dasktf.fit` and ``dasktf fit``
+all build them, so a bad value fails the same way, before any process starts. Each
+family's own rules (:func:`~dasktf.wire.packets.validate_comm_options`,
+:func:`~dasktf.engines.holder.options.validate_mode_options`) are called from here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from dasktf.cluster.devices import GpusArg
+from dasktf.engines.graph.elastic import ON_WORKER_LOSS
+from dasktf.engines.holder.options import validate_mode_options
+from dasktf.wire.packets import CommSpec, validate_comm_options
+
+MODES = ("sync", "async")
+ENGINES = ("graph", "collective", "auto")
+
+
+def positive_int(name: str, value: Any, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be a positive integer; got {value!r}.")
+
+
+def resolve_optimizer(optimizer: Any, learning_rate: float | None) -> dict[str, Any]:
+    import keras
+
+    if isinstance(optimizer, str):
+        try:
+            opt = keras.optimizers.get(optimizer)
+        except ValueError:
+            names = ["adam", "adamw", "sgd", "rmsprop", "adagrad", "adadelta", "nadam", "lion"]
+            raise ValueError(
+                f"Unknown optimizer {optimizer!r}; use a Keras optimizer name "
+                f"({', '.join(names)}, ...) or a keras.optimizers.Optimizer instance."
+            ) from None
+    elif isinstance(optimizer, keras.optimizers.Optimizer):
+        opt = optimizer.__class__.from_config(optimizer.get_config())
+    else:
+        raise TypeError(
+            "optimizer must be a name or a keras.optimizers.Optimizer; "
+            f"got {type(optimizer).__name__}."
+        )
+    if learning_rate is not None:
+        if not learning_rate > 0:
+            raise ValueError(f"learning_rate must be positive; got {learning_rate!r}.")
+        opt.learning_rate = learning_rate
+    return keras.optimizers.serialize(opt)  # type: ignore[no-any-return]
+
+
+def resolve_metrics(metrics: Sequence[Any] | None) -> list[Any] | None:
+    import keras
+
+    if metrics is None:
+        return None
+    if isinstance(metrics, str):
+        metrics = [metrics]
+    out: list[Any] = []
+    for m in metrics:
+        if isinstance(m, keras.metrics.Metric):
+            out.append(keras.metrics.serialize(m))
+        elif isinstance(m, str) or callable(m):
+            out.append(m)
+        else:
+            raise TypeError(f"metrics must be names, Metric instances or callables; got {m!r}.")
+    return out
+
+
+def validate_engine(engine: str, mode: str, sync_quorum: int | None,
+                    slow_workers: dict[int, float] | None) -> None:
+    """Reject engine options that cannot work together (at the public boundary)."""
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}; got {engine!r}.")
+    if engine == "collective" and (mode != "sync" or sync_quorum is not None or slow_workers):
+        raise ValueError(
+            "engine='collective' runs plain sync training (every step all-reduces "
+            "all workers' gradients); it has no async, sync_quorum or slow_workers. "
+            "Use engine='graph' for those."
+        )
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    """What a run trains and how, checked once (see the module docstring).
+
+    The fields are :class:`~dasktf.Trainer`'s options of the same names; the
+    derived ones (``comm``, ``optimizer_config``, ``metric_configs``, the seed
+    drawn when none was given) are filled in by the checks.
+    """
+
+    model: Any
+    mode: str = "sync"
+    n_workers: int | None = None
+    optimizer: Any = "sgd"
+    learning_rate: float | None = None
+    loss: Any = None
+    metrics: Sequence[Any] | None = None
+    seed: int | None = None
+    threads_per_worker: int | None = None
+    gpus: GpusArg = None
+    mixed_precision: bool = False
+    max_staleness: int | None = None
+    staleness_lr: str | None = None
+    sync_quorum: int | None = None
+    slow_workers: dict[int, float] | None = None
+    engine: str = "auto"
+    on_epoch_end: Callable[[list[Any], list[Any], int], None] | None = None
+    compression: str | None = None
+    weights_dtype: str | None = None
+    num_ps: int | None = None
+    placement: str | None = None
+    topology: str | None = None
+    #: how gradients and weights travel (from compression ... topology)
+    comm: CommSpec = field(init=False, repr=False)
+    #: the optimizer (with ``learning_rate``) as a Keras config every replica builds
+    optimizer_config: dict[str, Any] = field(init=False, repr=False)
+    #: the metrics as names, callables or Keras configs
+    metric_configs: list[Any] | None = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        def set_(name: str, value: Any) -> None:
+            object.__setattr__(self, name, value)
+
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}; got {self.mode!r}.")
+        set_("comm", validate_comm_options(
+            self.mode, self.compression, self.weights_dtype, self.num_ps,
+            self.placement, self.topology, self.mixed_precision))
+        positive_int("n_workers", self.n_workers, allow_none=True)
+        set_("slow_workers", validate_mode_options(
+            self.mode, self.max_staleness, self.staleness_lr, self.sync_quorum,
+            self.slow_workers, self.n_workers))
+        validate_engine(self.engine, self.mode, self.sync_quorum, self.slow_workers)
+        positive_int("threads_per_worker", self.threads_per_worker, allow_none=True)
+        optimizer = resolve_optimizer(self.optimizer, self.learning_rate)
+        if self.staleness_lr is not None and isinstance(
+            optimizer.get("config", {}).get("learning_rate"), dict
+        ):
+            raise ValueError(
+                "staleness_lr='inverse' scales a fixed learning rate; this optimizer "
+                "has a LearningRateSchedule. Use a float learning rate, or drop "
+                "staleness_lr."
+            )
+        set_("optimizer_config", optimizer)
+        set_("metric_configs", resolve_metrics(self.metrics))
+        if self.seed is None:
+            set_("seed", int(np.random.SeedSequence().entropy % 2**31))
+        else:
+            set_("seed", int(self.seed))
+        set_("mixed_precision", bool(self.mixed_precision))
+
+    @classmethod
+    def names(cls) -> list[str]:
+        """The options a user sets (the fields the checks do not derive)."""
+        return [f.name for f in dataclasses.fields(cls) if f.init]
+
+
+@dataclass(frozen=True)
+class FaultOptions:
+    """The fault-tolerance options of one ``fit`` call (validated)."""
+
+    checkpoint_dir: str | None = None
+    checkpoint_every: int | None = None
+    resume: bool = False
+    on_worker_loss: str = "recover"
+    scale_lr: bool = False
+
+    def __post_init__(self) -> None:
+        if self.on_worker_loss not in ON_WORKER_LOSS:
+            raise ValueError(
+                f"on_worker_loss must be one of {ON_WORKER_LOSS}; got {self.on_worker_loss!r}."
+            )
+        if self.checkpoint_every is not None:
+            if isinstance(self.checkpoint_every, bool) or not isinstance(
+                self.checkpoint_every, (int, np.integer)
+            ) or self.checkpoint_every < 1:
+                raise ValueError(
+                    f"checkpoint_every must be a positive number of steps; got "
+                    f"{self.checkpoint_every!r}."
+                )
+            if self.checkpoint_dir is None:
+                raise ValueError("checkpoint_every needs checkpoint_dir (where to write).")
+        if self.resume and self.checkpoint_dir is None:
+            raise ValueError("resume=True needs checkpoint_dir (where the checkpoints are).")
+
+
+def validate_fault_options(train: TrainOptions, fault: FaultOptions) -> None:
+    """The fault options one ``fit`` asks for, against the trainer's: refuse what its
+    engine or mode cannot do, before anything starts, instead of ignoring it."""
+    asked = [name for name in ("checkpoint_every", "scale_lr") if getattr(fault, name)]
+    if train.engine == "collective" and asked:
+        raise ValueError(
+            f"engine='collective' does not support {', '.join(asked)}: it checkpoints "
+            "at every epoch end (checkpoint_dir, resume=True) and a lost worker ends "
+            "the run with WorkerLostError. Use engine='graph' for step checkpoints "
+            "and in-run recovery."
+        )
+    if fault.scale_lr and (train.mode != "sync" or train.sync_quorum is not None):
+        # An async update (or a quorum step's share) is one worker's batch, whose
+        # size a change of the worker count does not touch: there is no global
+        # batch for the linear scaling rule to follow.
+        raise ValueError(
+            "scale_lr follows the global batch of sync steps when the worker count "
+            "changes; an async or sync_quorum update is one worker's batch, which "
+            "does not change with the worker count. Use mode='sync' without "
+            "sync_quorum, or leave scale_lr off (the learning rate stays as given)."
+        )

@@ -1,0 +1,595 @@
+"""The model replica that lives on a worker for the whole run.
+
+A :class:`Replica` owns a Keras model built from a :class:`~dasktf.models.ModelSpec`,
+its own copy of the optimizer, its data shard and two compiled functions: one
+computes the gradient of a local batch as a single flat float32 buffer (already
+multiplied by the batch size, so partial sums add up), the other applies a summed
+gradient. Every replica applies the same sums in the same order, so all hold the
+same weights without ever broadcasting them.
+
+Each worker process keeps its replicas in a registry keyed by run and worker
+(:func:`register_replica`, :func:`get_replica`); the Dask tasks that drive them
+live in :mod:`dasktf.runtime.tasks`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from dasktf.cluster.devices import (
+    compute_device,
+    precision_policy,
+)
+from dasktf.data.sources import Shard
+from dasktf.exceptions import ReplicaError
+from dasktf.models import ModelSpec
+from dasktf.wire.messages import GradientSum
+
+logger = logging.getLogger(__name__)
+#: A whole-process slow-down set by :func:`dasktf.testing.delay_worker`.
+WORKER_DELAY: dict[str, float] = {"factor": 1.0}
+
+
+@dataclass(frozen=True)
+class ReplicaConfig:
+    """Everything a worker needs to build its replica; small and picklable."""
+
+    model: ModelSpec
+    optimizer: dict[str, Any]  # keras.optimizers.serialize(...) output
+    loss: Any
+    metrics: list[Any] | None
+    seed: int
+    eval_batch_size: int = 256
+    #: Keras mixed precision: mixed_float16 with loss scaling on a GPU worker,
+    #: mixed_bfloat16 on a CPU one (see dasktf.cluster.devices.precision_policy).
+    mixed_precision: bool = False
+    #: publish step records (the client's ``dasktf.metrics`` at run start)
+    publish_metrics: bool = True
+    #: how gradients and weights travel (a :class:`dasktf.wire.packets.CommSpec`); None:
+    #: plain float32 GradientSums (the async holder's own replica)
+    comm: Any = None
+
+
+@dataclass
+class EpochReport:
+    """What a replica hands back at the end of an epoch."""
+
+    worker: str
+    train_states: list[np.ndarray]
+    val_states: list[np.ndarray] | None
+    weights: list[np.ndarray] | None = None
+    step_seconds: list[float] = field(default_factory=list)
+    #: this process's byte ledger of the run (:func:`dasktf.wire.packets.traffic`), read
+    #: after the epoch's last sum arrived, so every step's bytes are in it
+    traffic: dict[str, Any] | None = None
+    #: the optimizer's variables, where the engine asked for them (checkpoints)
+    optimizer_variables: list[np.ndarray] | None = None
+
+
+@dataclass
+class StepTiming:
+    """Where a step's time went besides compute, as one worker saw it."""
+
+    communication_s: float
+    waiting_s: float
+
+
+class StepTimer:
+    """Splits the gap between a worker's consecutive steps into transfer and wait.
+
+    The transfers are Dask's own measurements: a worker appends a ``"transfer"``
+    entry to the ``startstops`` of the task that needed the data it fetched. What
+    remains of the gap since this worker's previous step ended is waiting (for the
+    reduction, for the slowest peer, for the scheduler). The first step of an epoch
+    has no gap to split (the epoch end and validation came before it).
+    """
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self._epoch = -1
+        self._last_end: float | None = None
+
+    def begin(self, epoch: int, start: float) -> StepTiming | None:
+        if not self.enabled:
+            return None
+        communication = _incoming_transfer_seconds()
+        if epoch != self._epoch or self._last_end is None:
+            self._epoch = epoch
+            return StepTiming(communication, 0.0)
+        gap = max(0.0, start - self._last_end)
+        return StepTiming(communication, max(0.0, gap - communication))
+
+    def end(self, end: float) -> None:
+        self._last_end = end
+
+
+def _incoming_transfer_seconds() -> float:
+    """Seconds Dask spent fetching the running task's inputs onto this worker."""
+    from distributed import get_worker
+
+    worker = get_worker()
+    try:
+        ts = worker.state.tasks[worker.get_current_task()]
+    except (KeyError, AttributeError):  # not inside a task (direct calls in tests)
+        return 0.0
+    return float(
+        sum(s["stop"] - s["start"] for s in ts.startstops if s.get("action") == "transfer")
+    )
+
+
+class Replica:
+    """A worker-resident model replica with its shard and compiled step functions."""
+
+    def __init__(
+        self,
+        config: ReplicaConfig,
+        index: int,
+        shard: Shard,
+        schedule: np.ndarray,
+        weights: list[np.ndarray],
+        val_shard: Shard | None = None,
+        shuffle: bool = True,
+    ) -> None:
+        import keras
+        import tensorflow as tf
+
+        self.index = index
+        self.shard = shard
+        self.val_shard = val_shard
+        self.schedule = np.asarray(schedule)
+        self.offsets = np.concatenate([[0], np.cumsum(self.schedule)])
+        self.shuffle = shuffle
+        self.seed = config.seed
+        self.eval_batch_size = config.eval_batch_size
+        self.comm = config.comm
+        keras.utils.set_random_seed(config.seed + index)
+
+        # The model and its step live on this worker's one GPU if it has one (it was
+        # pinned at spawn); batches are numpy slices on the host.
+        self.device = compute_device()
+        with tf.device(self.device), precision_policy(config.mixed_precision):
+            model = config.model.build()
+            model.compile(
+                optimizer=keras.optimizers.deserialize(config.optimizer),
+                loss=config.loss,
+                metrics=_metrics(config.metrics),
+            )
+        model.set_weights(weights)
+        self.model = model
+        self.variables = list(model.trainable_variables)
+        self.sizes = [int(np.prod(v.shape)) for v in self.variables]
+        self.shapes = [tuple(v.shape) for v in self.variables]
+        self.stats_variables = non_trainable_floats(model)
+        model.optimizer.build(self.variables)
+        build_metrics(model, shard.x[:1], shard.y[:1])
+        self.loss_tracker = next(m for m in model.metrics if m.name == "loss")
+
+        spec = [
+            tf.TensorSpec((None, *shard.x.shape[1:]), tf.as_dtype(shard.x.dtype)),
+            tf.TensorSpec((None, *shard.y.shape[1:]), tf.as_dtype(shard.y.dtype)),
+        ]
+        self._gradient_fn = tf.function(self._gradient, input_signature=spec)
+        # A fixed signature: a Python int count would retrace for every new value
+        # (the short last batch of each epoch, for one).
+        self._apply_fn = tf.function(
+            self._apply,
+            input_signature=[
+                tf.TensorSpec((sum(self.sizes),), tf.float32),
+                tf.TensorSpec((), tf.float32),
+            ],
+        )
+        self._epoch = -1
+        self._order = np.arange(len(shard))
+        self.step_seconds: list[float] = []
+        from dasktf.diagnostics.events import MetricsBuffer
+
+        self.events = MetricsBuffer(enabled=config.publish_metrics)
+        self.timing = StepTimer(self.events.enabled)
+        self.run_id = ""
+        #: A straggler for tests and demos: after each step, sleep (factor - 1) x
+        #: that step's compute time (see :func:`straggle`).
+        self.slow_factor = 1.0
+        #: The parameter holder's version these weights were read at (async modes).
+        self.holder_version = -1
+        #: Who this replica is to the parameter holder (async): its index, or a new
+        #: one when it took over a lost worker's shard.
+        self.identity = index
+        #: Its end of the wire (:func:`dasktf.runtime.channel.channel`), made on first use.
+        self.channel: Any = None
+        #: Its link to the parameter holder (:mod:`dasktf.engines.holder.tasks`).
+        self.holder_link: Any = None
+        #: A step has run: :func:`straggle` slows the ones after the first (tracing).
+        self.traced = False
+        #: The last global update applied, and every update applied in order: a sum is
+        #: applied at most once even when recovery hands it over again.
+        self.applied = -1
+        self.applied_log: list[int] = []
+        self.apply_lock = threading.Lock()
+        self.fenced = False
+        #: ``{update: training state right after it}``, kept for a checkpoint the
+        #: client asked for in advance (see :meth:`keep_state`).
+        self.kept: dict[int, dict[str, Any]] = {}
+        #: ``(first update, steps, from lr, to lr)`` while a warm-up is under way
+        self.lr_ramp: tuple[int, int, float, float] | None = None
+        #: Shards adopted from lost workers: ``(index, shard, schedule column)``; their
+        #: rows join this replica's batches (see :mod:`dasktf.engines.graph.elastic`).
+        self.adopted: list[tuple[int, Shard, np.ndarray]] = []
+        self._orders: dict[tuple[int, int], np.ndarray] = {}
+
+    # -- compiled bodies ------------------------------------------------------
+    def _gradient(self, x: Any, y: Any) -> tuple[Any, Any]:
+        import tensorflow as tf
+
+        with tf.GradientTape() as tape:
+            y_pred = self.model(x, training=True)
+            loss = self.model.compute_loss(x=x, y=y, y_pred=y_pred, training=True)
+            # A LossScaleOptimizer (mixed_float16) scales here and unscales, checks
+            # for overflow and adapts the scale in apply_gradients; every replica
+            # applies the same sum, so their scales stay equal. Else a no-op.
+            scaled = self.model.optimizer.scale_loss(loss)
+        grads = tape.gradient(scaled, self.variables)
+        n = tf.shape(x)[0]
+        self.loss_tracker.update_state(loss, sample_weight=n)
+        self.model.compute_metrics(x, y, y_pred, sample_weight=None)
+        flat = tf.concat(
+            [
+                tf.reshape(tf.zeros_like(v) if g is None else tf.cast(g, v.dtype), [-1])
+                for g, v in zip(grads, self.variables, strict=False)
+            ],
+            axis=0,
+        )
+        return flat * tf.cast(n, flat.dtype), loss * tf.cast(n, loss.dtype)
+
+    def _apply(self, total: Any, count: Any) -> None:
+        import tensorflow as tf
+
+        mean = total / count
+        grads = [
+            tf.reshape(part, shape)
+            for part, shape in zip(tf.split(mean, self.sizes), self.shapes, strict=False)
+        ]
+        self.model.optimizer.apply_gradients(zip(grads, self.variables, strict=False))
+
+    # -- what the tasks call --------------------------------------------------
+    def apply(self, summed: GradientSum | None) -> None:
+        if summed is None:
+            return
+        with self.apply_lock:
+            if not self._claim(summed.update):
+                return
+            if self.lr_ramp is not None and summed.update >= 0:
+                self._ramp(summed.update)
+            if summed.count:
+                assert summed.total is not None
+                with _on(self.device):
+                    self._apply_fn(summed.total, np.float32(summed.count))
+
+    def take_weights(self, flat: np.ndarray, update: int) -> None:
+        """The servers' weights after ``update`` (``placement="ps"``): counted and
+        taken once, like a sum :meth:`apply` applies."""
+        with self.apply_lock:
+            if self._claim(update):
+                self.set_flat_weights(flat)
+
+    def _claim(self, update: int) -> bool:
+        """Whether ``update`` is to be applied here now, counting it if so (under
+        ``apply_lock``): not while a recovery has fenced the replica, never twice
+        (recovery may hand an update over again); ``-1``: untracked, always."""
+        if self.fenced:
+            return False
+        if update >= 0:
+            if update <= self.applied:
+                return False
+            self.applied = update
+            self.applied_log.append(update)
+        return True
+
+    def training_state(self) -> dict[str, Any]:
+        """Weights, optimizer variables and ``applied``: a consistent cut (no
+        apply half-way)."""
+        with self.apply_lock:
+            return {
+                "weights": [np.asarray(w) for w in self.model.get_weights()],
+                "optimizer": [np.asarray(v.numpy()) for v in self.model.optimizer.variables],
+                "applied": self.applied,
+            }
+
+    def keep_state(self) -> None:
+        """Keep the state as it is now, after the update just applied, for a
+        checkpoint of exactly that update: the client reads it a little later, when
+        this worker may be steps ahead (:meth:`dasktf.engines.graph.steps.SyncEngine.state_after`)."""
+        state = self.training_state()
+        # Several may wait: the client can lag more than checkpoint_every steps
+        # behind (a slow callback) while this replica keeps the next grid state.
+        with self.apply_lock:
+            self.kept[state["applied"]] = state
+
+    def _ramp(self, update: int) -> None:
+        """Linear learning-rate warm-up after a worker-count change (``scale_lr``)."""
+        assert self.lr_ramp is not None
+        self.model.optimizer.learning_rate, done = ramped_learning_rate(self.lr_ramp, update)
+        if done:
+            self.lr_ramp = None
+
+    def batch(self, epoch: int, step: int) -> tuple[np.ndarray, np.ndarray]:
+        if epoch != self._epoch:
+            self._epoch = epoch
+            if self.shuffle:
+                rng = np.random.default_rng([self.seed, epoch, self.index])
+                self._order = rng.permutation(len(self.shard))
+        rows = self._order[self.offsets[step] : self.offsets[step + 1]]
+        x, y = self.shard.x[rows], self.shard.y[rows]
+        if not self.adopted:
+            return x, y
+        xs, ys = [x], [y]
+        for index, shard, column in self.adopted:
+            ax, ay = self.adopted_batch(index, shard, column, epoch, step)
+            xs.append(ax)
+            ys.append(ay)
+        return np.concatenate(xs), np.concatenate(ys)
+
+    def adopted_batch(
+        self, index: int, shard: Shard, column: np.ndarray, epoch: int, step: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Rows of an adopted shard, in the order its lost owner would have read them
+        (same seed, same per-epoch permutation), so the global batch is unchanged."""
+        key = (index, epoch)
+        order = self._orders.get(key)
+        if order is None:
+            order = np.arange(len(shard))
+            if self.shuffle:
+                order = np.random.default_rng([self.seed, epoch, index]).permutation(len(shard))
+            self._orders = {k: v for k, v in self._orders.items() if k[1] == epoch}
+            self._orders[key] = order
+        offsets = np.concatenate([[0], np.cumsum(column)])
+        rows = order[offsets[step] : offsets[step + 1]]
+        return shard.x[rows], shard.y[rows]
+
+    def gradient(self, epoch: int, step: int) -> GradientSum:
+        x, y = self.batch(epoch, step)
+        if len(x) == 0:
+            return GradientSum(None, 0, 0.0)
+        with _on(self.device):
+            flat, loss_sum = self._gradient_fn(x, y)
+        return GradientSum(flat.numpy(), len(x), float(loss_sum))
+
+    def record_step(
+        self,
+        epoch: int,
+        step: int,
+        previous: GradientSum | None,
+        out: GradientSum,
+        timing: StepTiming | None = None,
+        moved: int | None = None,
+    ) -> None:
+        """Queue this step's record (schema: :class:`dasktf.diagnostics.events.StepRecord`); the
+        global loss of the step before rides along (the summed gradient this replica
+        just applied carries it)."""
+        if not self.events.enabled:
+            return
+        update = epoch * len(self.schedule) + step
+        moved = moved if moved is not None else (
+            (out.total.nbytes if out.total is not None else 0)
+            + (previous.total.nbytes if previous is not None and previous.total is not None else 0)
+        )
+        record: dict[str, Any] = {
+            "run": self.run_id,
+            "kind": "step",
+            "mode": "sync",
+            "epoch": epoch,
+            "step": step,
+            "update": update,
+            "worker": self.index,
+            "batch_size": out.count,
+            "local_loss": out.loss if out.count else None,
+            "staleness": 0,
+            "compute_s": out.compute_seconds,
+            "bytes": moved,
+            "wall_time": time.time(),
+        }
+        if timing is not None:
+            record["communication_s"] = timing.communication_s
+            record["waiting_s"] = timing.waiting_s
+        if previous is not None and previous.count:
+            record["loss"] = previous.loss
+            record["loss_step"] = update - 1
+        self.events.add(record)
+
+    def set_flat_weights(self, flat: np.ndarray) -> None:
+        """Assign the trainable variables from one flat float32 buffer."""
+        for v, part, shape in zip(
+            self.variables, np.split(flat, np.cumsum(self.sizes)[:-1]), self.shapes, strict=False
+        ):
+            v.assign(part.reshape(shape))
+
+    def flat_weights(self) -> np.ndarray:
+        """The trainable variables as one flat float32 buffer."""
+        return np.concatenate(
+            [np.asarray(v.numpy(), dtype=np.float32).ravel() for v in self.variables]
+        )
+
+    def non_trainable_values(self) -> list[np.ndarray] | None:
+        """The model's non-trainable float state (BatchNormalization's moving
+        statistics), ``None`` when it has none."""
+        return _read(self.stats_variables)
+
+    def set_non_trainable(self, values: list[np.ndarray] | None) -> None:
+        """Assign :meth:`non_trainable_values`' variables (``None``: nothing)."""
+        if values is None:
+            return
+        with self.apply_lock:
+            for v, value in zip(self.stats_variables, values, strict=True):
+                v.assign(value)
+
+    def take_metric_states(self) -> list[np.ndarray]:
+        """The metric states accumulated since the last call, then reset them."""
+        states = self.metric_states()
+        self.model.reset_metrics()
+        return states
+
+    def metric_states(self) -> list[np.ndarray]:
+        return [np.asarray(v.numpy()) for m in self.model.metrics for v in m.variables]
+
+    def evaluate(self) -> list[np.ndarray] | None:
+        if self.val_shard is None or len(self.val_shard) == 0:
+            return None
+        self.model.evaluate(
+            self.val_shard.x,
+            self.val_shard.y,
+            batch_size=self.eval_batch_size,
+            verbose=0,
+        )
+        return self.metric_states()
+
+
+def non_trainable_floats(model: Any) -> list[Any]:
+    """The model's non-trainable float variables: moving statistics that every
+    replica updates from its own batches. Integer ones (a seed generator's state)
+    are no statistic and stay each replica's own."""
+    import keras
+
+    return [v for v in model.non_trainable_variables
+            if keras.backend.is_float_dtype(v.dtype)]
+
+
+def non_trainable_values(model: Any) -> list[np.ndarray] | None:
+    """:func:`non_trainable_floats`' values, ``None`` when the model has none."""
+    return _read(non_trainable_floats(model))
+
+
+def _read(variables: list[Any]) -> list[np.ndarray] | None:
+    return [np.asarray(v.numpy()) for v in variables] or None
+
+
+def mean_non_trainable(values: Sequence[list[np.ndarray]]) -> list[np.ndarray]:
+    """The replicas' statistics averaged, as MirroredStrategy reads a variable
+    aggregated with MEAN: summed in the order given, so every replica averaging the
+    same list gets bitwise the same result."""
+    return [np.mean([v[i] for v in values], axis=0).astype(values[0][i].dtype)
+            for i in range(len(values[0]))]
+
+
+def _on(device: str) -> Any:
+    import tensorflow as tf
+
+    return tf.device(device)
+
+
+def _metrics(metrics: list[Any] | None) -> list[Any] | None:
+    import keras
+
+    if metrics is None:
+        return None
+    return [keras.metrics.deserialize(m) if isinstance(m, dict) else m for m in metrics]
+
+
+def build_metrics(model: Any, x: np.ndarray, y: np.ndarray) -> None:
+    """Create the compiled loss and metric variables (Keras builds them lazily)."""
+    y_pred = model(x, training=False)
+    model.compute_loss(x=x, y=y, y_pred=y_pred, training=False)
+    model.compute_metrics(x, y, y_pred, sample_weight=None)
+    model.reset_metrics()
+
+
+def merge_metric_states(model: Any, states: list[list[np.ndarray]]) -> dict[str, float]:
+    """Sum the replicas' metric variables into ``model``'s metrics and read them.
+
+    Keras metrics keep additive states (totals and counts, confusion matrices), so
+    the sum of the replicas' states is the state one process would have reached on
+    the union of their data: exact, not an average of averages.
+    """
+    variables = [v for m in model.metrics for v in m.variables]
+    for i, v in enumerate(variables):
+        v.assign(np.sum([s[i] for s in states], axis=0))
+    result = {k: float(np.asarray(v)) for k, v in model.get_metrics_result().items()}
+    model.reset_metrics()
+    return result
+
+
+def take_kept(kept: dict[int, Any], update: int | None) -> Any:
+    """The state kept after ``update`` (``None`` if not kept or not asked), dropping
+    it and any older one: the client reads the checkpoint grid in order, so what
+    it skipped is never read."""
+    if update is None:
+        return None
+    for older in [u for u in kept if u < update]:
+        del kept[older]
+    return kept.pop(update, None)
+
+
+def ramped_learning_rate(
+    ramp: tuple[int, int, float, float], update: int
+) -> tuple[float, bool]:
+    """The learning rate of ``update`` in a linear warm-up ``(first update, steps,
+    from, to)``, and whether the warm-up is over."""
+    start, steps, low, high = ramp
+    frac = min(1.0, max(0.0, (update - start + 1) / steps))
+    return low + (high - low) * frac, frac >= 1.0
+
+
+def straggle(replica: Replica, compute_seconds: float) -> None:
+    """Make a replica with ``slow_factor`` f > 1 take f times its compute time.
+
+    It sleeps rather than computes more, so a slowed worker frees its core (as a
+    worker waiting on a slow disk or a shared GPU would) and its results are
+    unchanged: only the timing differs. The first step is not slowed: its time is
+    mostly tracing, a one-off cost every worker pays.
+    """
+    factor = max(replica.slow_factor, WORKER_DELAY["factor"])
+    if factor > 1.0 and replica.traced:
+        time.sleep((factor - 1.0) * compute_seconds)
+    replica.traced = True
+
+
+# -- the per-process registry: each worker's replicas, by run ------------------------
+#: (run id, worker address) -> replica; "address#slot" for one adopted for a lost worker.
+_REPLICAS: dict[tuple[str, str], Replica] = {}
+
+
+def _key(run_id: str, slot: int | None = None) -> tuple[str, str]:
+    from distributed import get_worker
+
+    address = get_worker().address
+    return run_id, address if slot is None else f"{address}#{slot}"
+
+
+def register_replica(run_id: str, replica: Replica, slot: int | None = None) -> None:
+    """Make ``replica`` this worker's replica of ``run_id`` (``slot``: one built here
+    for a lost worker's shard)."""
+    _REPLICAS[_key(run_id, slot)] = replica
+
+
+def get_replica(run_id: str, slot: int | None = None) -> Replica:
+    """This worker's replica of ``run_id`` (``slot``: one adopted from a lost worker)."""
+    try:
+        return _REPLICAS[_key(run_id, slot)]
+    except KeyError:
+        raise ReplicaError(
+            f"No replica of run {run_id} on this worker: it was lost or never built "
+            "(a worker restarted mid-run?)."
+        ) from None
+
+
+def registered_replicas() -> dict[tuple[str, str], Replica]:
+    """Every replica in this process, by (run id, worker)."""
+    return dict(_REPLICAS)
+
+
+def replicas_of(run_id: str) -> list[Replica]:
+    """Every replica of ``run_id`` in this process (adopted ones included)."""
+    return [r for (run, _), r in list(_REPLICAS.items()) if run == run_id]
+
+
+def forget_replicas(run_id: str) -> int:
+    """Drop this process's replicas of ``run_id``; how many there were."""
+    keys = [k for k in _REPLICAS if k[0] == run_id]
+    for k in keys:
+        del _REPLICAS[k]
+    return len(keys)

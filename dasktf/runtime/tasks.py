@@ -1,0 +1,162 @@
+"""The worker-side entry points of a run's replicas (plain module functions, so
+their Dask task names read well on the dashboard) and the per-process registry
+they find their replica in, keyed by run and worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+
+from dasktf.cluster.devices import (
+    placement_summary,
+)
+from dasktf.data.sources import Shard
+from dasktf.runtime.channel import channel, receive, send
+from dasktf.runtime.replica import (
+    EpochReport,
+    Replica,
+    ReplicaConfig,
+    forget_replicas,
+    get_replica,
+    mean_non_trainable,
+    register_replica,
+    straggle,
+)
+from dasktf.runtime.servers import release_shards, set_shards_learning_rate
+from dasktf.wire.packets import release_run, traffic
+
+logger = logging.getLogger(__name__)
+
+# -- task functions (run on the workers) ------------------------------------
+def create_replica_task(
+    run_id: str,
+    expected_address: str,
+    config: ReplicaConfig,
+    index: int,
+    shard: Shard,
+    schedule: np.ndarray,
+    weights: list[np.ndarray],
+    val_shard: Shard | None,
+    shuffle: bool,
+    slow_factor: float = 1.0,
+) -> dict[str, Any]:
+    from distributed import get_worker
+
+    address = get_worker().address
+    if address != expected_address:
+        raise ValueError(
+            f"Replica {index} was meant for {expected_address} but ran on {address}; "
+            "the task was moved, which dasktf never asks for."
+        )
+    replica = Replica(config, index, shard, schedule, weights, val_shard, shuffle)
+    replica.run_id = run_id
+    replica.slow_factor = float(slow_factor)
+    register_replica(run_id, replica)
+    import tensorflow as tf
+
+    placement = placement_summary(replica.model, replica.device)
+    logger.info("Replica %d of run %s on %s: %s", index, run_id, address, placement)
+    return {
+        "placement": placement,
+        "worker": address,
+        "devices": [d.name for d in tf.config.get_visible_devices()],
+        "intra_op_threads": tf.config.threading.get_intra_op_parallelism_threads(),
+        "shard_size": len(shard),
+    }
+
+
+def step_task(
+    run_id: str, epoch: int, step: int, previous: Any, update: int = -1,
+    keep: bool = False,
+) -> Any:
+    """One fused sync step on one worker: apply the last summed gradient, then
+    compute the gradient of this step's local batch (global update ``update``),
+    encoded for the wire by :mod:`dasktf.wire.packets`. ``keep``: keep the state after the
+    apply for a checkpoint of that update."""
+
+    start = time.perf_counter()
+    replica = get_replica(run_id)
+    timing = replica.timing.begin(epoch, start)
+    to_apply, previous = receive(replica, previous, run_id)
+    replica.apply(to_apply)
+    if keep:
+        replica.keep_state()
+    out = replica.gradient(epoch, step)
+    out.update = update
+    end = time.perf_counter()
+    out.compute_seconds = end - start
+    replica.timing.end(end)
+    straggle(replica, out.compute_seconds)
+    replica.step_seconds.append(out.compute_seconds)
+    sent = send(replica, out)
+    ch = channel(replica)
+    replica.record_step(epoch, step, previous, out, timing,
+                        ch.last_bytes if ch is not None else None)
+    return sent
+
+
+def epoch_stats_task(run_id: str, previous: Any) -> list[np.ndarray] | None:
+    """Apply the epoch's last gradient; return the replica's non-trainable float
+    state for :func:`end_epoch_task` to average (models that have some)."""
+
+    replica = get_replica(run_id)
+    replica.apply(receive(replica, previous, run_id)[0])
+    return replica.non_trainable_values()
+
+
+def end_epoch_task(
+    run_id: str, previous: Any, with_weights: bool, *stats: list[np.ndarray]
+) -> EpochReport:
+    """Apply the epoch's last gradient, then report metrics (and weights if asked).
+
+    ``stats``: every replica's :func:`epoch_stats_task` (which applied the gradient,
+    ``previous`` is then None). Their mean replaces this replica's moving statistics
+    before it evaluates, so validation, the weights reported, the checkpoint and the
+    next epoch all use statistics of the whole data, and the replicas agree again.
+    """
+    from distributed import get_worker
+
+
+    replica = get_replica(run_id)
+    replica.apply(receive(replica, previous, run_id)[0])
+    if stats:
+        replica.set_non_trainable(mean_non_trainable(stats))
+    replica.events.flush()
+    train = replica.metric_states()
+    replica.model.reset_metrics()
+    val = replica.evaluate()
+    replica.model.reset_metrics()
+    seconds, replica.step_seconds = replica.step_seconds, []
+    weights = [np.asarray(w) for w in replica.model.get_weights()] if with_weights else None
+    ledger = traffic(run_id) if replica.comm is not None else None
+    return EpochReport(get_worker().address, train, val, weights, seconds, ledger)
+
+
+def set_learning_rate_task(run_id: str, lr: float) -> float:
+    """Set the learning rate of this worker's replica (and of the parameter-server
+    slices it holds), between two epochs; it replaces a ``scale_lr`` warm-up under
+    way. Returns the value set."""
+    replica = get_replica(run_id)
+    with replica.apply_lock:
+        replica.lr_ramp = None
+        replica.model.optimizer.learning_rate = lr
+    set_shards_learning_rate(run_id, lr)
+    return float(np.asarray(replica.model.optimizer.learning_rate))
+
+
+def set_non_trainable_task(run_id: str, values: list[np.ndarray] | None,
+                           slot: int | None = None) -> None:
+    """Give this worker's replica the non-trainable float state ``values``."""
+    get_replica(run_id, slot).set_non_trainable(values)
+
+
+def release_replicas(run_id: str, dask_worker: Any = None) -> int:
+    """Drop this process's replicas of ``run_id`` (run through ``Client.run``)."""
+    released = forget_replicas(run_id)
+    release_run(run_id)
+    release_shards(run_id)
+    return released
