@@ -23,6 +23,7 @@ from dasktf.exceptions import ReplicaError, StepTimeoutError, WorkerLostError
 if TYPE_CHECKING:
     from distributed import Client, Future
 
+
 @dataclass
 class RunContext:
     """What the engines share about a run: who, where, how many steps."""

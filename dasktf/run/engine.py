@@ -22,6 +22,7 @@ from dasktf.runtime.replica import non_trainable_floats
 if TYPE_CHECKING:
     from dasktf.run.run import Run
 
+
 # -- choosing an engine --------------------------------------------------------
 def resolve_engine(engine: str) -> str:
     """The engine a run uses: ``"graph"`` or ``"collective"``.

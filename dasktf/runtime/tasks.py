@@ -31,6 +31,7 @@ from dasktf.wire.packets import release_run, traffic
 
 logger = logging.getLogger(__name__)
 
+
 # -- task functions (run on the workers) ------------------------------------
 def create_replica_task(
     run_id: str,
@@ -119,7 +120,6 @@ def end_epoch_task(
     next epoch all use statistics of the whole data, and the replicas agree again.
     """
     from distributed import get_worker
-
 
     replica = get_replica(run_id)
     replica.apply(receive(replica, previous, run_id)[0])

@@ -52,6 +52,7 @@ if TYPE_CHECKING:
 
     from dasktf.runtime.replica import EpochReport
 
+
 class CommEngine(SyncEngine):
     """Sync steps with a codec, a reduction topology and a placement (see module).
 
@@ -194,6 +195,7 @@ class CommEngine(SyncEngine):
             "bytes_lower_bound": bound,
             "bytes_bound_ratio": busiest / bound if bound else 0.0,
         }
+
 
 def _size(shape: tuple[int, ...]) -> int:
     n = 1

@@ -66,6 +66,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+
 class AsyncEngine(Engine):
     """Runs asynchronous epochs: workers loop freely, the holder applies on arrival.
 

@@ -22,6 +22,7 @@ from dasktf import config
 if TYPE_CHECKING:
     from dasktf.engines.holder.engine import AsyncEngine
 
+
 def grow_async(engine: AsyncEngine) -> None:
     """Give every worker that joined the run since the last look a shard to help."""
     from dasktf.cluster.local import alive_workers
