@@ -1,5 +1,5 @@
-"""The engines a run drives, one family per subpackage; families never import
-each other.
+"""The engines a run drives, all behind one contract (:mod:`.base`), one family per
+subpackage; families never import each other.
 
 * :mod:`.graph`: sync training as a Dask task graph per step (topologies,
   sharded servers, elastic recovery).

@@ -1,5 +1,6 @@
-"""One fit, independent of the engine: :mod:`.run` (place data, build replicas,
-drive the epochs, merge metrics, callbacks), :mod:`.engine` (the factory that
-picks the engine), :mod:`.guard` (checkpoints, resume, worker loss and growth)
-and :mod:`.checkpoint` (the files).
+"""One fit, independent of the engine: :mod:`.options` (every option, checked once),
+:mod:`.run` (place data, build replicas, drive the epochs, merge metrics,
+callbacks), :mod:`.engine` (the factory that picks the engine), :mod:`.guard`
+(checkpoints, resume, worker loss and growth), :mod:`.checkpoint` (the files) and
+:mod:`.async_checkpoint` (an async run's files).
 """
