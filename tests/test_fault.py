@@ -151,7 +151,9 @@ def test_async_run_survives_sigkill_of_the_parameter_holders_worker(digits, tmp_
         history = dasktf.fit(
             "mnist-mlp", digits.x_train, digits.y_train, client=client, n_workers=3,
             mode="async", validation_data=(digits.x_test, digits.y_test),
-            callbacks=[killer], **_options(epochs=epochs, learning_rate=0.005), **extra,
+            # Adam at 0.01 as the sync tests: at 0.005 the checkpoint variant ends
+            # near 0.87, and a loaded CI run fell under the bar (0.838)
+            callbacks=[killer], **_options(epochs=epochs, learning_rate=0.01), **extra,
         )
         assert killer.killed_at is not None
         (recovery,) = history.recoveries
