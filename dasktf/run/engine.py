@@ -35,10 +35,11 @@ def resolve_engine(engine: str) -> str:
     return "collective" if engine == "collective" else "graph"
 
 
-#: Where the hint's figure comes from: ``dasktf bench --models mnist-mlp --workers
-#: 1,3 --epochs 3`` on a 2-core machine (MEASUREMENTS.md, 2026-11-24).
-_MEASURED_SPEEDUP = ("ran 1.6x faster than the graph engine in `dasktf bench` (mnist-mlp, "
-                     "3 CPU workers: 20.7k against 13.2k examples/s)")
+#: Where the hint's figures come from: ``dasktf bench --models mnist-mlp --workers 3
+#: --epochs 3`` on 2-core machines, 2026-11-24 (MEASUREMENTS.md, and this stop's run).
+_MEASURED_SPEEDUP = ("ran 1.35-1.6x faster than the graph engine in `dasktf bench` "
+                     "(mnist-mlp, 3 CPU workers: 13.1k against 9.7k and 20.7k against "
+                     "13.2k examples/s)")
 _hinted = False
 
 
