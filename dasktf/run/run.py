@@ -255,7 +255,10 @@ class Run:
         cb.on_train_begin()
 
         def on_step(step: int) -> None:
-            cb.on_train_batch_end(step, {"loss": self._latest_loss})
+            # The global loss of a step arrives with the next one: until the first
+            # has arrived there is none, and callbacks only ever see real numbers.
+            latest = self._latest_loss
+            cb.on_train_batch_end(step, {} if latest is None else {"loss": latest})
             guard.after_step(engine, epoch, step)
 
         try:
