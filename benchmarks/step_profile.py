@@ -28,7 +28,7 @@ def main(batch: int, reps: int) -> None:
     from dasktf.cli.bench import fused_train_step
     from dasktf.data.sources import Shard
     from dasktf.datasets import load_dataset, load_mnist_npz
-    from dasktf.models import model_spec
+    from dasktf.models import CompileRecipe, model_spec
     from dasktf.runtime.replica import Replica, ReplicaConfig
     from dasktf.wire.messages import sum_gradients
 
@@ -37,12 +37,13 @@ def main(batch: int, reps: int) -> None:
     spec = model_spec("cnn", x.shape[1:], 10)
     keras.utils.set_random_seed(0)
     weights = spec.build().get_weights()
-    cfg = ReplicaConfig(spec, keras.optimizers.serialize(keras.optimizers.SGD()),
-                        "sparse_categorical_crossentropy", None, 0, publish_metrics=False)
+    recipe = CompileRecipe(keras.optimizers.serialize(keras.optimizers.SGD()),
+                           "sparse_categorical_crossentropy")
+    cfg = ReplicaConfig(spec, recipe, 0, publish_metrics=False)
     rep = Replica(cfg, 0, Shard(x, y), np.full(reps, batch), weights, None, False)
     g = rep.gradient(0, 0)
     rep.apply(g)
-    batches = [rep.batch(0, i) for i in range(reps)]
+    batches = [(b.x, b.y) for b in (rep.batch(0, i) for i in range(reps))]
 
     model = spec.build()
     fused = fused_train_step(model, keras.optimizers.SGD())

@@ -144,7 +144,7 @@ def client_learning_rate(model: Any) -> float | None:
     inner = getattr(optimizer, "inner_optimizer", optimizer)  # a LossScaleOptimizer
     if not isinstance(getattr(inner, "_learning_rate", None), keras.Variable):
         return None
-    return float(keras.ops.convert_to_numpy(inner.learning_rate))
+    return float(inner.learning_rate.numpy())
 
 
 def adopt_learning_rate(model: Any, optimizer_values: list[Any]) -> None:
@@ -189,3 +189,4 @@ class LearningRateRelay:
         engine.set_learning_rate(lr * float(self.scale()))
         self.last = lr
         return lr
+

@@ -1,19 +1,27 @@
-"""Model recipes: how every worker builds the same Keras model.
+"""Model recipes: how every worker builds (and compiles) the same Keras model.
 
 A live Keras model cannot be shared between processes, so dasktf ships a
 :class:`ModelSpec`, a small picklable recipe, and each worker builds its replica from
 it. A spec is made from a built-in name (``mnist-mlp``, ``cnn``, ``exp-mlp``), a
-callable, an importable ``"module:function"`` string, or a Keras model instance
-(shipped in Keras' own serialized form).
+callable (a factory, or a ``keras.Model`` subclass), an importable
+``"module:function"`` string, or a Keras model instance: a Sequential or functional
+one travels as its Keras config, a subclassed one as its class and constructor
+arguments. Classes and functions defined in the user's script (custom layers,
+activations, the model class itself) travel with the spec by value, so the
+workers' Keras can deserialize what only the client's script defines.
+
+:class:`CompileRecipe` is the other half: the optimizer, loss, loss weights and
+metrics every replica compiles with, taken from the call or from the model's own
+``compile`` (:func:`compiled_args`).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
-import pickle
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 ModelLike = Any  # keras.Model | Callable[..., keras.Model] | str
@@ -79,17 +87,204 @@ class ModelSpec:
 
     factory: Callable[..., Any] | None = None
     import_path: str | None = None
-    keras_bytes: bytes | None = None
+    #: a Sequential/functional model's Keras config (no compile or build config)
+    keras_config: dict[str, Any] | None = None
+    #: a subclassed model: its class and constructor arguments
+    init_args: dict[str, Any] | None = None
+    model_class: type | None = None
+    #: {registered name: class or function} the config names and only the
+    #: client's script defines
+    custom_objects: dict[str, Any] = field(default_factory=dict)
     input_shape: tuple[int, ...] | None = None
     num_outputs: int | None = None
     description: str = ""
 
     def build(self) -> Any:
-        """Build a fresh model (weights are whatever its initializers give)."""
-        if self.keras_bytes is not None:
-            return pickle.loads(self.keras_bytes)  # Keras 3 models pickle as .keras
-        factory = self.factory or _import_factory(self.import_path or "")
-        return _call_factory(factory, self.input_shape, self.num_outputs)
+        """Build a fresh model (weights are whatever its initializers give; a
+        subclassed model has none until it is first called)."""
+        import keras
+
+        with keras.saving.custom_object_scope(self.custom_objects):
+            if self.keras_config is not None:
+                return keras.saving.deserialize_keras_object(self.keras_config)
+            if self.model_class is not None:
+                return self.model_class(**(self.init_args or {}))
+            factory = self.factory or _import_factory(self.import_path or "")
+            return _call_factory(factory, self.input_shape, self.num_outputs)
+
+
+def _instance_spec(model: Any) -> ModelSpec:
+    """The recipe of a model instance: its config, or its class and arguments."""
+    import keras
+
+    custom = custom_objects(model)
+    if _is_plain_graph(model):
+        config = keras.saving.serialize_keras_object(model)
+        # The replicas compile with the run's CompileRecipe and are built by their
+        # config: a compile config would rebuild an optimizer without its variables.
+        config = {k: v for k, v in config.items() if k not in ("compile_config",)}
+        return ModelSpec(keras_config=config, custom_objects=custom, description=model.name)
+    if type(model).get_config is not keras.Model.get_config:  # its own config
+        factory = functools.partial(type(model).from_config, model.get_config())
+        return ModelSpec(factory=factory, custom_objects=custom, description=model.name)
+    # Keras records a subclass's constructor arguments, but keras.Model.__new__
+    # drops them before they are recorded: the defaults are all it keeps.
+    # RebuildCheck compares a model built from them with this one.
+    auto = getattr(model, "_auto_config", None)
+    return ModelSpec(model_class=type(model), init_args=dict(auto.config) if auto else {},
+                     custom_objects=custom, description=model.name)
+
+
+def check_rebuilds(spec: ModelSpec, model: Any, probe_x: Any) -> None:
+    """A subclassed model rebuilt from its class (with its constructor's defaults)
+    must have ``model``'s weight shapes, or the workers would train another model."""
+    if spec.model_class is None:
+        return
+    try:
+        rebuilt = spec.build()
+        rebuilt(probe_x)
+        same = [tuple(w.shape) for w in rebuilt.weights] == [tuple(w.shape)
+                                                             for w in model.weights]
+    except Exception as exc:  # noqa: BLE001 - any failure means: cannot rebuild
+        same, why = False, f" ({type(exc).__name__}: {exc})"
+    else:
+        why = "" if same else " (its weights come out with other shapes)"
+    if not same:
+        name = type(model).__name__
+        raise TypeError(
+            f"The subclassed model {name} cannot be rebuilt on the workers from its "
+            f"class alone{why}: Keras does not record a keras.Model subclass's "
+            "constructor arguments. Pass a factory as model= instead, e.g. "
+            f"model=lambda: {name}(...) or model={name} when its defaults are right, "
+            "or give the class get_config()/from_config()."
+        )
+
+
+def _is_plain_graph(model: Any) -> bool:
+    """A ``keras.Sequential`` or ``keras.Model(inputs, outputs)``, not a subclass:
+    its config alone rebuilds it (a subclass may build itself in ``__init__``)."""
+    import keras
+    from keras.src.models.functional import Functional
+
+    return type(model) in (keras.Sequential, Functional)
+
+
+def custom_objects(model: Any) -> dict[str, Any]:
+    """Classes and functions of ``model`` that Keras does not define (custom layers,
+    activations, initializers, the model class), by the name Keras' serializer
+    records for them."""
+    import keras
+
+    found: dict[str, Any] = {}
+
+    def add(obj: Any) -> None:
+        target = obj if inspect.isfunction(obj) or inspect.isclass(obj) else type(obj)
+        module = getattr(target, "__module__", "") or ""
+        if module.split(".")[0] in ("keras", "builtins", "tensorflow", "numpy"):
+            return
+        found[keras.saving.get_registered_name(target)] = target
+
+    for layer in model._flatten_layers(include_self=True, recursive=True):
+        add(layer)
+        for value in vars(layer).values():
+            if inspect.isfunction(value) or isinstance(
+                value, (keras.initializers.Initializer, keras.regularizers.Regularizer,
+                        keras.constraints.Constraint)):
+                add(value)
+    return found
+
+
+def check_trainable_by_dasktf(model: Any) -> None:
+    """Refuse a model whose class overrides ``train_step``: dasktf computes every
+    gradient itself (it honours an overridden ``compute_loss``)."""
+    import keras
+
+    own = type(model).train_step
+    if own is not keras.Model.train_step:
+        raise ValueError(
+            f"{type(model).__name__} overrides train_step, which dasktf cannot run: "
+            "each worker computes the gradient of its batch itself and the step graph "
+            "averages them, so a custom train_step would be skipped. Move the loss into "
+            "compute_loss (dasktf calls it) or into the model's call via add_loss()."
+        )
+
+
+@dataclass(frozen=True)
+class MetricRecipe:
+    """A metric instance as its class and config: the instance holds variables,
+    and a class from the user's script is unknown to the workers' Keras registry."""
+
+    cls: type
+    config: dict[str, Any]
+
+    def build(self) -> Any:
+        return self.cls.from_config(self.config)
+
+
+def portable_metrics(metrics: Any) -> Any:
+    """``metrics`` as ``compile`` takes them (names, functions, instances; in lists
+    or per-output dicts) with every instance turned into a :class:`MetricRecipe`."""
+    import keras
+
+    if isinstance(metrics, keras.metrics.Metric):
+        return MetricRecipe(type(metrics), metrics.get_config())
+    if isinstance(metrics, dict):
+        return {k: portable_metrics(v) for k, v in metrics.items()}
+    if isinstance(metrics, (list, tuple)):
+        return type(metrics)(portable_metrics(m) for m in metrics)
+    return metrics
+
+
+def live_metrics(metrics: Any) -> Any:
+    """The inverse of :func:`portable_metrics`: fresh instances."""
+    if isinstance(metrics, MetricRecipe):
+        return metrics.build()
+    if isinstance(metrics, dict):
+        return {k: live_metrics(v) for k, v in metrics.items()}
+    if isinstance(metrics, (list, tuple)):
+        return type(metrics)(live_metrics(m) for m in metrics)
+    return metrics
+
+
+@dataclass(frozen=True)
+class CompileRecipe:
+    """What every replica (and the client's model) compiles with."""
+
+    optimizer: dict[str, Any]  # keras.optimizers.serialize(...) output
+    loss: Any
+    loss_weights: Any = None
+    metrics: Any = None  # portable_metrics(...) output
+    weighted_metrics: Any = None
+
+    def compile(self, model: Any) -> None:
+        import keras
+
+        model.compile(
+            optimizer=keras.optimizers.deserialize(self.optimizer),
+            loss=self.loss,
+            loss_weights=self.loss_weights,
+            metrics=live_metrics(self.metrics),
+            weighted_metrics=live_metrics(self.weighted_metrics),
+        )
+
+
+def compiled_args(model: Any) -> dict[str, Any] | None:
+    """The arguments ``model`` was compiled with (``None`` if it was not): the
+    optimizer as the instance that trains (its class and full config), the rest as
+    given to ``compile``."""
+    import keras
+
+    if not getattr(model, "compiled", False):
+        return None
+    # Keras keeps the compile arguments as given (what .keras files save);
+    # get_compile_config() would serialize them and lose functions from the script.
+    given = dict(getattr(getattr(model, "_compile_config", None), "config", None) or {})
+    optimizer = model.optimizer
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        optimizer = optimizer.inner_optimizer
+    given["optimizer"] = optimizer
+    given.setdefault("loss", getattr(model, "loss", None))
+    return given
 
 
 def model_spec(
@@ -107,7 +302,7 @@ def model_spec(
     import keras
 
     if isinstance(model, keras.Model):
-        return ModelSpec(keras_bytes=pickle.dumps(model), description=model.name)
+        return _instance_spec(model)
     if isinstance(model, str):
         if model in BUILTIN_MODELS:
             return ModelSpec(

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from dasktf.callbacks import History
+from dasktf.callbacks import History, check_callbacks
 from dasktf.cluster.devices import GpusArg, select_gpus
 from dasktf.cluster.local import (
     TensorFlowSetup,
@@ -29,6 +29,9 @@ from dasktf.cluster.local import (
 )
 from dasktf.data.sources import (
     make_source,
+    split_validation,
+    unpack_validation,
+    validation_shard,
 )
 from dasktf.engines.holder.options import validate_mode_options
 from dasktf.models import ModelLike
@@ -72,6 +75,24 @@ def _explain_unknown_options(func: F) -> F:
         return func(*args, **kwargs)
 
     return wrapper  # type: ignore[return-value]
+
+
+def refuse_unsupported_fit_options(steps_per_epoch: Any, validation_steps: Any,
+                                   validation_freq: Any) -> None:
+    """Keras ``fit`` arguments dasktf cannot honour, refused with the reason."""
+    if steps_per_epoch is not None or validation_steps is not None:
+        raise ValueError(
+            "steps_per_epoch and validation_steps are not supported: every worker "
+            "holds its shard and the step schedule reads every row once per epoch "
+            "(the global batch split over the workers). Pass fewer rows, or a "
+            "larger batch_size, for shorter epochs."
+        )
+    if validation_freq != 1:
+        raise ValueError(
+            "validation_freq is not supported: the replicas evaluate their "
+            "validation pieces at every epoch end, with the epoch's merge. Pass "
+            "validation_data only for the runs you want validated."
+        )
 
 
 class Trainer:
@@ -130,9 +151,13 @@ class Trainer:
         the client after each epoch (a checkpoint hook).
     optimizer, learning_rate
         A Keras optimizer name or instance; every replica holds its own copy.
-    loss, metrics
-        As in ``keras.Model.compile``; the loss defaults to sparse categorical
-        cross-entropy for integer labels and MSE otherwise.
+        ``None`` (default): the optimizer the model was compiled with (its class
+        and full config), else SGD. ``learning_rate`` overrides its rate.
+    loss, loss_weights, metrics, weighted_metrics
+        As in ``keras.Model.compile`` (per-output dicts or lists included); what is
+        not given comes from the model's own ``compile``. A model that is neither
+        compiled nor given a loss is refused, except the built-in models, whose
+        loss is sparse categorical cross-entropy for integer labels, else MSE.
     seed
         Seeds the initial weights, the per-epoch shuffles and dropout.
     threads_per_worker
@@ -191,10 +216,12 @@ class Trainer:
         scheduler: str | None = None,
         n_workers: int | None = None,
         mode: str = "sync",
-        optimizer: Any = "sgd",
+        optimizer: Any = None,
         learning_rate: float | None = None,
         loss: Any = None,
-        metrics: Sequence[Any] | None = None,
+        loss_weights: Any = None,
+        metrics: Any = None,
+        weighted_metrics: Any = None,
         seed: int | None = None,
         threads_per_worker: int | None = None,
         security: Any = None,
@@ -216,7 +243,8 @@ class Trainer:
             raise ValueError("Give either client or scheduler, not both.")
         self.options = TrainOptions(
             model, mode=mode, n_workers=n_workers, optimizer=optimizer,
-            learning_rate=learning_rate, loss=loss, metrics=metrics, seed=seed,
+            learning_rate=learning_rate, loss=loss, loss_weights=loss_weights,
+            metrics=metrics, weighted_metrics=weighted_metrics, seed=seed,
             threads_per_worker=threads_per_worker, gpus=gpus,
             mixed_precision=mixed_precision, max_staleness=max_staleness,
             staleness_lr=staleness_lr, sync_quorum=sync_quorum,
@@ -282,10 +310,18 @@ class Trainer:
         *,
         epochs: int = 1,
         batch_size: int = 128,
-        validation_data: tuple[Any, Any] | None = None,
+        validation_data: tuple[Any, ...] | None = None,
+        validation_split: float = 0.0,
         shuffle: bool = True,
+        sample_weight: Any = None,
+        class_weight: dict[int, float] | None = None,
+        initial_epoch: int = 0,
+        validation_batch_size: int | None = None,
+        steps_per_epoch: int | None = None,
+        validation_steps: int | None = None,
+        validation_freq: int = 1,
         callbacks: Sequence[Any] | None = None,
-        verbose: int = 1,
+        verbose: int | str = 1,
         checkpoint_dir: str | None = None,
         checkpoint_every: int | None = None,
         resume: bool = False,
@@ -298,16 +334,30 @@ class Trainer:
         ----------
         x, y
             NumPy arrays, Dask arrays (chunks stay on the workers holding them), or
-            ``x`` a shard loader ``load(shard_index, num_shards) -> (x, y)`` run on
-            each worker (``y`` then ``None``).
+            ``x`` a shard loader ``load(shard_index, num_shards) -> (x, y)`` (or
+            ``(x, y, sample_weight)``) run on each worker (``y`` then ``None``).
+            Arrays may be nested in lists, tuples or dicts matching the model's
+            inputs and outputs by position or by name, as Keras matches them.
         batch_size
             The *global* batch: each step averages the gradients of ``batch_size``
-            examples spread over the workers.
-        validation_data
-            ``(x_val, y_val)`` evaluated on the workers at every epoch end.
+            examples spread over the workers (default 128, not Keras' 32: a step
+            costs Dask hops, so fewer, larger steps train faster).
+        validation_data, validation_split, validation_batch_size
+            As in Keras: ``(x_val, y_val)`` or ``(x_val, y_val, sample_weight_val)``
+            evaluated on the workers at every epoch end, or the last
+            ``validation_split`` of the rows, taken before any shuffling.
         shuffle
             Reshuffle every shard at every epoch (seeded). With ``shuffle=False`` and
             array inputs the global batches are exactly Keras' (``x[k*B:(k+1)*B]``).
+        sample_weight, class_weight
+            As in Keras: per-row weights (an array, or one per output), or
+            ``{class: weight}`` for a single-output model. The weighted loss of a
+            step is Keras' weighted loss of its global batch.
+        initial_epoch
+            The epoch to start at (as in Keras, ``epochs`` counts from 0).
+        steps_per_epoch, validation_steps, validation_freq
+            Refused unless left at their defaults: every epoch reads every row once
+            and validates once.
         callbacks
             ``keras.callbacks.Callback`` instances, run on the client.
         verbose
@@ -341,16 +391,26 @@ class Trainer:
         """
         positive_int("epochs", epochs)
         positive_int("batch_size", batch_size)
+        if verbose == "auto":
+            verbose = 1
         if verbose not in (0, 1, 2):
-            raise ValueError(f"verbose must be 0, 1 or 2; got {verbose!r}.")
-        source = make_source(x, y)
+            raise ValueError(f"verbose must be 0, 1, 2 or 'auto'; got {verbose!r}.")
+        refuse_unsupported_fit_options(steps_per_epoch, validation_steps, validation_freq)
+        if not isinstance(initial_epoch, (int, np.integer)) or not 0 <= initial_epoch < epochs:
+            raise ValueError(
+                f"initial_epoch must be an integer in [0, epochs={epochs}); got "
+                f"{initial_epoch!r}.")
+        positive_int("validation_batch_size", validation_batch_size, allow_none=True)
+        callbacks = check_callbacks(callbacks)
+        if validation_split and validation_data is None:
+            (x, y, sample_weight), validation_data = split_validation(
+                x, y, sample_weight, validation_split)
+        if validation_data is not None:
+            validation_data = unpack_validation(validation_data)
+        source = make_source(x, y, sample_weight, class_weight)
         options = FaultOptions(checkpoint_dir, checkpoint_every, bool(resume),
                                on_worker_loss, bool(scale_lr))
         validate_fault_options(self.options, options)
-        if validation_data is not None and (
-            not isinstance(validation_data, (tuple, list)) or len(validation_data) != 2
-        ):
-            raise ValueError("validation_data must be a tuple (x_val, y_val).")
         started = time.perf_counter()
         client = self.client
         o = self.options
@@ -366,9 +426,10 @@ class Trainer:
         run = Run(self, client, workers, placed, batch_size, shuffle, resources)
         run.source, run.validation_data, run.verbose = source, validation_data, verbose
         run.fault = options
+        run.eval_batch_size = validation_batch_size or run.eval_batch_size
         try:
             run.build(validation_data)
-            history = run.train(epochs, callbacks, verbose)
+            history = run.train(epochs, callbacks, verbose, initial_epoch)
         finally:
             run.release()
         history.wall_seconds = time.perf_counter() - started
@@ -376,13 +437,15 @@ class Trainer:
         return history
 
     def evaluate(
-        self, x: Any, y: Any, *, batch_size: int = 256, verbose: int = 0
+        self, x: Any, y: Any, *, batch_size: int = 256, sample_weight: Any = None,
+        verbose: int = 0
     ) -> dict[str, float]:
         """Evaluate the trained model on the client; returns ``{"loss": ..., ...}``."""
         if self.model is None:
             raise RuntimeError("Call fit() before evaluate().")
+        data = validation_shard((x, y, sample_weight))
         return self.model.evaluate(  # type: ignore[no-any-return]
-            np.asarray(x), np.asarray(y), batch_size=batch_size, verbose=verbose,
+            data.x, data.y, sample_weight=data.w, batch_size=batch_size, verbose=verbose,
             return_dict=True,
         )
 
@@ -399,15 +462,25 @@ def fit(
     mode: str = "sync",
     epochs: int = 1,
     batch_size: int = 128,
-    optimizer: Any = "sgd",
+    optimizer: Any = None,
     learning_rate: float | None = None,
     loss: Any = None,
-    metrics: Sequence[Any] | None = None,
-    validation_data: tuple[Any, Any] | None = None,
+    loss_weights: Any = None,
+    metrics: Any = None,
+    weighted_metrics: Any = None,
+    validation_data: tuple[Any, ...] | None = None,
+    validation_split: float = 0.0,
     shuffle: bool = True,
+    sample_weight: Any = None,
+    class_weight: dict[int, float] | None = None,
+    initial_epoch: int = 0,
+    validation_batch_size: int | None = None,
+    steps_per_epoch: int | None = None,
+    validation_steps: int | None = None,
+    validation_freq: int = 1,
     seed: int | None = None,
     callbacks: Sequence[Any] | None = None,
-    verbose: int = 1,
+    verbose: int | str = 1,
     threads_per_worker: int | None = None,
     security: Any = None,
     gpus: GpusArg = None,
@@ -450,7 +523,9 @@ def fit(
         optimizer=optimizer,
         learning_rate=learning_rate,
         loss=loss,
+        loss_weights=loss_weights,
         metrics=metrics,
+        weighted_metrics=weighted_metrics,
         seed=seed,
         threads_per_worker=threads_per_worker,
         security=security,
@@ -474,7 +549,15 @@ def fit(
             epochs=epochs,
             batch_size=batch_size,
             validation_data=validation_data,
+            validation_split=validation_split,
             shuffle=shuffle,
+            sample_weight=sample_weight,
+            class_weight=class_weight,
+            initial_epoch=initial_epoch,
+            validation_batch_size=validation_batch_size,
+            steps_per_epoch=steps_per_epoch,
+            validation_steps=validation_steps,
+            validation_freq=validation_freq,
             callbacks=callbacks,
             verbose=verbose,
             checkpoint_dir=checkpoint_dir,

@@ -44,5 +44,5 @@ def test_source_dispatch_rejects_unknown_input():
         make_source(object(), None)
     with pytest.raises(ValueError, match="y is required"):
         make_source(np.zeros((3, 2)), None)
-    with pytest.raises(ValueError, match="y must be None when x is a shard loader"):
+    with pytest.raises(ValueError, match="must be None when x is a shard loader"):
         make_source(lambda i, n: (None, None), np.zeros(3))

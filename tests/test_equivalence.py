@@ -76,7 +76,8 @@ def test_uneven_last_batch_gives_empty_shares(client, small_digits):
     reference.fit(x, y, batch_size=124, epochs=1, shuffle=False, verbose=0)
     history = dasktf.fit(
         distributed, x, y, client=client, n_workers=3, batch_size=124,
-        optimizer=keras.optimizers.SGD(0.5), shuffle=False, verbose=0,
+        optimizer=keras.optimizers.SGD(0.5), loss="sparse_categorical_crossentropy",
+        shuffle=False, verbose=0,
     )
     for got, want in zip(history.model.get_weights(), reference.get_weights(), strict=False):
         assert relative_error(got, want) < 1e-5

@@ -197,7 +197,7 @@ def test_float16_replica_scales_loss_and_keeps_float32_gradients(digits, monkeyp
 
     from dasktf.cluster import devices
     from dasktf.data.sources import Shard
-    from dasktf.models import model_spec
+    from dasktf.models import CompileRecipe, model_spec
     from dasktf.runtime import replica
     from dasktf.wire.messages import GradientSum
 
@@ -215,10 +215,9 @@ def test_float16_replica_scales_loss_and_keeps_float32_gradients(digits, monkeyp
     spec = model_spec("mnist-mlp", x.shape[1:], 10)
     model = spec.build()
     weights = model.get_weights()
-    cfg = replica.ReplicaConfig(
-        spec, keras.optimizers.serialize(keras.optimizers.SGD(0.1)),
-        "sparse_categorical_crossentropy", None, 0, mixed_precision=True,
-    )
+    recipe = CompileRecipe(keras.optimizers.serialize(keras.optimizers.SGD(0.1)),
+                           "sparse_categorical_crossentropy")
+    cfg = replica.ReplicaConfig(spec, recipe, 0, mixed_precision=True)
     r = replica.Replica(cfg, 0, Shard(x, y), np.array([64]), weights)
     assert keras.config.dtype_policy().name == "float32"  # restored after the build
     assert isinstance(r.model.optimizer, keras.optimizers.LossScaleOptimizer)

@@ -1,14 +1,17 @@
 """Data shards: where the training data lives and which rows every step reads.
 
 Each worker holds one :class:`Shard` for the whole run; the client never ships
-training data per step. Three input kinds are accepted, each through its own adapter:
+training data per step. A shard holds ``x``, ``y`` and optional sample weights
+``w``, each an array or a nest of arrays (lists, tuples, dicts: several inputs or
+outputs, :mod:`dasktf.data.structure`); ``class_weight`` becomes sample weights as
+Keras makes them. Three input kinds are accepted, each through its own adapter:
 
 * NumPy arrays (:class:`ArraySource`): the client slices them *interleaved*, so that
   with ``shuffle=False`` the union of the workers' local batches at step ``k`` is
   exactly ``x[k*B:(k+1)*B]``, the global batch single-process Keras would use;
 * Dask arrays (:class:`DaskArraySource`): chunks go to the worker that already holds
   them where the balance allows (``Client.who_has``), so most never move;
-* a per-shard loader ``load(shard_index, num_shards) -> (x, y)``
+* a per-shard loader ``load(shard_index, num_shards) -> (x, y[, sample_weight])``
   (:class:`LoaderSource`) that runs on the worker, so data can be read where it is.
 
 A *batch schedule* (``steps_per_epoch x workers`` local batch sizes) says how many
@@ -18,11 +21,26 @@ uneven shards and a short last batch are averaged correctly.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from dasktf.data.structure import (
+    Nest,
+    as_arrays,
+    broadcast_to,
+    concat,
+    first_leaf,
+    is_nested,
+    leaves,
+    map_named,
+    map_nest,
+    num_rows,
+    take,
+)
 
 if TYPE_CHECKING:
     from distributed import Client, Future
@@ -32,47 +50,98 @@ ShardLoader = Callable[[int, int], tuple[Any, Any]]
 
 @dataclass
 class Shard:
-    """The rows one worker trains on (or evaluates), resident in its memory."""
+    """The rows one worker trains on (or evaluates), resident in its memory.
 
-    x: np.ndarray
-    y: np.ndarray
+    ``x``, ``y`` and ``w`` (the sample weights, ``None`` for none) are arrays or
+    nests of them (:mod:`dasktf.data.structure`), all with the same rows.
+    """
+
+    x: Nest
+    y: Nest
+    w: Nest = None
 
     def __len__(self) -> int:
-        return len(self.x)
+        return len(first_leaf(self.x))
+
+    def take(self, rows: Any) -> Shard:
+        """The shard of rows ``rows`` (in that order)."""
+        return Shard(take(self.x, rows), take(self.y, rows),
+                     None if self.w is None else take(self.w, rows))
+
+    def batch(self, rows: Any) -> tuple[Nest, Nest, Nest]:
+        return take(self.x, rows), take(self.y, rows), (
+            None if self.w is None else take(self.w, rows))
+
+    @staticmethod
+    def concat(parts: list[Shard]) -> Shard:
+        return Shard(concat([p.x for p in parts]), concat([p.y for p in parts]),
+                     None if parts[0].w is None else concat([p.w for p in parts]))
+
+
+@dataclass(frozen=True)
+class LeafStats:
+    """One array's per-sample shape, dtype and value range, checked on the client."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    finite: bool
+    low: float
+    high: float
+    integral: bool
+
+    @classmethod
+    def of(cls, name: str, a: np.ndarray, values: bool = True) -> LeafStats:
+        """``values=False``: shape, dtype and finiteness only (inputs need no range)."""
+        finite = _all_finite(a)
+        numeric = values and (np.issubdtype(a.dtype, np.number) or a.dtype == bool)
+        integral = bool(np.issubdtype(a.dtype, np.integer)) or (
+            numeric and finite and a.size > 0 and bool(np.all(np.mod(a, 1) == 0))
+        )
+        ranged = numeric and a.size and finite
+        return cls(name, tuple(a.shape[1:]), str(a.dtype), finite,
+                   float(a.min()) if ranged else 0.0, float(a.max()) if ranged else 0.0,
+                   integral)
 
 
 @dataclass(frozen=True)
 class ShardStats:
-    """What the client needs to validate a shard without fetching it."""
+    """What the client needs to validate a shard without fetching it: the row
+    count and a :class:`LeafStats` per array, in the nest of ``x``, ``y``, ``w``."""
 
     n: int
-    x_shape: tuple[int, ...]
-    y_shape: tuple[int, ...]
-    x_dtype: str
-    y_dtype: str
-    finite: bool
-    y_min: float
-    y_max: float
-    y_integral: bool
+    x: Nest
+    y: Nest
+    w: Nest = None
 
     @classmethod
-    def of(cls, x: np.ndarray, y: np.ndarray) -> ShardStats:
-        _check_lengths(x, y)
-        finite = bool(_all_finite(x) and _all_finite(y))
-        integral = bool(np.issubdtype(y.dtype, np.integer)) or (
-            finite and y.size > 0 and bool(np.all(np.mod(y, 1) == 0))
-        )
-        return cls(
-            n=len(x),
-            x_shape=tuple(x.shape[1:]),
-            y_shape=tuple(y.shape[1:]),
-            x_dtype=str(x.dtype),
-            y_dtype=str(y.dtype),
-            finite=finite,
-            y_min=float(y.min()) if y.size and finite else 0.0,
-            y_max=float(y.max()) if y.size and finite else 0.0,
-            y_integral=integral,
-        )
+    def of(cls, shard: Shard) -> ShardStats:
+        n = num_rows({"x": shard.x, "y": shard.y,
+                      **({} if shard.w is None else {"sample_weight": shard.w})})
+        def inputs(name: str, a: np.ndarray) -> LeafStats:
+            return LeafStats.of(name, a, values=False)
+
+        return cls(n, map_named(inputs, shard.x, "x"),
+                   map_named(LeafStats.of, shard.y, "y"),
+                   None if shard.w is None else map_named(LeafStats.of, shard.w,
+                                                          "sample_weight"))
+
+    def all_leaves(self) -> list[LeafStats]:
+        return [leaf for nest in (self.x, self.y, self.w) if nest is not None
+                for _, leaf in leaves(nest)]
+
+    def probe(self, rows: int = 1) -> tuple[Nest, Nest, Nest]:
+        """Zero-valued ``(x, y, w)`` of ``rows`` rows with the data's shapes and dtypes."""
+        def zeros(leaf: LeafStats) -> np.ndarray:
+            return np.zeros((rows, *leaf.shape), dtype=leaf.dtype)
+
+        return (map_nest(zeros, self.x), map_nest(zeros, self.y),
+                None if self.w is None else map_nest(lambda leaf: np.ones(
+                    (rows, *leaf.shape), dtype=leaf.dtype), self.w))
+
+    def layout(self) -> Any:
+        """Shapes and dtypes of every array, to compare shards."""
+        return [(leaf.name, leaf.shape, leaf.dtype) for leaf in self.all_leaves()]
 
 
 @dataclass
@@ -93,47 +162,79 @@ class PlacedData:
 
 
 def _all_finite(a: np.ndarray) -> bool:
-    if not np.issubdtype(a.dtype, np.number) or np.issubdtype(a.dtype, np.integer):
+    if not np.issubdtype(a.dtype, np.inexact):
         return True
     return bool(np.isfinite(a).all())
 
 
-def _check_lengths(x: Any, y: Any) -> None:
-    if len(x) != len(y):
-        raise ValueError(
-            f"x and y must have the same number of samples; got {len(x)} inputs "
-            f"and {len(y)} labels."
-        )
-
-
 def check_stats(stats: Sequence[ShardStats], where: str = "the training data") -> None:
-    """Raise ``ValueError`` for NaN/inf values or shards that disagree on shapes."""
-    if not all(s.finite for s in stats):
-        bad = [i for i, s in enumerate(stats) if not s.finite]
-        raise ValueError(
-            f"{where} contains NaN or infinite values (shard(s) {bad}); "
-            "clean or impute them before training."
-        )
-    shapes = {(s.x_shape, s.y_shape) for s in stats if s.n}
-    if len(shapes) > 1:
-        raise ValueError(f"The shards of {where} disagree on shapes: {sorted(shapes)}.")
+    """Raise ``ValueError`` for NaN/inf values or shards that disagree on shapes,
+    naming the array (``x['image']``, ``y[1]``, ``sample_weight``) at fault."""
+    for i, s in enumerate(stats):
+        bad = [leaf.name for leaf in s.all_leaves() if not leaf.finite]
+        if bad:
+            shard = f" (shard {i})" if len(stats) > 1 else ""
+            raise ValueError(
+                f"{where} contains NaN or infinite values in {', '.join(bad)}{shard}; "
+                "clean or impute them before training."
+            )
+    layouts = {repr(s.layout()) for s in stats if s.n}
+    if len(layouts) > 1:
+        raise ValueError(f"The shards of {where} disagree on shapes: {sorted(layouts)}.")
 
 
-def check_labels(stats: Sequence[ShardStats], num_classes: int) -> None:
-    """Sparse class labels must be integers in ``[0, num_classes)``."""
-    if not all(s.y_integral for s in stats if s.n):
+def check_labels(stats: Sequence[ShardStats], path: str, num_classes: int) -> None:
+    """Sparse class labels of output ``path`` must be integers in ``[0, num_classes)``."""
+    labels = [leaf for s in stats if s.n for name, leaf in leaves(s.y, "y") if name == path]
+    if not labels:
+        return
+    if not all(leaf.integral for leaf in labels):
         raise ValueError(
-            "Labels must be integer class indices for a sparse categorical loss; "
-            "got non-integer values."
+            f"Labels {path} must be integer class indices for a sparse categorical "
+            "loss; got non-integer values."
         )
-    low = min(s.y_min for s in stats if s.n)
-    high = max(s.y_max for s in stats if s.n)
+    low, high = min(leaf.low for leaf in labels), max(leaf.high for leaf in labels)
     if low < 0 or high >= num_classes:
         raise ValueError(
-            f"Labels must lie in [0, {num_classes}) for a model with {num_classes} "
-            f"outputs; got labels from {low:g} to {high:g}. Check the labels, or give "
-            "the model as many outputs as there are classes."
+            f"Labels {path} must lie in [0, {num_classes}) for an output with "
+            f"{num_classes} units; got labels from {low:g} to {high:g}. Check the "
+            "labels, or give the model as many outputs as there are classes."
         )
+
+
+def class_weight_to_sample_weight(y: np.ndarray, class_weight: dict[int, float]) -> np.ndarray:
+    """Keras' mapping: each row weighs ``class_weight[its class]`` (1 if absent); the
+    class of one-hot rows is their argmax."""
+    labels = np.asarray(y)
+    if labels.ndim > 1:
+        labels = labels.argmax(axis=-1) if labels.shape[-1] != 1 else labels[..., 0]
+    labels = np.round(labels).astype(np.int64).reshape(len(labels))
+    weights = np.ones(len(labels), dtype=np.float32)
+    for cls, weight in class_weight.items():
+        weights[labels == int(cls)] = weight
+    return weights
+
+
+def check_class_weight(class_weight: Any, y: Nest) -> None:
+    if class_weight is None:
+        return
+    if not isinstance(class_weight, dict) or not all(
+        isinstance(k, (int, np.integer)) and not isinstance(k, bool) for k in class_weight
+    ):
+        raise TypeError("class_weight must be a dict {class index: weight}; "
+                        f"got {class_weight!r}.")
+    if is_nested(y):
+        raise ValueError(
+            "class_weight is only supported for models with a single output (as in "
+            "Keras); give per-output sample_weight instead."
+        )
+
+
+def with_weights(shard: Shard, class_weight: dict[int, float] | None) -> Shard:
+    """The shard with ``class_weight`` turned into sample weights (Keras' rule)."""
+    if class_weight is None:
+        return shard
+    return Shard(shard.x, shard.y, class_weight_to_sample_weight(shard.y, class_weight))
 
 
 def interleaved_schedule(n: int, batch_size: int, n_workers: int) -> np.ndarray:
@@ -182,15 +283,18 @@ def check_worker_count(n_samples: int, n_workers: int, batch_size: int) -> None:
 
 
 class ArraySource:
-    """NumPy (or array-like) ``x``/``y`` held by the client, scattered once."""
+    """NumPy (or array-like) ``x``/``y``/``sample_weight`` held by the client, each
+    an array or a nest of them, scattered once."""
 
-    def __init__(self, x: Any, y: Any) -> None:
+    def __init__(self, x: Any, y: Any, sample_weight: Any = None,
+                 class_weight: dict[int, float] | None = None) -> None:
         if y is None:
             raise ValueError("y is required when x is an array.")
-        self.x, self.y = np.asarray(x), np.asarray(y)
-        if self.x.ndim == 0:
-            raise ValueError("x must have a leading sample axis; got a scalar.")
-        self.stats = ShardStats.of(self.x, self.y)
+        x, y = as_arrays(x, "x"), as_arrays(y, "y")
+        w = None if sample_weight is None else as_arrays(
+            broadcast_to(sample_weight, y), "sample_weight")
+        self.data = with_weights(Shard(x, y, w), class_weight)
+        self.stats = ShardStats.of(self.data)
         check_stats([self.stats])
 
     def place(self, client: Client, workers: list[str], batch_size: int) -> PlacedData:
@@ -198,34 +302,34 @@ class ArraySource:
         schedule = interleaved_schedule(self.stats.n, batch_size, len(workers))
         rows = interleaved_indices(schedule, batch_size)
         shards = [
-            client.scatter(Shard(self.x[r], self.y[r]), workers=[w], direct=True, hash=False)  # see Run.build
-            for r, w in zip(rows, workers, strict=False)
+            client.scatter(self.data.take(r), workers=[w], direct=True, hash=False)  # see Run.build
+            for r, w in zip(rows, workers, strict=True)
         ]
-        stats = [_with_n(self.stats, len(r)) for r in rows]
+        stats = [dataclasses.replace(self.stats, n=len(r)) for r in rows]
         return PlacedData(shards, stats, schedule)
 
 
-def _with_n(stats: ShardStats, n: int) -> ShardStats:
-    return ShardStats(**{**stats.__dict__, "n": n})
+def shard_from_parts(x_parts: list[Any], y_parts: list[Any], w_parts: list[Any] | None = None,
+                     class_weight: dict[int, float] | None = None) -> Shard:
+    shard = Shard(concat(x_parts), concat(y_parts), None if w_parts is None else concat(w_parts))
+    return with_weights(shard, class_weight)
 
 
-def shard_from_parts(x_parts: list[Any], y_parts: list[Any]) -> Shard:
-    return Shard(np.concatenate(x_parts), np.concatenate(y_parts))
-
-
-def load_shard(load: ShardLoader, index: int, n_shards: int) -> Shard:
+def load_shard(load: ShardLoader, index: int, n_shards: int,
+               class_weight: dict[int, float] | None = None) -> Shard:
     out = load(index, n_shards)
-    if not (isinstance(out, tuple) and len(out) == 2):
+    if not (isinstance(out, tuple) and len(out) in (2, 3)):
         raise TypeError(
-            f"The shard loader must return a tuple (x, y); got {type(out).__name__}."
+            "The shard loader must return a tuple (x, y) or (x, y, sample_weight); "
+            f"got {type(out).__name__}."
         )
-    x, y = (np.asarray(a) for a in out)
-    _check_lengths(x, y)
-    return Shard(x, y)
-
-
-def _stats_of(shard: Shard) -> ShardStats:
-    return ShardStats.of(shard.x, shard.y)
+    x, y = as_arrays(out[0], "x"), as_arrays(out[1], "y")
+    w = as_arrays(broadcast_to(out[2], y), "sample_weight") if len(out) == 3 else None
+    if w is not None and class_weight is not None:
+        raise ValueError("The shard loader returns sample weights: give no class_weight too.")
+    shard = with_weights(Shard(x, y, w), class_weight)
+    ShardStats.of(shard)  # the row counts agree, or an error naming the arrays
+    return shard
 
 
 class _WorkerSideSource:
@@ -239,13 +343,13 @@ class _WorkerSideSource:
         stats = client.gather(
             [
                 # pure=False: the stats of a shard are cheap, never worth caching.
-                client.submit(_stats_of, s, workers=[w], pure=False)
-                for s, w in zip(shards, workers, strict=False)
+                client.submit(ShardStats.of, s, workers=[w], pure=False)
+                for s, w in zip(shards, workers, strict=True)
             ]
         )
         check_stats(stats)
         check_worker_count(sum(s.n for s in stats), len(workers), batch_size)
-        empty = [w for w, s in zip(workers, stats, strict=False) if s.n == 0]
+        empty = [w for w, s in zip(workers, stats, strict=True) if s.n == 0]
         if empty:
             raise ValueError(
                 f"Worker(s) {empty} got an empty shard; every worker needs data. "
@@ -255,36 +359,61 @@ class _WorkerSideSource:
 
 
 class DaskArraySource(_WorkerSideSource):
-    """Dask arrays: each worker's shard is built from chunks it mostly already holds."""
+    """Dask arrays (or nests of them): each worker's shard is built from chunks it
+    mostly already holds."""
 
-    def __init__(self, x: Any, y: Any) -> None:
-        import dask.array as da
-
+    def __init__(self, x: Any, y: Any, sample_weight: Any = None,
+                 class_weight: dict[int, float] | None = None) -> None:
         if y is None:
             raise ValueError("y is required when x is a Dask array.")
-        _check_lengths(x, y)
-        x = x.rechunk({i: -1 for i in range(1, x.ndim)})
-        y = da.asarray(y).rechunk({0: x.chunks[0], **{i: -1 for i in range(1, y.ndim)}})
-        self.x, self.y = x, y
+        arrays: dict[str, Any] = {"x": x, "y": y}
+        if sample_weight is not None:
+            arrays["sample_weight"] = broadcast_to(sample_weight, y)
+        num_rows(arrays)
+        lead = first_leaf(x)
+        lead = lead.rechunk({i: -1 for i in range(1, lead.ndim)})
+
+        def align(a: Any) -> Any:  # every array cut into the leading array's row chunks
+            import dask.array as da
+
+            a = da.asarray(a)
+            return a.rechunk({0: lead.chunks[0], **{i: -1 for i in range(1, a.ndim)}})
+
+        self.x, self.y = map_nest(align, x), map_nest(align, y)
+        self.w = None if sample_weight is None else map_nest(align, arrays["sample_weight"])
+        self.class_weight = class_weight
+        self.row_chunks = list(lead.chunks[0])
+
+    def _parts(self, client: Client, chunks: Sequence[int]) -> list[Any]:
+        """Futures of row chunks ``chunks``: per chunk, the nest ``[x, y, w]``."""
+        nests = [self.x, self.y] + ([] if self.w is None else [self.w])
+        delayed = map_nest(lambda a: a.to_delayed().ravel(), nests)
+        per_chunk = [map_nest(lambda d, j=j: d[j], delayed) for j in chunks]
+        # One future per array chunk (compute() of a nest would make one per nest).
+        futures = iter(client.compute([leaf for nest in per_chunk for _, leaf in leaves(nest)]))
+        return [map_nest(lambda _: next(futures), nest) for nest in per_chunk]
+
+    def _submit(self, client: Client, parts: list[Any], worker: str) -> Future:
+        return client.submit(
+            shard_from_parts, [p[0] for p in parts], [p[1] for p in parts],
+            None if self.w is None else [p[2] for p in parts], self.class_weight,
+            workers=[worker], pure=False,
+        )
 
     def _build(self, client: Client, workers: list[str]) -> list[Future]:
-        x_parts = client.compute(list(self.x.to_delayed().ravel()))
-        y_parts = client.compute(list(self.y.to_delayed().ravel()))
-        holders = client.who_has(x_parts)
-        sizes = list(self.x.chunks[0])
+        parts = self._parts(client, range(len(self.row_chunks)))
+        lead = [first_leaf(p[0]) for p in parts]
+        holders = client.who_has(lead)
         self.assignment = assignment = assign_chunks(
-            sizes, [holders.get(f.key, ()) for f in x_parts], workers
+            self.row_chunks, [holders.get(f.key, ()) for f in lead], workers
         )
-        return [
-            client.submit(
-                shard_from_parts,
-                [x_parts[j] for j in chunks],
-                [y_parts[j] for j in chunks],
-                workers=[w],
-                pure=False,
-            )
-            for w, chunks in zip(workers, assignment, strict=False)
-        ]
+        return [self._submit(client, [parts[j] for j in chunks], w)
+                for w, chunks in zip(workers, assignment, strict=True)]
+
+    def reload(self, client: Client, index: int, worker: str) -> Future:
+        """Shard ``index`` rebuilt on ``worker``, recomputed from the Dask graph where
+        a lost worker held the only copy of its chunks."""
+        return self._submit(client, self._parts(client, self.assignment[index]), worker)
 
 
 def assign_chunks(
@@ -307,16 +436,19 @@ def assign_chunks(
 
 
 class LoaderSource(_WorkerSideSource):
-    """A function ``load(shard_index, num_shards) -> (x, y)`` run on each worker."""
+    """A function ``load(shard_index, num_shards) -> (x, y[, sample_weight])`` run on
+    each worker."""
 
-    def __init__(self, load: ShardLoader) -> None:
+    def __init__(self, load: ShardLoader, class_weight: dict[int, float] | None = None) -> None:
         self.load = load
+        self.class_weight = class_weight
 
     def _build(self, client: Client, workers: list[str]) -> list[Future]:
         n = len(workers)
         return [
             # pure=False: a loader may read files that change between runs.
-            client.submit(load_shard, self.load, i, n, workers=[w], pure=False)
+            client.submit(load_shard, self.load, i, n, self.class_weight, workers=[w],
+                          pure=False)
             for i, w in enumerate(workers)
         ]
 
@@ -324,45 +456,120 @@ class LoaderSource(_WorkerSideSource):
 DataSource = ArraySource | DaskArraySource | LoaderSource
 
 
-def make_source(x: Any, y: Any = None) -> DataSource:
+def make_source(x: Any, y: Any = None, sample_weight: Any = None,
+                class_weight: dict[int, float] | None = None) -> DataSource:
     """Pick the adapter for what the user passed as training data.
+
+    ``x``, ``y`` and ``sample_weight`` may each be an array or a (nested) list,
+    tuple or dict of arrays, matched to the model's inputs and outputs as Keras
+    matches them.
 
     Raises
     ------
     TypeError
-        ``x`` is none of: an array, a Dask array, a shard loader.
+        ``x`` is none of: arrays, Dask arrays, a shard loader.
     ValueError
-        The arrays are inconsistent (lengths, NaN/inf values).
+        The arrays are inconsistent (row counts, NaN/inf values), or
+        ``class_weight`` is given with ``sample_weight`` or a multi-output ``y``.
     """
-    if _is_dask_array(x):
-        return DaskArraySource(x, y)
-    if callable(x) and not hasattr(x, "__array__"):
-        if y is not None:
-            raise ValueError("y must be None when x is a shard loader; it returns both.")
-        return LoaderSource(x)
-    if hasattr(x, "__array__") or isinstance(x, (list, tuple)):
-        if _is_dask_array(y):
-            raise TypeError("x is in memory but y is a Dask array; pass both alike.")
-        return ArraySource(x, y)
-    raise TypeError(
-        "x must be a NumPy array (or array-like), a Dask array, or a shard loader "
-        f"load(shard_index, num_shards) -> (x, y); got {type(x).__name__}."
-    )
+    if class_weight is not None and sample_weight is not None:
+        raise ValueError("Give sample_weight or class_weight, not both (as in Keras).")
+    if class_weight is not None:
+        check_class_weight(class_weight, y)
+    if callable(x) and not hasattr(x, "__array__") and not is_nested(x):
+        if y is not None or sample_weight is not None:
+            raise ValueError(
+                "y and sample_weight must be None when x is a shard loader; it returns "
+                "(x, y) or (x, y, sample_weight)."
+            )
+        return LoaderSource(x, class_weight)
+    kinds = {_is_dask_array(leaf) for nest in (x, y, sample_weight) if nest is not None
+             for _, leaf in leaves(nest)}
+    if kinds == {True}:
+        return DaskArraySource(x, y, sample_weight, class_weight)
+    if kinds == {True, False}:
+        raise TypeError(
+            "Some of x, y and sample_weight are Dask arrays and some are in memory; "
+            "pass them all alike (dask.array.from_array wraps in-memory ones)."
+        )
+    bad = [path for path, leaf in leaves(x, "x")
+           if not (hasattr(leaf, "__array__") or isinstance(leaf, (list, tuple, int, float)))]
+    if bad or callable(x):
+        raise TypeError(
+            "x must be a NumPy array (or array-like), a Dask array, a list/tuple/dict "
+            "of them, or a shard loader load(shard_index, num_shards) -> (x, y); got "
+            f"{type(x).__name__}" + (f" at {', '.join(bad)}." if is_nested(x) else ".")
+        )
+    return ArraySource(x, y, sample_weight, class_weight)
 
 
 def _is_dask_array(a: Any) -> bool:
     return type(a).__module__.startswith("dask.array")
 
 
+def split_validation(x: Any, y: Any, sample_weight: Any, fraction: float
+                     ) -> tuple[tuple[Any, Any, Any], tuple[Any, Any, Any]]:
+    """Keras' ``validation_split``: the last ``fraction`` of the rows, before any
+    shuffling, become the validation data (``floor(n * (1 - fraction))`` rows stay)."""
+    if not 0 < fraction < 1:
+        raise ValueError(f"validation_split must be in (0, 1); got {fraction!r}.")
+    if callable(x) and not hasattr(x, "__array__") and not is_nested(x):
+        raise ValueError(
+            "validation_split needs x and y as arrays (it takes their last rows); a "
+            "shard loader's data is only read on the workers. Pass validation_data."
+        )
+    arrays = {"x": x, "y": y,
+              **({} if sample_weight is None else {"sample_weight": sample_weight})}
+    if not all(_is_dask_array(leaf) for _, leaf in leaves(arrays)):
+        arrays = {k: as_arrays(v, k) for k, v in arrays.items()}
+    n = num_rows(arrays)
+    split_at = int(np.floor(n * (1.0 - fraction)))
+    if split_at in (0, n):
+        raise ValueError(
+            f"validation_split={fraction} leaves no rows for training or validation "
+            f"out of {n}; use a fraction that leaves at least one row each."
+        )
+    train = {k: take(v, slice(0, split_at)) for k, v in arrays.items()}
+    val = {k: take(v, slice(split_at, None)) for k, v in arrays.items()}
+    return ((train["x"], train["y"], train.get("sample_weight")),
+            (val["x"], val["y"], val.get("sample_weight")))
+
+
+def unpack_validation(validation_data: Any) -> tuple[Any, Any, Any]:
+    """``(x, y)`` or ``(x, y, sample_weight)``, as Keras takes ``validation_data``."""
+    if not isinstance(validation_data, (tuple, list)) or len(validation_data) not in (2, 3):
+        raise ValueError(
+            "validation_data must be a tuple (x_val, y_val) or (x_val, y_val, "
+            f"sample_weight_val); got {type(validation_data).__name__}"
+            + (f" of length {len(validation_data)}." if isinstance(
+                validation_data, (tuple, list)) else ".")
+        )
+    x, y, *rest = validation_data
+    return x, y, rest[0] if rest else None
+
+
+def validation_shard(validation_data: tuple[Any, Any, Any]) -> Shard:
+    """``(x, y, sample_weight)`` validation data as one checked in-memory shard."""
+    x, y, w = validation_data
+    x, y = as_arrays(x, "x_val"), as_arrays(y, "y_val")
+    w = None if w is None else as_arrays(broadcast_to(w, y), "sample_weight_val")
+    data = Shard(x, y, w)
+    check_stats([ShardStats.of(data)], where="the validation data")
+    return data
+
+
+def validation_piece(data: Shard, index: int, n: int) -> Shard:
+    """Worker ``index``'s contiguous piece of ``n``."""
+    return data.take(np.array_split(np.arange(len(data)), n)[index])
+
+
 def place_validation(
-    client: Client, x: Any, y: Any, workers: list[str]
+    client: Client, validation_data: tuple[Any, Any, Any], workers: list[str]
 ) -> list[Future] | None:
     """Scatter validation data in contiguous pieces, one per worker, for evaluation."""
-    x, y = np.asarray(x), np.asarray(y)
-    _check_lengths(x, y)
-    check_stats([ShardStats.of(x, y)], where="the validation data")
-    parts = np.array_split(np.arange(len(x)), len(workers))
+    data = validation_shard(validation_data)
+    parts = np.array_split(np.arange(len(data)), len(workers))
     return [
-        client.scatter(Shard(x[p], y[p]), workers=[w], direct=True, hash=False)  # see Run.build
-        for p, w in zip(parts, workers, strict=False)
+        client.scatter(data.take(p), workers=[w], direct=True, hash=False)  # see Run.build
+        for p, w in zip(parts, workers, strict=True)
     ]

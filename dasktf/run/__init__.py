@@ -1,6 +1,8 @@
 """One fit, independent of the engine: :mod:`.options` (every option, checked once),
 :mod:`.run` (place data, build replicas, drive the epochs, merge metrics,
-callbacks), :mod:`.engine` (the factory that picks the engine), :mod:`.guard`
+callbacks), :mod:`.compiling` (the optimizer, loss and metrics the replicas compile
+with: the call's, else the model's own), :mod:`.engine` (the factory that picks the
+engine), :mod:`.guard`
 (checkpoints, resume, worker loss and growth), :mod:`.checkpoint` (the files) and
 :mod:`.async_checkpoint` (an async run's files).
 """

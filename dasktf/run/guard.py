@@ -15,8 +15,6 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from dasktf.callbacks import adopt_learning_rate
 from dasktf.cluster.waits import wait_for
 from dasktf.engines.base import Engine, RunHooks
@@ -91,12 +89,10 @@ class RunGuard:
                              run.placed.schedule, run.batch_size)
         val = None
         if run.validation_data is not None:
-            from dasktf.data.sources import Shard
+            from dasktf.data.sources import validation_piece, validation_shard
 
-            x, y = (np.asarray(a) for a in run.validation_data)
-            part = np.array_split(np.arange(len(x)), n)[index]
-            val = run.client.scatter(Shard(x[part], y[part]), workers=[worker],
-                                     direct=True, hash=False)
+            piece = validation_piece(validation_shard(run.validation_data), index, n)
+            val = run.client.scatter(piece, workers=[worker], direct=True, hash=False)
         return shard, val
 
     def _holder_inputs(self, worker: str) -> tuple[Any, list[Any]]:
@@ -105,10 +101,10 @@ class RunGuard:
         run = self.run
         val = None
         if run.validation_data is not None:
-            from dasktf.data.sources import Shard
+            from dasktf.data.sources import validation_shard
 
-            x, y = (np.asarray(a) for a in run.validation_data)
-            val = run.client.scatter(Shard(x, y), workers=[worker], direct=True, hash=False)
+            val = run.client.scatter(validation_shard(run.validation_data), workers=[worker],
+                                     direct=True, hash=False)
         probe = val if val is not None else self._reload(0, worker)[0]
         return probe, [val]
 
@@ -229,13 +225,23 @@ class RunGuard:
             engine.keep_restore_point()
 
     def finish(self, model: Any, engine: Engine) -> None:
-        if self.options.checkpoint_dir is not None:
-            if engine.capabilities.checkpoints in ("steps", "epochs"):
-                # the replicas' optimizer state goes along
-                state = engine.state()
-                model.optimizer.build(model.trainable_variables)
-                for v, value in zip(model.optimizer.variables, state["optimizer"], strict=False):
+        """The trained optimizer's state into the client's model (``history.model``
+        saves and resumes like a model Keras trained), then the final checkpoint."""
+        state = None
+        if engine.capabilities.checkpoints == "steps" or (
+            engine.capabilities.checkpoints == "epochs" and self.options.checkpoint_dir
+        ):  # the collective engine keeps its state only when it checkpoints
+            state = engine.state()
+        if state is not None:
+            model.optimizer.build(model.trainable_variables)
+            variables = model.optimizer.variables
+            if len(variables) == len(state["optimizer"]):
+                for v, value in zip(variables, state["optimizer"], strict=True):
                     v.assign(value)
+            else:  # a LossScaleOptimizer on the workers (mixed_float16)
+                logger.debug("optimizer state not copied: %d variables against %d",
+                             len(variables), len(state["optimizer"]))
+        if self.options.checkpoint_dir is not None:
             path = Path(self.options.checkpoint_dir) / ckpt.FINAL_MODEL
             model.save(path)
 

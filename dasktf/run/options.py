@@ -11,7 +11,7 @@ family's own rules (:func:`~dasktf.wire.packets.validate_comm_options`,
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,22 +59,39 @@ def resolve_optimizer(optimizer: Any, learning_rate: float | None) -> dict[str, 
     return keras.optimizers.serialize(opt)  # type: ignore[no-any-return]
 
 
-def resolve_metrics(metrics: Sequence[Any] | None) -> list[Any] | None:
+def check_staleness_lr(staleness_lr: str | None, optimizer_config: dict[str, Any] | None
+                       ) -> None:
+    if staleness_lr is not None and optimizer_config is not None and isinstance(
+        optimizer_config.get("config", {}).get("learning_rate"), dict
+    ):
+        raise ValueError(
+            "staleness_lr='inverse' scales a fixed learning rate; this optimizer "
+            "has a LearningRateSchedule. Use a float learning rate, or drop "
+            "staleness_lr."
+        )
+
+
+def resolve_metrics(metrics: Any) -> Any:
+    """Metrics as ``compile`` takes them (a list, or per output a dict or list of
+    lists), checked, with instances made portable (:func:`~dasktf.models.portable_metrics`)."""
     import keras
+
+    from dasktf.models import portable_metrics
 
     if metrics is None:
         return None
     if isinstance(metrics, str):
         metrics = [metrics]
-    out: list[Any] = []
-    for m in metrics:
-        if isinstance(m, keras.metrics.Metric):
-            out.append(keras.metrics.serialize(m))
-        elif isinstance(m, str) or callable(m):
-            out.append(m)
-        else:
+    for _, m in _metric_leaves(metrics):
+        if not (isinstance(m, (keras.metrics.Metric, str)) or callable(m) or m is None):
             raise TypeError(f"metrics must be names, Metric instances or callables; got {m!r}.")
-    return out
+    return portable_metrics(metrics)
+
+
+def _metric_leaves(metrics: Any) -> list[tuple[str, Any]]:
+    from dasktf.data.structure import leaves
+
+    return list(leaves(metrics, "metrics"))
 
 
 def validate_engine(engine: str, mode: str, sync_quorum: int | None,
@@ -102,10 +119,12 @@ class TrainOptions:
     model: Any
     mode: str = "sync"
     n_workers: int | None = None
-    optimizer: Any = "sgd"
+    optimizer: Any = None
     learning_rate: float | None = None
     loss: Any = None
-    metrics: Sequence[Any] | None = None
+    loss_weights: Any = None
+    metrics: Any = None
+    weighted_metrics: Any = None
     seed: int | None = None
     threads_per_worker: int | None = None
     gpus: GpusArg = None
@@ -123,10 +142,11 @@ class TrainOptions:
     topology: str | None = None
     #: how gradients and weights travel (from compression ... topology)
     comm: CommSpec = field(init=False, repr=False)
-    #: the optimizer (with ``learning_rate``) as a Keras config every replica builds
-    optimizer_config: dict[str, Any] = field(init=False, repr=False)
-    #: the metrics as names, callables or Keras configs
-    metric_configs: list[Any] | None = field(init=False, repr=False)
+    #: the optimizer given (with ``learning_rate``) as a Keras config, ``None`` when
+    #: none was: the compiled model's, else SGD (:mod:`dasktf.run.compiling`)
+    optimizer_config: dict[str, Any] | None = field(init=False, repr=False)
+    #: the metrics given, as names, callables or metric recipes
+    metric_configs: Any = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         def set_(name: str, value: Any) -> None:
@@ -143,17 +163,13 @@ class TrainOptions:
             self.slow_workers, self.n_workers))
         validate_engine(self.engine, self.mode, self.sync_quorum, self.slow_workers)
         positive_int("threads_per_worker", self.threads_per_worker, allow_none=True)
-        optimizer = resolve_optimizer(self.optimizer, self.learning_rate)
-        if self.staleness_lr is not None and isinstance(
-            optimizer.get("config", {}).get("learning_rate"), dict
-        ):
-            raise ValueError(
-                "staleness_lr='inverse' scales a fixed learning rate; this optimizer "
-                "has a LearningRateSchedule. Use a float learning rate, or drop "
-                "staleness_lr."
-            )
-        set_("optimizer_config", optimizer)
+        if self.learning_rate is not None and not self.learning_rate > 0:
+            raise ValueError(f"learning_rate must be positive; got {self.learning_rate!r}.")
+        set_("optimizer_config", None if self.optimizer is None else resolve_optimizer(
+            self.optimizer, self.learning_rate))
+        check_staleness_lr(self.staleness_lr, self.optimizer_config)
         set_("metric_configs", resolve_metrics(self.metrics))
+        resolve_metrics(self.weighted_metrics)
         if self.seed is None:
             set_("seed", int(np.random.SeedSequence().entropy % 2**31))
         else:

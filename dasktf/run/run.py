@@ -17,12 +17,8 @@ from dasktf.cluster.local import (
     alive_workers,
 )
 from dasktf.cluster.waits import RunContext, wait_for
-from dasktf.data.sources import (
-    PlacedData,
-    ShardStats,
-    check_labels,
-    place_validation,
-)
+from dasktf.data.sources import PlacedData, place_validation
+from dasktf.data.structure import leaves
 from dasktf.diagnostics.events import (
     TOPIC,
     epoch_record,
@@ -32,7 +28,19 @@ from dasktf.diagnostics.events import (
     unpack,
 )
 from dasktf.diagnostics.metrics import ensure_store
-from dasktf.models import ModelSpec, model_spec
+from dasktf.models import (
+    BUILTIN_MODELS,
+    ModelSpec,
+    check_rebuilds,
+    check_trainable_by_dasktf,
+    model_spec,
+)
+from dasktf.run.compiling import (
+    check_sparse_labels,
+    compile_recipe,
+    factory_input_shape,
+    num_outputs,
+)
 from dasktf.run.engine import make_engine
 from dasktf.run.guard import RunGuard
 from dasktf.run.options import FaultOptions
@@ -45,35 +53,6 @@ if TYPE_CHECKING:
     from dasktf.trainer import Trainer
 
 logger = logging.getLogger(__name__)
-
-_SPARSE_LOSSES = ("sparse_categorical_crossentropy", "SparseCategoricalCrossentropy")
-
-
-def _resolve_loss(loss: Any, model: Any, stats: ShardStats) -> Any:
-    import keras
-
-    if loss is None:
-        loss = getattr(model, "loss", None) if getattr(model, "compiled", False) else None
-    if loss is None:
-        outputs = model.outputs[0].shape[-1] if getattr(model, "outputs", None) else 1
-        loss = "sparse_categorical_crossentropy" if stats.y_integral and outputs > 1 else "mse"
-        logger.info("No loss given; using %s", loss)
-    if isinstance(loss, str):
-        try:
-            keras.losses.get(loss)
-        except ValueError:
-            raise ValueError(
-                f"Unknown loss {loss!r}; use a Keras loss name (e.g. "
-                "sparse_categorical_crossentropy, categorical_crossentropy, mse, mae) "
-                "or a keras.losses.Loss instance."
-            ) from None
-    return loss
-
-
-def _is_sparse(loss: Any) -> bool:
-    name = loss if isinstance(loss, str) else type(loss).__name__
-    return name in _SPARSE_LOSSES
-
 
 class Run:
     """One ``fit`` call: the replicas, the engine, the epoch loop and the clean-up."""
@@ -106,61 +85,67 @@ class Run:
         self.validation_data: tuple[Any, Any] | None = None
         self.verbose = 0
         self.fault = FaultOptions()
+        self.eval_batch_size = 256
         self._generation = 0
 
     # -- set-up -------------------------------------------------------------------
-    def _reference_model(self) -> tuple[Any, ModelSpec]:
-        """Build (or take) the client-side model and its recipe; check the shapes."""
+    def _reference_model(self) -> tuple[Any, ModelSpec, Any]:
+        """Build (or take) the client-side model and its recipe; check the shapes.
+        Returns the model, its spec and its outputs on a probe batch."""
         import keras
 
         t, o = self.trainer, self.trainer.options
         stats = self.placed.stats[0]
         if t.model is not None:  # a second fit() continues from the trained weights
-            model, spec = t.model, model_spec(t.model, stats.x_shape, None)
+            model = t.model
         elif isinstance(o.model, keras.Model):
-            model, spec = o.model, model_spec(o.model, stats.x_shape, None)
+            model = o.model
         else:
             keras.utils.set_random_seed(o.seed)
-            num_outputs = (
-                int(max(s.y_max for s in self.placed.stats)) + 1
-                if stats.y_integral and not stats.y_shape
-                else int(np.prod(stats.y_shape or (1,)))
-            )
-            spec = model_spec(o.model, stats.x_shape, num_outputs)
+            spec = model_spec(o.model, factory_input_shape(stats), num_outputs(self.placed.stats))
             model = spec.build()
-        probe = np.zeros((2, *stats.x_shape), dtype=stats.x_dtype)
+        check_trainable_by_dasktf(model)
+        probe_x = stats.probe(2)[0]
         try:
-            model(probe)
+            # Builds a subclassed model's weights: only then can its spec be taken.
+            y_pred = model(probe_x)
+        except Exception as exc:
+            shapes = ", ".join(f"{leaf.name}: {(None, *leaf.shape)}"
+                               for _, leaf in leaves(stats.x, "x"))
+            raise ValueError(
+                f"The model does not accept inputs of shape {shapes} "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0]}). Check x's shape "
+                "(and its structure: one array, or a list/dict matching the model's "
+                "inputs by position or name) against the model's input."
+            ) from exc
+        if t.model is not None or isinstance(o.model, keras.Model):
+            spec = model_spec(model, None, None)
+            check_rebuilds(spec, model, probe_x)
+        return model, spec, y_pred
+
+    def build(self, validation_data: tuple[Any, Any, Any] | None) -> None:
+        t, o = self.trainer, self.trainer.options
+        model, spec, y_pred = self._reference_model()
+        stats = self.placed.stats[0]
+        builtin = isinstance(o.model, str) and o.model in BUILTIN_MODELS
+        recipe = compile_recipe(o, model, stats, y_pred, builtin)
+        check_sparse_labels(recipe.loss, model, y_pred, self.placed.stats)
+        recipe.compile(model)
+        probe_x, probe_y, probe_w = stats.probe(1)
+        try:
+            build_metrics(model, probe_x, probe_y, probe_w)
         except Exception as exc:
             raise ValueError(
-                f"The model does not accept inputs of shape {(None, *stats.x_shape)} "
-                f"({type(exc).__name__}: {str(exc).splitlines()[0]}). Check x's shape "
-                "against the model's input."
+                "The labels y (or sample_weight) do not match the model's outputs and "
+                f"loss: {type(exc).__name__}: {str(exc).strip().splitlines()[0]} Give y "
+                "as one array per output, in a list (by position) or a dict (by output "
+                f"name: {list(getattr(model, 'output_names', []) or [])})."
             ) from exc
-        return model, spec
-
-    def build(self, validation_data: tuple[Any, Any] | None) -> None:
-        import keras
-
-        t, o = self.trainer, self.trainer.options
-        model, spec = self._reference_model()
-        loss = _resolve_loss(o.loss, model, self.placed.stats[0])
-        if _is_sparse(loss):
-            check_labels(self.placed.stats, int(model.outputs[0].shape[-1]))
-        model.compile(
-            optimizer=keras.optimizers.deserialize(o.optimizer_config),
-            loss=loss,
-            metrics=_metrics_objects(o.metric_configs),
-        )
-        stats = self.placed.stats[0]
-        probe_x = np.zeros((1, *stats.x_shape), dtype=stats.x_dtype)
-        probe_y = np.zeros((1, *stats.y_shape), dtype=stats.y_dtype)
-        build_metrics(model, probe_x, probe_y)
         self.model = model
         t.model = model
         self.spec_description = spec.description or getattr(model, "name", "")
         self._cfg = ReplicaConfig(
-            spec, o.optimizer_config, loss, o.metric_configs, o.seed,
+            spec, recipe, o.seed, eval_batch_size=self.eval_batch_size,
             mixed_precision=o.mixed_precision,
             publish_metrics=bool(config.get("metrics")),
             comm=dataclasses.replace(o.comm, n_workers=len(self.workers)),
@@ -179,7 +164,7 @@ class Run:
             # slices into the model optimizer's layout: refuse one that has none.
             positions = {id(w): i for i, w in enumerate(model.weights)}
             self.ps_layout = (
-                optimizer_layout(o.optimizer_config, model.trainable_variables),
+                optimizer_layout(recipe.optimizer, model.trainable_variables),
                 [positions[id(v)] for v in model.trainable_variables],
             )
         self._create_replicas()
@@ -188,7 +173,7 @@ class Run:
         """One replica per worker of ``self.workers`` from ``self.model``'s weights."""
         o, cfg, validation_data = self.trainer.options, self._cfg, self._validation
         val = (
-            place_validation(self.client, *validation_data, self.workers)
+            place_validation(self.client, validation_data, self.workers)
             if validation_data is not None
             else [None] * len(self.workers)
         )
@@ -225,7 +210,8 @@ class Run:
         self.replica_info = self.client.gather(futures)
 
     # -- the epoch loop -----------------------------------------------------------------
-    def train(self, epochs: int, callbacks: Sequence[Any] | None, verbose: int) -> History:
+    def train(self, epochs: int, callbacks: Sequence[Any] | None, verbose: int,
+              initial_epoch: int = 0) -> History:
         import keras
 
         history = History()
@@ -247,6 +233,9 @@ class Run:
         # Which engine ran, where Keras callbacks (and users) read a run's settings.
         cb.set_params({**cb.params, "mode": engine.mode, "engine": engine.engine})
         first_epoch, first_step = guard.begin(engine)
+        if initial_epoch > first_epoch:  # Keras' initial_epoch; a resume may be later
+            first_epoch, first_step = initial_epoch, 0
+            engine.start_at(initial_epoch * self.ctx.steps_per_epoch)
         # after begin: a resumed run's learning rate is the checkpoint's
         relay = LearningRateRelay(self.model, guard.lr_factor)
         self.publish(self._run_start_record(epochs, engine.mode, engine.engine))
@@ -374,14 +363,6 @@ class _LinePrinter(ProgressBar):
 
     def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         pass
-
-
-def _metrics_objects(metrics: list[Any] | None) -> list[Any] | None:
-    import keras
-
-    if metrics is None:
-        return None
-    return [keras.metrics.deserialize(m) if isinstance(m, dict) else m for m in metrics]
 
 
 class _config_override:

@@ -28,8 +28,9 @@ from dasktf.cluster.devices import (
     precision_policy,
 )
 from dasktf.data.sources import Shard
+from dasktf.data.structure import first_leaf, map_nest
 from dasktf.exceptions import ReplicaError
-from dasktf.models import ModelSpec
+from dasktf.models import CompileRecipe, ModelSpec
 from dasktf.wire.messages import GradientSum
 
 logger = logging.getLogger(__name__)
@@ -42,9 +43,7 @@ class ReplicaConfig:
     """Everything a worker needs to build its replica; small and picklable."""
 
     model: ModelSpec
-    optimizer: dict[str, Any]  # keras.optimizers.serialize(...) output
-    loss: Any
-    metrics: list[Any] | None
+    recipe: CompileRecipe  # optimizer, loss, loss weights, metrics
     seed: int
     eval_batch_size: int = 256
     #: Keras mixed precision: mixed_float16 with loss scaling on a GPU worker,
@@ -154,13 +153,11 @@ class Replica:
         # The model and its step live on this worker's one GPU if it has one (it was
         # pinned at spawn); batches are numpy slices on the host.
         self.device = compute_device()
+        probe = shard.take(slice(0, 1))
         with tf.device(self.device), precision_policy(config.mixed_precision):
             model = config.model.build()
-            model.compile(
-                optimizer=keras.optimizers.deserialize(config.optimizer),
-                loss=config.loss,
-                metrics=_metrics(config.metrics),
-            )
+            model(probe.x)  # a subclassed model makes its weights on its first call
+            config.recipe.compile(model)
         model.set_weights(weights)
         self.model = model
         self.variables = list(model.trainable_variables)
@@ -168,14 +165,12 @@ class Replica:
         self.shapes = [tuple(v.shape) for v in self.variables]
         self.stats_variables = non_trainable_floats(model)
         model.optimizer.build(self.variables)
-        build_metrics(model, shard.x[:1], shard.y[:1])
+        build_metrics(model, probe.x, probe.y, probe.w)
         self.loss_tracker = next(m for m in model.metrics if m.name == "loss")
-
-        spec = [
-            tf.TensorSpec((None, *shard.x.shape[1:]), tf.as_dtype(shard.x.dtype)),
-            tf.TensorSpec((None, *shard.y.shape[1:]), tf.as_dtype(shard.y.dtype)),
-        ]
-        self._gradient_fn = tf.function(self._gradient, input_signature=spec)
+        compile_loss = getattr(model, "_compile_loss", None)
+        self.output_loss_trackers = list(getattr(compile_loss, "metrics", None) or [])
+        self.weighted = shard.w is not None
+        self._gradient_fn = tf.function(self._gradient, input_signature=batch_signature(shard))
         # A fixed signature: a Python int count would retrace for every new value
         # (the short last batch of each epoch, for one).
         self._apply_fn = tf.function(
@@ -224,20 +219,26 @@ class Replica:
         self._orders: dict[tuple[int, int], np.ndarray] = {}
 
     # -- compiled bodies ------------------------------------------------------
-    def _gradient(self, x: Any, y: Any) -> tuple[Any, Any]:
+    def _gradient(self, x: Any, y: Any, w: Any = None) -> tuple[Any, Any]:
         import tensorflow as tf
 
         with tf.GradientTape() as tape:
             y_pred = self.model(x, training=True)
-            loss = self.model.compute_loss(x=x, y=y, y_pred=y_pred, training=True)
+            # Keras' reduction divides the weighted sum by the batch size, not the
+            # weights' sum: times n below, summed and divided by the global count,
+            # it is Keras' weighted loss of the global batch.
+            before = [m.total + 0.0 for m in self.output_loss_trackers]
+            loss = self.model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=w,
+                                           training=True)
+            n = tf.shape(first_leaf(x))[0]
+            weigh_output_losses(self.output_loss_trackers, before, n)
             # A LossScaleOptimizer (mixed_float16) scales here and unscales, checks
             # for overflow and adapts the scale in apply_gradients; every replica
             # applies the same sum, so their scales stay equal. Else a no-op.
             scaled = self.model.optimizer.scale_loss(loss)
         grads = tape.gradient(scaled, self.variables)
-        n = tf.shape(x)[0]
         self.loss_tracker.update_state(loss, sample_weight=n)
-        self.model.compute_metrics(x, y, y_pred, sample_weight=None)
+        self.model.compute_metrics(x, y, y_pred, sample_weight=w)
         flat = tf.concat(
             [
                 tf.reshape(tf.zeros_like(v) if g is None else tf.cast(g, v.dtype), [-1])
@@ -318,26 +319,23 @@ class Replica:
         if done:
             self.lr_ramp = None
 
-    def batch(self, epoch: int, step: int) -> tuple[np.ndarray, np.ndarray]:
+    def batch(self, epoch: int, step: int) -> Shard:
+        """This replica's rows of global step ``step`` (its own, then adopted ones)."""
         if epoch != self._epoch:
             self._epoch = epoch
             if self.shuffle:
                 rng = np.random.default_rng([self.seed, epoch, self.index])
                 self._order = rng.permutation(len(self.shard))
         rows = self._order[self.offsets[step] : self.offsets[step + 1]]
-        x, y = self.shard.x[rows], self.shard.y[rows]
+        own = self.shard.take(rows)
         if not self.adopted:
-            return x, y
-        xs, ys = [x], [y]
-        for index, shard, column in self.adopted:
-            ax, ay = self.adopted_batch(index, shard, column, epoch, step)
-            xs.append(ax)
-            ys.append(ay)
-        return np.concatenate(xs), np.concatenate(ys)
+            return own
+        return Shard.concat([own, *(self.adopted_batch(index, shard, column, epoch, step)
+                                    for index, shard, column in self.adopted)])
 
     def adopted_batch(
         self, index: int, shard: Shard, column: np.ndarray, epoch: int, step: int
-    ) -> tuple[np.ndarray, np.ndarray]:
+    ) -> Shard:
         """Rows of an adopted shard, in the order its lost owner would have read them
         (same seed, same per-epoch permutation), so the global batch is unchanged."""
         key = (index, epoch)
@@ -350,15 +348,15 @@ class Replica:
             self._orders[key] = order
         offsets = np.concatenate([[0], np.cumsum(column)])
         rows = order[offsets[step] : offsets[step + 1]]
-        return shard.x[rows], shard.y[rows]
+        return shard.take(rows)
 
     def gradient(self, epoch: int, step: int) -> GradientSum:
-        x, y = self.batch(epoch, step)
-        if len(x) == 0:
+        batch = self.batch(epoch, step)
+        if len(batch) == 0:
             return GradientSum(None, 0, 0.0)
         with _on(self.device):
-            flat, loss_sum = self._gradient_fn(x, y)
-        return GradientSum(flat.numpy(), len(x), float(loss_sum))
+            flat, loss_sum = self._gradient_fn(*batch_args(batch))
+        return GradientSum(flat.numpy(), len(batch), float(loss_sum))
 
     def record_step(
         self,
@@ -443,6 +441,7 @@ class Replica:
         self.model.evaluate(
             self.val_shard.x,
             self.val_shard.y,
+            sample_weight=self.val_shard.w,
             batch_size=self.eval_batch_size,
             verbose=0,
         )
@@ -482,19 +481,44 @@ def _on(device: str) -> Any:
     return tf.device(device)
 
 
-def _metrics(metrics: list[Any] | None) -> list[Any] | None:
-    import keras
+def weigh_output_losses(trackers: list[Any], before: list[Any], n: Any) -> None:
+    """Count each output's loss of this batch ``n`` times, as one sample per row.
 
-    if metrics is None:
-        return None
-    return [keras.metrics.deserialize(m) if isinstance(m, dict) else m for m in metrics]
+    Keras weighs a multi-output model's per-output loss means by the batch's
+    *static* size, which a step traced for every batch size (``None``) lacks, so
+    each batch counted once whatever its rows; the replicas' batches differ in
+    size, and their merged means would not be the global batch's."""
+    import tensorflow as tf
+
+    extra = tf.cast(n, tf.float32) - 1.0
+    for tracker, total in zip(trackers, before, strict=True):
+        tracker.total.assign_add((tracker.total - total) * tf.cast(extra, tracker.total.dtype))
+        tracker.count.assign_add(tf.cast(extra, tracker.count.dtype))
 
 
-def build_metrics(model: Any, x: np.ndarray, y: np.ndarray) -> None:
+def batch_signature(shard: Shard) -> list[Any]:
+    """The ``tf.function`` input signature of a step on ``shard``'s batches: the
+    nests of ``x``, ``y`` (and ``w`` if weighted) with a free batch axis, so a short
+    last batch does not retrace."""
+    import tensorflow as tf
+
+    def spec(a: np.ndarray) -> Any:
+        return tf.TensorSpec((None, *a.shape[1:]), tf.as_dtype(a.dtype))
+
+    parts = [shard.x, shard.y] + ([] if shard.w is None else [shard.w])
+    return [map_nest(spec, part) for part in parts]
+
+
+def batch_args(batch: Shard) -> tuple[Any, ...]:
+    """A batch as the arguments of a function with :func:`batch_signature`."""
+    return (batch.x, batch.y) if batch.w is None else (batch.x, batch.y, batch.w)
+
+
+def build_metrics(model: Any, x: Any, y: Any, w: Any = None) -> None:
     """Create the compiled loss and metric variables (Keras builds them lazily)."""
     y_pred = model(x, training=False)
-    model.compute_loss(x=x, y=y, y_pred=y_pred, training=False)
-    model.compute_metrics(x, y, y_pred, sample_weight=None)
+    model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=w, training=False)
+    model.compute_metrics(x, y, y_pred, sample_weight=w)
     model.reset_metrics()
 
 

@@ -98,7 +98,7 @@ class PSShard:
         """One optimizer step on the slice; ``lr_scale`` scales the learning rate of
         this step only (async ``staleness_lr``)."""
         if lr_scale != 1.0:
-            base = float(np.asarray(self.optimizer.learning_rate))
+            base = float(self.optimizer.learning_rate.numpy())
             self.optimizer.learning_rate = base * lr_scale
             try:
                 self._apply_fn(total, np.float32(count))
@@ -379,7 +379,7 @@ def ramp_shards_learning_rate(run_id: str, factor: float, steps: int) -> None:
     for key, state in _SHARDS.items():
         if key[0] == run_id:
             with state.lock:
-                old = float(np.asarray(state.optimizer.learning_rate))
+                old = float(state.optimizer.learning_rate.numpy())
                 state.lr_ramp = (state.applied + 1, max(1, int(steps)), old, old * factor)
 
 

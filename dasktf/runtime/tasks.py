@@ -145,7 +145,7 @@ def set_learning_rate_task(run_id: str, lr: float) -> float:
         replica.lr_ramp = None
         replica.model.optimizer.learning_rate = lr
     set_shards_learning_rate(run_id, lr)
-    return float(np.asarray(replica.model.optimizer.learning_rate))
+    return float(replica.model.optimizer.learning_rate.numpy())
 
 
 def set_non_trainable_task(run_id: str, values: list[np.ndarray] | None,

@@ -11,7 +11,13 @@ from typing import Any
 import numpy as np
 
 from dasktf import config
-from dasktf.runtime.replica import EpochReport, ReplicaConfig
+from dasktf.data.structure import first_leaf
+from dasktf.runtime.replica import (
+    EpochReport,
+    ReplicaConfig,
+    batch_args,
+    batch_signature,
+)
 from dasktf.tf.child import ChildError, ChildProcess
 
 _CHILDREN: dict[str, ChildProcess] = {}
@@ -24,7 +30,6 @@ class _CollectiveReplica:
 
     def __init__(self, cfg: ReplicaConfig, index: int, shard: Any, schedule: np.ndarray,
                  weights: list[np.ndarray], val_shard: Any, shuffle: bool) -> None:
-        import keras
         import tensorflow as tf
 
         from dasktf.runtime.replica import Replica
@@ -39,39 +44,39 @@ class _CollectiveReplica:
                              shard, schedule[:, index], weights, val_shard, shuffle)
         with self.strategy.scope():
             model = cfg.model.build()
-            model.compile(optimizer=keras.optimizers.deserialize(cfg.optimizer),
-                          loss=cfg.loss)
+            model(shard.take(slice(0, 1)).x)  # a subclassed model's weights
+            # The loss and optimizer only: the local replica keeps the metrics.
+            dataclasses.replace(cfg.recipe, metrics=None, weighted_metrics=None).compile(model)
             model.set_weights(weights)
             model.optimizer.build(model.trainable_variables)
         self.model = model
         self.grad_bytes = 4 * sum(int(np.prod(v.shape)) for v in model.trainable_variables)
-        spec = [tf.TensorSpec((None, *shard.x.shape[1:]), tf.as_dtype(shard.x.dtype)),
-                tf.TensorSpec((None, *shard.y.shape[1:]), tf.as_dtype(shard.y.dtype))]
-        self._step = tf.function(self._train_step,
-                                 input_signature=[*spec, tf.TensorSpec((), tf.float32)])
+        self._step = tf.function(self._train_step, input_signature=[
+            tf.TensorSpec((), tf.float32), *batch_signature(shard)])
         self._metrics = tf.function(self._update_metrics)
 
-    def _train_step(self, x: Any, y: Any, total: Any) -> Any:
+    def _train_step(self, total: Any, x: Any, y: Any, w: Any = None) -> Any:
         import tensorflow as tf
 
         strategy, model = self.strategy, self.model
         replicas = float(strategy.num_replicas_in_sync)
 
-        def replica_fn(x: Any, y: Any) -> Any:
-            n = tf.cast(tf.shape(x)[0], tf.float32)
+        def replica_fn(x: Any, y: Any, w: Any) -> Any:
+            n = tf.cast(tf.shape(first_leaf(x))[0], tf.float32)
             with tf.GradientTape() as tape:
                 y_pred = model(x, training=True)
                 # Keras divides the loss by the replica count under a strategy;
                 # undo that: this replica's share is its loss *sum* over the step's
                 # global count, and the optimizer's all-reduce SUMs the shares.
-                loss = model.compute_loss(x=x, y=y, y_pred=y_pred, training=True)
+                loss = model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=w,
+                                          training=True)
                 loss = loss * replicas
                 share = loss * n / total
             grads = tape.gradient(share, model.trainable_variables)
             model.optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=False))
             return y_pred, loss
 
-        y_pred, loss = strategy.run(replica_fn, args=(x, y))
+        y_pred, loss = strategy.run(replica_fn, args=(x, y, w))
         local = strategy.experimental_local_results
         return local(y_pred)[0], local(loss)[0]
 
@@ -90,11 +95,11 @@ class _CollectiveReplica:
             v.assign(value)
         return len(variables)
 
-    def _update_metrics(self, x: Any, y: Any, y_pred: Any, loss: Any) -> None:
+    def _update_metrics(self, x: Any, y: Any, y_pred: Any, loss: Any, w: Any = None) -> None:
         import tensorflow as tf
 
-        self.local.loss_tracker.update_state(loss, sample_weight=tf.shape(x)[0])
-        self.local.model.compute_metrics(x, y, y_pred, sample_weight=None)
+        self.local.loss_tracker.update_state(loss, sample_weight=tf.shape(first_leaf(x))[0])
+        self.local.model.compute_metrics(x, y, y_pred, sample_weight=w)
 
     def run_epoch(self, conn: Any, run_id: str, epoch: int, with_weights: bool,
                   with_optimizer: bool, start: int = 0) -> dict[str, Any]:
@@ -107,16 +112,16 @@ class _CollectiveReplica:
         # ``start`` > 0: resuming from a graph-engine checkpoint taken mid-epoch.
         for step in range(start, steps):
             began = time.perf_counter()
-            x, y = self.local.batch(epoch, step)
-            y_pred, loss = self._step(x, y, self.totals[step])
-            if len(x):
-                self._metrics(x, y, y_pred, loss)
+            batch = self.local.batch(epoch, step)
+            y_pred, loss = self._step(self.totals[step], *batch_args(batch))
+            if len(batch):
+                self._metrics(batch.x, batch.y, y_pred, loss, batch.w)
             # No .numpy() here: reading the loss every step would wait for the
             # step and stop TensorFlow from overlapping the next one's input.
             compute = time.perf_counter() - began
             seconds.append(compute)
             if publish:
-                pending.append((step, len(x), loss, compute))
+                pending.append((step, len(batch), loss, compute))
             if time.monotonic() - last_send >= interval:
                 # Also the parent's heartbeat: it times out on silence, not on length.
                 conn.send(("event", self._records(run_id, epoch, pending)))

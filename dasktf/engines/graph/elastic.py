@@ -48,7 +48,6 @@ from dasktf.data.sources import (
     Shard,
     interleaved_indices,
     load_shard,
-    shard_from_parts,
 )
 from dasktf.engines.base import Capabilities, RunHooks
 from dasktf.engines.graph.topology import CommEngine
@@ -133,9 +132,7 @@ def adopt_task(
         replica.adopted.append((index, shard, np.asarray(column)))
         if val is not None and len(val):
             mine = replica.val_shard
-            replica.val_shard = val if mine is None else Shard(
-                np.concatenate([mine.x, val.x]), np.concatenate([mine.y, val.y])
-            )
+            replica.val_shard = val if mine is None else Shard.concat([mine, val])
     return len(replica.shard) + sum(len(s) for _, s, _ in replica.adopted)
 
 
@@ -146,7 +143,7 @@ def ramp_lr_task(run_id: str, factor: float, steps: int) -> tuple[float, float]:
 
     replica = get_replica(run_id)
     with replica.apply_lock:
-        old = float(np.asarray(replica.model.optimizer.learning_rate))
+        old = float(replica.model.optimizer.learning_rate.numpy())
         new = old * float(factor)
         replica.lr_ramp = (replica.applied + 1, max(1, int(steps)), old, new)
     ramp_shards_learning_rate(run_id, float(factor), steps)  # placement="ps": they train
@@ -167,17 +164,13 @@ def reload_shard(
     if isinstance(source, ArraySource):
         rows = interleaved_indices(schedule, batch_size)[index]
         return client.scatter(
-            Shard(source.x[rows], source.y[rows]), workers=[worker], direct=True, hash=False
+            source.data.take(rows), workers=[worker], direct=True, hash=False
         )
     if isinstance(source, LoaderSource):
-        return client.submit(load_shard, source.load, index, n_shards,
+        return client.submit(load_shard, source.load, index, n_shards, source.class_weight,
                              workers=[worker], pure=False)
     if isinstance(source, DaskArraySource):
-        chunks = source.assignment[index]
-        # Recomputed from the Dask graph where the lost worker held the only copy.
-        x_parts = client.compute([source.x.to_delayed().ravel()[j] for j in chunks])
-        y_parts = client.compute([source.y.to_delayed().ravel()[j] for j in chunks])
-        return client.submit(shard_from_parts, x_parts, y_parts, workers=[worker], pure=False)
+        return source.reload(client, index, worker)
     raise TypeError(f"cannot reload a shard from {type(source).__name__}")
 
 

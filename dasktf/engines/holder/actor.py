@@ -104,15 +104,11 @@ class ParameterHolder:
         passes: int | None = None,
     ) -> None:
         val_parts = [s for s in val_shards if s is not None and len(s)]
-        val = (
-            Shard(np.concatenate([s.x for s in val_parts]), np.concatenate([s.y for s in val_parts]))
-            if val_parts
-            else None
-        )
-        shard = Shard(probe.x[:1], probe.y[:1])
+        val = Shard.concat(val_parts) if val_parts else None
+        shard = probe.take(slice(0, 1))
         self.replica = Replica(config_, HOLDER_INDEX, shard, np.ones((1,), int), weights, val, False)
         optimizer = self.replica.model.optimizer
-        self._base_lr = float(np.asarray(optimizer.learning_rate))
+        self._base_lr = float(optimizer.learning_rate.numpy())
         self.flat = self.replica.flat_weights()
         self.version = 0
         self.gate = StalenessGate(max_staleness)
@@ -367,7 +363,7 @@ class ParameterHolder:
         for v, value in zip(model.optimizer.variables, optimizer, strict=False):
             v.assign(value)
         # the cut's learning rate (an optimizer variable) is the one to go on with
-        self._base_lr = float(np.asarray(model.optimizer.learning_rate))
+        self._base_lr = float(model.optimizer.learning_rate.numpy())
         self.flat = self.replica.flat_weights()
 
     async def restore(

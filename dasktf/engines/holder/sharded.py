@@ -122,7 +122,7 @@ def _build_shard(
 ) -> tuple[Any, PSShard]:
     from dasktf.runtime.replica import Replica
 
-    shard = Shard(probe.x[:1], probe.y[:1])
+    shard = probe.take(slice(0, 1))
     replica = Replica(
         config_, HOLDER_INDEX + index, shard, np.ones((1,), int), weights, None, False
     )

@@ -1,0 +1,150 @@
+"""What a run compiles its replicas with, as a re-``compile`` would decide it.
+
+The call's ``optimizer=``, ``loss=`` (with ``loss_weights=``), ``metrics=`` and
+``weighted_metrics=`` win; what the call leaves out comes from the model's own
+``compile`` (:func:`~dasktf.models.compiled_args`); a model that has neither a
+loss given nor one compiled is refused, except dasktf's built-in models, whose loss
+follows the labels. The labels of every output trained with a sparse categorical
+loss are checked against that output's units here, on the client.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+
+from dasktf.data.sources import ShardStats, check_labels
+from dasktf.data.structure import is_nested, leaves, map_nest
+from dasktf.models import CompileRecipe, compiled_args, portable_metrics
+from dasktf.run.options import (
+    TrainOptions,
+    check_staleness_lr,
+    resolve_metrics,
+    resolve_optimizer,
+)
+
+logger = logging.getLogger(__name__)
+
+_SPARSE_LOSSES = ("sparse_categorical_crossentropy", "SparseCategoricalCrossentropy")
+
+
+def compile_recipe(options: TrainOptions, model: Any, stats: ShardStats, y_pred: Any,
+                   builtin: bool) -> CompileRecipe:
+    """The optimizer, loss, loss weights and metrics every replica compiles with."""
+    o = options
+    compiled = compiled_args(model) or {}
+    if o.optimizer is not None:
+        optimizer = o.optimizer_config
+    else:
+        optimizer = resolve_optimizer(compiled.get("optimizer") or "sgd", o.learning_rate)
+    loss_weights = o.loss_weights
+    if o.loss is not None:
+        loss = o.loss
+    elif compiled.get("loss") is not None:
+        loss = compiled["loss"]
+        if loss_weights is None:
+            loss_weights = compiled.get("loss_weights")
+    elif builtin:
+        loss = default_loss(stats, y_pred)
+        logger.info("No loss given; using %s", loss)
+    else:
+        raise ValueError(
+            f"The model {getattr(model, 'name', '')!r} is not compiled and no loss was "
+            "given: compile it first (model.compile(optimizer=..., loss=..., "
+            "metrics=[...])) or pass loss= (e.g. 'sparse_categorical_crossentropy')."
+        )
+    check_loss_names(loss)
+    metrics = o.metric_configs if o.metrics is not None else portable_metrics(
+        compiled.get("metrics"))
+    weighted = (resolve_metrics(o.weighted_metrics) if o.weighted_metrics is not None
+                else portable_metrics(compiled.get("weighted_metrics")))
+    check_staleness_lr(o.staleness_lr, optimizer)
+    return CompileRecipe(optimizer, loss, loss_weights, metrics, weighted)
+
+
+def default_loss(stats: ShardStats, y_pred: Any) -> str:
+    """A built-in model's loss: sparse cross-entropy for class labels, else MSE."""
+    label = stats.y if not is_nested(stats.y) else None
+    units = int(y_pred.shape[-1]) if not is_nested(y_pred) else 1
+    if label is not None and label.integral and not label.shape and units > 1:
+        return "sparse_categorical_crossentropy"
+    return "mse"
+
+
+def check_loss_names(loss: Any) -> None:
+    import keras
+
+    for path, leaf in leaves(loss, "loss"):
+        if isinstance(leaf, str):
+            try:
+                keras.losses.get(leaf)
+            except ValueError:
+                raise ValueError(
+                    f"Unknown loss {leaf!r}" + (f" at {path}" if path != "loss" else "")
+                    + "; use a Keras loss name (e.g. sparse_categorical_crossentropy, "
+                    "categorical_crossentropy, mse, mae) or a keras.losses.Loss instance."
+                ) from None
+
+
+def check_sparse_labels(loss: Any, model: Any, y_pred: Any, stats: list[ShardStats]) -> None:
+    """Labels of every output trained with a sparse categorical loss must be class
+    indices below that output's unit count (matched as Keras matches ``y``: by
+    position, or by output name)."""
+    y = stats[0].y
+    names = list(getattr(model, "output_names", None) or [])
+    if isinstance(y_pred, dict):
+        outputs = dict(y_pred)
+    elif isinstance(y_pred, (list, tuple)):
+        outputs = dict(zip(names or range(len(y_pred)), y_pred, strict=False))
+    else:
+        outputs = {names[0] if names else 0: y_pred}
+    order = list(outputs)
+    for path, name, index in _label_paths(y, names):
+        pred = outputs.get(name)
+        if pred is None and index < len(order):
+            pred = outputs[order[index]]
+        if pred is not None and _is_sparse(_loss_of(loss, name, index)):
+            check_labels(stats, path, int(pred.shape[-1]))
+
+
+def _label_paths(y: Any, names: list[str]) -> list[tuple[str, Any, int]]:
+    """``(path, output name, position)`` of each label array."""
+    if isinstance(y, dict):
+        return [(f"y[{k!r}]", k, i) for i, k in enumerate(y)]
+    if isinstance(y, (list, tuple)):
+        return [(f"y[{i}]", names[i] if i < len(names) else None, i) for i in range(len(y))]
+    return [("y", names[0] if names else None, 0)]
+
+
+def _loss_of(loss: Any, name: Any, index: int) -> Any:
+    if isinstance(loss, dict):
+        return loss.get(name)
+    if isinstance(loss, (list, tuple)):
+        return loss[index] if index < len(loss) else None
+    return loss
+
+
+def _is_sparse(loss: Any) -> bool:
+    if loss is None:
+        return False
+    name = loss if isinstance(loss, str) else type(loss).__name__
+    return name in _SPARSE_LOSSES
+
+
+def factory_input_shape(stats: ShardStats) -> Any:
+    """What a factory's ``input_shape`` gets: ``x``'s per-sample shape (a nest of
+    them for several inputs)."""
+    return map_nest(lambda leaf: leaf.shape, stats.x)
+
+
+def num_outputs(stats: list[ShardStats]) -> int | None:
+    """What a factory's ``num_outputs`` gets: the class count of integer labels,
+    else the label width (``None`` for several outputs)."""
+    y = stats[0].y
+    if is_nested(y):
+        return None
+    if y.integral and not y.shape:
+        return int(max(s.y.high for s in stats if s.n)) + 1
+    return int(np.prod(y.shape or (1,)))
