@@ -4,15 +4,79 @@ dasktf calls standard ``keras.callbacks.Callback`` hooks (``on_train_begin``,
 ``on_epoch_begin``, ``on_train_batch_end``, ``on_epoch_end``, ``on_train_end``) with
 ``logs`` already merged across replicas, so Keras callbacks such as ``EarlyStopping``,
 ``CSVLogger`` or ``LambdaCallback`` work unchanged. ``self.model`` is the client-side
-model, which receives the trained weights at every epoch end.
+model, which receives the trained weights at every epoch end. :func:`check_callbacks`
+refuses, before a run starts, what would fail mid-run or cannot mean in a dasktf run
+what it means in Keras (``BackupAndRestore``).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import keras
+
+
+def check_callbacks(callbacks: Any) -> list[keras.callbacks.Callback]:
+    """The callbacks a run will drive, as a list, checked before any worker is used.
+
+    ``None`` is no callbacks and a single callback is a list of one, as in Keras'
+    ``fit``. What would otherwise fail mid-run, after the replicas were built (an
+    object without the ``Callback`` hooks), or silently do something else than the
+    user asked for (``BackupAndRestore``), is refused here.
+
+    Raises
+    ------
+    TypeError
+        ``callbacks`` is not a list or tuple of ``keras.callbacks.Callback``.
+    ValueError
+        A ``keras.callbacks.BackupAndRestore``: see :func:`_refuse_backup_and_restore`.
+    """
+    if callbacks is None:
+        return []
+    if isinstance(callbacks, keras.callbacks.Callback):
+        callbacks = [callbacks]
+    if not isinstance(callbacks, Sequence) or isinstance(callbacks, (str, bytes)):
+        raise TypeError(
+            "callbacks must be a list of keras.callbacks.Callback instances; got "
+            f"{type(callbacks).__name__}."
+        )
+    for i, callback in enumerate(callbacks):
+        _check_callback(i, callback)
+    return list(callbacks)
+
+
+def _check_callback(index: int, callback: Any) -> None:
+    if isinstance(callback, keras.callbacks.BackupAndRestore):
+        _refuse_backup_and_restore()
+    if not isinstance(callback, keras.callbacks.Callback):
+        # A class (not an instance), a function or a Keras 2 / tf_keras callback:
+        # dasktf drives Keras 3's hooks, and would find out at the first one.
+        raise TypeError(
+            f"callbacks[{index}] is {callback!r} ({type(callback).__name__}), not a "
+            "keras.callbacks.Callback instance. Pass instances of Keras 3 callbacks "
+            "(keras.callbacks.*, or a subclass of keras.callbacks.Callback; "
+            "keras.callbacks.LambdaCallback wraps plain functions)."
+        )
+
+
+def _refuse_backup_and_restore() -> None:
+    """``BackupAndRestore`` backs up the client's model (``save_weights``) and an
+    epoch counter; on a restart it loads them into the client's model and sets
+    ``model._initial_epoch``. Neither reaches a dasktf run: the client's model
+    only receives weights at epoch ends, the loop does not read that counter, and
+    the weights, optimizer state and data order a resumed run needs live on the
+    workers (or the parameter holders). It would silently start over, so it is
+    refused, naming dasktf's own checkpoints."""
+    raise ValueError(
+        "keras.callbacks.BackupAndRestore cannot resume a dasktf run: it backs up the "
+        "client-side model and counters, while the replicas' weights and optimizer "
+        "state live on the workers. Use dasktf's own checkpoints instead: "
+        "fit(..., checkpoint_dir=DIR) writes weights, optimizer state and counters "
+        "at every epoch end (and every checkpoint_every=N steps), and "
+        "fit(..., checkpoint_dir=DIR, resume=True) continues from the newest one."
+    )
 
 
 class History(keras.callbacks.History):

@@ -70,14 +70,24 @@ def echo_detail(exc: BaseException) -> None:
         click.echo("\n".join(lines[1:]), err=True)
 
 
-def configure_logging() -> None:
+def configure_logging(verbose: bool = False) -> None:
+    """Quiet by default: warnings and errors only, from Python and TensorFlow's C++.
+
+    ``verbose`` brings back TensorFlow's INFO lines (in this process and, through the
+    environment, in the workers of an embedded cluster) and dasktf's INFO logging. A
+    ``TF_CPP_MIN_LOG_LEVEL`` the user set wins either way.
+    """
     import os
 
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    from dasktf.cluster.local import QUIET_TF_LOG_LEVEL
+
+    # Before anything imports TensorFlow: it reads the level once, at import.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "0" if verbose else QUIET_TF_LOG_LEVEL)
     # distributed configures its loggers (INFO) when first imported; with the lazy
     # public API that can happen after this function, so import it first.
     import distributed  # noqa: F401
 
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
     for noisy in ("distributed", "tensorflow", "absl"):
-        logging.getLogger(noisy).setLevel(logging.ERROR)
+        logging.getLogger(noisy).setLevel(logging.WARNING if verbose else logging.ERROR)

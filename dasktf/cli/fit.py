@@ -88,6 +88,10 @@ from dasktf.models import BUILTIN_MODELS
               help="TensorFlow threads per worker. Default: cores // workers.")
 @click.option("--no-validation", is_flag=True, help="Skip evaluating the test split each epoch.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar; one line per epoch.")
+@click.option("--verbose", "-v", is_flag=True,
+              help="Show TensorFlow's INFO lines (client and embedded workers) and "
+              "dasktf's INFO logging; by default only warnings and errors. "
+              "TF_CPP_MIN_LOG_LEVEL, if set, wins.")
 @gpus_option
 @click.option("--mixed-precision", is_flag=True,
               help="Keras mixed precision: float16 with loss scaling on GPUs, bfloat16 "
@@ -126,7 +130,7 @@ def fit(**opts: Any) -> None:
       dasktf fit --scheduler tcp://127.0.0.1:8786 --model mypkg.models:build
       dasktf fit --gpus 0,2 --mixed-precision
     """
-    configure_logging()
+    configure_logging(verbose=opts.pop("verbose"))
     run_or_exit(lambda: _fit(**opts))
 
 

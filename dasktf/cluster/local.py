@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import dask
 from distributed import Client, LocalCluster
 from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.system import MEMORY_LIMIT
@@ -36,6 +37,37 @@ from dasktf.exceptions import SchedulerUnreachableError, WorkerLostError
 logger = logging.getLogger(__name__)
 
 
+#: TensorFlow's C++ log level for the processes dasktf starts when the user set none:
+#: warnings and errors stay, the INFO lines every process prints at import
+#: (``cpu_feature_guard``, oneDNN, absl's "before InitializeLog") go.
+QUIET_TF_LOG_LEVEL = "1"
+
+
+def tf_log_level() -> str:
+    """``TF_CPP_MIN_LOG_LEVEL`` for a process dasktf starts: the user's, if set."""
+    return os.environ.get("TF_CPP_MIN_LOG_LEVEL", QUIET_TF_LOG_LEVEL)
+
+
+@contextmanager
+def quiet_tf_at_spawn() -> Iterator[None]:
+    """Give the worker processes started inside this context the TensorFlow log level
+    from their first instruction on.
+
+    A Nanny applies its ``env=`` only once the spawned process is running, after
+    ``multiprocessing`` re-imported the user's ``__main__``; a script that imports
+    keras at its top (as every Keras script does) has loaded TensorFlow by then, and
+    TensorFlow reads the level at import. distributed's ``pre-spawn-environ`` is set
+    in the environment the process is spawned with (and on every restart of the
+    Nanny). Like every entry there it lands in this process's environment too, where
+    it only takes effect if TensorFlow was not imported yet. A variable the user set
+    in the environment takes precedence (distributed reads the environment first).
+    """
+    key = "distributed.nanny.pre-spawn-environ"
+    environ = {**(dask.config.get(key, None) or {}), "TF_CPP_MIN_LOG_LEVEL": tf_log_level()}
+    with dask.config.set({key: environ}):
+        yield
+
+
 def default_tf_threads(n_workers: int, cores: int | None = None) -> int:
     """TensorFlow intra-op threads per worker: the cores shared out, at least one."""
     cores = cores or os.cpu_count() or 1
@@ -48,7 +80,7 @@ def worker_env(tf_threads: int) -> dict[str, str]:
         "TF_NUM_INTRAOP_THREADS": str(tf_threads),
         "TF_NUM_INTEROP_THREADS": "1",
         "OMP_NUM_THREADS": str(tf_threads),
-        "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"),
+        "TF_CPP_MIN_LOG_LEVEL": tf_log_level(),
     }
 
 
@@ -108,11 +140,12 @@ def make_local_cluster(
         security=security,
         protocol="tls://" if security is not None and security.require_encryption else None,
     )
-    if chosen:
-        logger.info("Starting one worker per GPU: %s", "; ".join(map(str, chosen)))
-        return GPUCluster(chosen, **options, **kwargs)
-    options["env"].update(gpu_worker_env(None))
-    return LocalCluster(n_workers=n, **options, **kwargs)
+    with quiet_tf_at_spawn():
+        if chosen:
+            logger.info("Starting one worker per GPU: %s", "; ".join(map(str, chosen)))
+            return GPUCluster(chosen, **options, **kwargs)
+        options["env"].update(gpu_worker_env(None))
+        return LocalCluster(n_workers=n, **options, **kwargs)
 
 
 class GPUCluster(LocalCluster):
@@ -315,7 +348,7 @@ class TensorFlowSetup(WorkerPlugin):
         self.intra_op_threads = intra_op_threads
 
     def setup(self, worker: Any) -> None:
-        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", QUIET_TF_LOG_LEVEL)
         import tensorflow as tf
 
         try:
