@@ -130,7 +130,9 @@ def test_a_model_neither_compiled_nor_given_a_loss_is_refused(client, digits):
 
 @pytest.mark.parametrize("by", ["name", "position"])
 def test_multi_input_multi_output_with_weights_matches_keras(client, by):
-    d = _data()
+    # 240 rows in batches of 40: Keras counts each batch's per-output loss once,
+    # whatever its size, which equals the per-row mean only for equal batches.
+    d = _data(n=240)
     dict_form = by == "name"
     reference = _two_headed(dict_outputs=dict_form)
     ours, initial = _twin(reference), [w.copy() for w in reference.get_weights()]
@@ -321,10 +323,10 @@ if __name__ == "__main__":
     inputs = keras.Input((64,))
     outputs = keras.layers.Dense(10, activation="softmax")(Residual(64)(inputs))
     functional = keras.Model(inputs, outputs)
-    functional.compile(optimizer="adam", loss="sparse_categorical_crossentropy",
-                       metrics=["accuracy"])
+    functional.compile(optimizer=keras.optimizers.Adam(1e-2),
+                       loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     h = dasktf.fit(functional, x, y, n_workers=2, epochs=3, batch_size=64, verbose=0)
-    runs["custom layer"] = h.history["accuracy"][-1], 0
+    runs["custom_layer"] = h.history["accuracy"][-1], 0
     for name, (value, extra) in runs.items():
         print(f"RESULT {name} {value:.4f} {extra:.0f}")
 '''
@@ -336,11 +338,10 @@ def test_models_and_objects_defined_in_the_users_script(tmp_path):
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                           timeout=240, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
-    results = {line.split()[1] if "layer" not in line else "custom layer":
-               [float(v) for v in line.split()[-2:]]
+    results = {line.split()[1]: [float(v) for v in line.split()[-2:]]
                for line in done.stdout.splitlines() if line.startswith("RESULT")}
     assert results["subclassed"][0] > 0.85  # Adam 1e-2 as compiled: SGD 0.01 gets ~0.1
     assert results["subclassed"][1] > 0.85 * 1437  # the custom metric, summed over replicas
-    assert np.isfinite(results["factory"][0])
-    assert results["custom layer"][0] > 0.85
+    assert results["factory"][0] < 2.35  # one epoch at Adam 1e-3: Keras reaches ~2.27
+    assert results["custom_layer"][0] > 0.85
     assert "Skipping variable loading" not in done.stderr

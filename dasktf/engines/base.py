@@ -96,6 +96,9 @@ class Engine:
     reform_needed = False
     #: the global update number of the current epoch's first step
     update_base = 0
+    #: a callback set ``model.stop_training`` mid-epoch (``TerminateOnNaN``): an
+    #: engine that can end its epoch early submits no further step
+    stop_requested = False
 
     def run_epoch(self, epoch: int, on_step: Callable[[int], None] | None = None,
                   start: int = 0) -> list[EpochReport]:

@@ -248,6 +248,8 @@ class Run:
             # has arrived there is none, and callbacks only ever see real numbers.
             latest = self._latest_loss
             cb.on_train_batch_end(step, {} if latest is None else {"loss": latest})
+            if self.model.stop_training:
+                engine.stop_requested = True
             guard.after_step(engine, epoch, step)
 
         try:

@@ -141,6 +141,8 @@ class SyncEngine(Engine):
         previous: Future | None = None
         self.in_flight, self.retired, self.held = {}, None, {}
         for step in range(start, self.ctx.steps_per_epoch):
+            if self.stop_requested:  # the steps in flight finish; no new one starts
+                break
             previous = self.submit_step(epoch, step, previous)
             window.append((step, previous))
             while len(window) > self.ahead:
