@@ -17,6 +17,7 @@ metrics every replica compiles with, taken from the call or from the model's own
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib
 import inspect
@@ -106,7 +107,8 @@ class ModelSpec:
 
         with keras.saving.custom_object_scope(self.custom_objects):
             if self.keras_config is not None:
-                return keras.saving.deserialize_keras_object(self.keras_config)
+                # Keras' deserializer consumes the config it is given.
+                return keras.saving.deserialize_keras_object(copy.deepcopy(self.keras_config))
             if self.model_class is not None:
                 return self.model_class(**(self.init_args or {}))
             factory = self.factory or _import_factory(self.import_path or "")

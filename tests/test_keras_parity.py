@@ -345,3 +345,51 @@ def test_models_and_objects_defined_in_the_users_script(tmp_path):
     assert results["factory"][0] < 2.35  # one epoch at Adam 1e-3: Keras reaches ~2.27
     assert results["custom_layer"][0] > 0.85
     assert "Skipping variable loading" not in done.stderr
+
+
+def test_embedding_text_model_with_integer_inputs_matches_keras(client):
+    """The keras.io text classification shape: token ids into an Embedding."""
+    rng = np.random.default_rng(6)
+    tokens = rng.integers(1, 200, size=(192, 20)).astype("int32")
+    labels = (tokens[:, :5].mean(axis=1) > 100).astype("int64")
+    keras.utils.set_random_seed(4)
+    reference = keras.Sequential([
+        keras.Input((20,), dtype="int32"),
+        keras.layers.Embedding(200, 8),
+        keras.layers.GlobalAveragePooling1D(),
+        keras.layers.Dense(2, activation="softmax"),
+    ])
+    adam = _twin(reference)
+    ours, initial = _twin(reference), [w.copy() for w in reference.get_weights()]
+    for m in (reference, ours):
+        m.compile(optimizer=keras.optimizers.SGD(2.0), loss="sparse_categorical_crossentropy",
+                  metrics=["accuracy"])
+    want = reference.fit(tokens, labels, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    history = dasktf.fit(ours, tokens, labels, client=client, n_workers=3, batch_size=32,
+                         epochs=2, shuffle=False, verbose=0)
+    _assert_same_weights(history.model, reference, initial)
+    _assert_same_history(history.history, want.history, ["loss", "accuracy"])
+    # Adam trains too, though not bit-equal: Keras applies an Embedding's sparse
+    # gradient lazily (the rows in the batch), dasktf averages dense gradients.
+    adam.compile(optimizer=keras.optimizers.Adam(0.05), loss="sparse_categorical_crossentropy",
+                 metrics=["accuracy"])
+    history = dasktf.fit(adam, tokens, labels, client=client, n_workers=3, batch_size=32,
+                         epochs=6, verbose=0, seed=0)
+    assert history.history["accuracy"][-1] > 0.9
+
+
+@pytest.mark.parametrize("options", [{"mode": "async"}, {"sync_quorum": 2},
+                                     {"num_ps": 2}, {"topology": "ring"}])
+def test_structured_weighted_inputs_train_on_every_engine(client, options):
+    d = _data(n=240, seed=8)
+    model = _two_headed(seed=1)
+    model.compile(optimizer=keras.optimizers.Adam(0.02),
+                  loss={"label": "sparse_categorical_crossentropy", "score": "mse"},
+                  metrics={"label": ["accuracy"]})
+    history = dasktf.fit(model, {"image": d["image"], "meta": d["meta"]},
+                         {"label": d["label"], "score": d["score"]},
+                         sample_weight=np.linspace(0.5, 1.5, 240), client=client, n_workers=3,
+                         batch_size=48, epochs=3, verbose=0, seed=0, **options)
+    loss = history.history["loss"]
+    assert loss[-1] < loss[0]
+    assert {"label_loss", "score_loss", "label_accuracy"} <= set(history.history)

@@ -76,7 +76,11 @@ from dasktf.models import BUILTIN_MODELS
 @click.option("--batch-size", "-b", type=click.IntRange(min=1), default=None,
               help="Global batch size, split over the workers. Default: the data set's.")
 @click.option("--optimizer", default=None,
-              help="A Keras optimizer name (adam, sgd, rmsprop, ...). Default: the data set's.")
+              help="A Keras optimizer name (adam, sgd, rmsprop, ...). Default: the data "
+              "set's for a built-in model; a module:function model's own compile.")
+@click.option("--loss", default=None,
+              help="A Keras loss name. Default: the data set's for a built-in model; a "
+              "module:function model's own compile.")
 @click.option("--lr", "learning_rate", type=click.FloatRange(min=0, min_open=True),
               default=None, help="Learning rate. Default: the data set's.")
 @click.option("--seed", type=int, default=0, show_default=True,
@@ -137,6 +141,7 @@ def fit(**opts: Any) -> None:
 def _fit(
     n_workers: int | None, model: str, data: str, mode: str, epochs: int | None,
     batch_size: int | None, optimizer: str | None, learning_rate: float | None,
+    loss: str | None,
     seed: int, scheduler: str | None, threads_per_worker: int | None,
     no_validation: bool, quiet: bool, gpus: str | None = None,
     mixed_precision: bool = False, max_staleness: int | None = None,
@@ -161,6 +166,7 @@ def _fit(
         raise BadArgument(str(exc)) from exc
     d = dataset.defaults
     classification = dataset.task == "classification"
+    builtin = model in BUILTIN_MODELS
     epochs = epochs or d.get("epochs", 1)
     batch_size = batch_size or d.get("batch_size", 128)
     # Every option checked here, the way the API checks them: before the cluster
@@ -170,9 +176,11 @@ def _fit(
         # None: the embedded cluster starts one worker per GPU, or 2 CPU workers.
         n_workers=n_workers,
         mode=mode,
-        optimizer=optimizer or d.get("optimizer", "adam"),
-        learning_rate=learning_rate or d.get("learning_rate"),
-        metrics=["accuracy"] if classification else None,
+        # A module:function model keeps what its factory compiled unless told.
+        optimizer=optimizer or (d.get("optimizer", "adam") if builtin else None),
+        learning_rate=learning_rate or (d.get("learning_rate") if builtin else None),
+        loss=loss,
+        metrics=["accuracy"] if classification and builtin else None,
         seed=seed,
         threads_per_worker=threads_per_worker,
         gpus=parse_gpus(gpus),

@@ -53,7 +53,8 @@ def compile_recipe(options: TrainOptions, model: Any, stats: ShardStats, y_pred:
         raise ValueError(
             f"The model {getattr(model, 'name', '')!r} is not compiled and no loss was "
             "given: compile it first (model.compile(optimizer=..., loss=..., "
-            "metrics=[...])) or pass loss= (e.g. 'sparse_categorical_crossentropy')."
+            "metrics=[...])) or pass loss= (e.g. 'sparse_categorical_crossentropy'; "
+            "dasktf fit: --loss)."
         )
     check_loss_names(loss)
     metrics = o.metric_configs if o.metrics is not None else portable_metrics(

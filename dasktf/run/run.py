@@ -44,7 +44,8 @@ from dasktf.run.compiling import (
 from dasktf.run.engine import make_engine
 from dasktf.run.guard import RunGuard
 from dasktf.run.options import FaultOptions
-from dasktf.runtime.replica import ReplicaConfig, build_metrics, merge_metric_states
+from dasktf.runtime.keras_step import build_metrics, merge_metric_states
+from dasktf.runtime.replica import ReplicaConfig
 from dasktf.runtime.tasks import create_replica_task, release_replicas
 
 if TYPE_CHECKING:

@@ -28,9 +28,15 @@ from dasktf.cluster.devices import (
     precision_policy,
 )
 from dasktf.data.sources import Shard
-from dasktf.data.structure import first_leaf, map_nest
+from dasktf.data.structure import first_leaf
 from dasktf.exceptions import ReplicaError
 from dasktf.models import CompileRecipe, ModelSpec
+from dasktf.runtime.keras_step import (
+    batch_args,
+    batch_signature,
+    build_metrics,
+    weigh_output_losses,
+)
 from dasktf.wire.messages import GradientSum
 
 logger = logging.getLogger(__name__)
@@ -479,62 +485,6 @@ def _on(device: str) -> Any:
     import tensorflow as tf
 
     return tf.device(device)
-
-
-def weigh_output_losses(trackers: list[Any], before: list[Any], n: Any) -> None:
-    """Count each output's loss of this batch ``n`` times, as one sample per row.
-
-    Keras weighs a multi-output model's per-output loss means by the batch's
-    *static* size, which a step traced for every batch size (``None``) lacks, so
-    each batch counted once whatever its rows; the replicas' batches differ in
-    size, and their merged means would not be the global batch's."""
-    import tensorflow as tf
-
-    extra = tf.cast(n, tf.float32) - 1.0
-    for tracker, total in zip(trackers, before, strict=True):
-        tracker.total.assign_add((tracker.total - total) * tf.cast(extra, tracker.total.dtype))
-        tracker.count.assign_add(tf.cast(extra, tracker.count.dtype))
-
-
-def batch_signature(shard: Shard) -> list[Any]:
-    """The ``tf.function`` input signature of a step on ``shard``'s batches: the
-    nests of ``x``, ``y`` (and ``w`` if weighted) with a free batch axis, so a short
-    last batch does not retrace."""
-    import tensorflow as tf
-
-    def spec(a: np.ndarray) -> Any:
-        return tf.TensorSpec((None, *a.shape[1:]), tf.as_dtype(a.dtype))
-
-    parts = [shard.x, shard.y] + ([] if shard.w is None else [shard.w])
-    return [map_nest(spec, part) for part in parts]
-
-
-def batch_args(batch: Shard) -> tuple[Any, ...]:
-    """A batch as the arguments of a function with :func:`batch_signature`."""
-    return (batch.x, batch.y) if batch.w is None else (batch.x, batch.y, batch.w)
-
-
-def build_metrics(model: Any, x: Any, y: Any, w: Any = None) -> None:
-    """Create the compiled loss and metric variables (Keras builds them lazily)."""
-    y_pred = model(x, training=False)
-    model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=w, training=False)
-    model.compute_metrics(x, y, y_pred, sample_weight=w)
-    model.reset_metrics()
-
-
-def merge_metric_states(model: Any, states: list[list[np.ndarray]]) -> dict[str, float]:
-    """Sum the replicas' metric variables into ``model``'s metrics and read them.
-
-    Keras metrics keep additive states (totals and counts, confusion matrices), so
-    the sum of the replicas' states is the state one process would have reached on
-    the union of their data: exact, not an average of averages.
-    """
-    variables = [v for m in model.metrics for v in m.variables]
-    for i, v in enumerate(variables):
-        v.assign(np.sum([s[i] for s in states], axis=0))
-    result = {k: float(np.asarray(v)) for k, v in model.get_metrics_result().items()}
-    model.reset_metrics()
-    return result
 
 
 def take_kept(kept: dict[int, Any], update: int | None) -> Any:

@@ -12,12 +12,8 @@ import numpy as np
 
 from dasktf import config
 from dasktf.data.structure import first_leaf
-from dasktf.runtime.replica import (
-    EpochReport,
-    ReplicaConfig,
-    batch_args,
-    batch_signature,
-)
+from dasktf.runtime.keras_step import batch_args, batch_signature
+from dasktf.runtime.replica import EpochReport, ReplicaConfig
 from dasktf.tf.child import ChildError, ChildProcess
 
 _CHILDREN: dict[str, ChildProcess] = {}

@@ -1,0 +1,73 @@
+"""The Keras side of a replica's step: the compiled step's input signature, and
+the compiled loss and metric variables a replica builds, weighs and merges.
+
+Kept apart from :mod:`dasktf.runtime.replica` (the replica's lifecycle) because the
+collective engine's children and the client's model use them too.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from dasktf.data.structure import map_nest
+
+if TYPE_CHECKING:
+    from dasktf.data.sources import Shard
+
+
+def weigh_output_losses(trackers: list[Any], before: list[Any], n: Any) -> None:
+    """Count each output's loss of this batch ``n`` times, as one sample per row.
+
+    Keras weighs a multi-output model's per-output loss means by the batch's
+    *static* size, which a step traced for every batch size (``None``) lacks, so
+    each batch counted once whatever its rows; the replicas' batches differ in
+    size, and their merged means would not be the global batch's."""
+    import tensorflow as tf
+
+    extra = tf.cast(n, tf.float32) - 1.0
+    for tracker, total in zip(trackers, before, strict=True):
+        tracker.total.assign_add((tracker.total - total) * tf.cast(extra, tracker.total.dtype))
+        tracker.count.assign_add(tf.cast(extra, tracker.count.dtype))
+
+
+def batch_signature(shard: Shard) -> list[Any]:
+    """The ``tf.function`` input signature of a step on ``shard``'s batches: the
+    nests of ``x``, ``y`` (and ``w`` if weighted) with a free batch axis, so a short
+    last batch does not retrace."""
+    import tensorflow as tf
+
+    def spec(a: np.ndarray) -> Any:
+        return tf.TensorSpec((None, *a.shape[1:]), tf.as_dtype(a.dtype))
+
+    parts = [shard.x, shard.y] + ([] if shard.w is None else [shard.w])
+    return [map_nest(spec, part) for part in parts]
+
+
+def batch_args(batch: Shard) -> tuple[Any, ...]:
+    """A batch as the arguments of a function with :func:`batch_signature`."""
+    return (batch.x, batch.y) if batch.w is None else (batch.x, batch.y, batch.w)
+
+
+def build_metrics(model: Any, x: Any, y: Any, w: Any = None) -> None:
+    """Create the compiled loss and metric variables (Keras builds them lazily)."""
+    y_pred = model(x, training=False)
+    model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=w, training=False)
+    model.compute_metrics(x, y, y_pred, sample_weight=w)
+    model.reset_metrics()
+
+
+def merge_metric_states(model: Any, states: list[list[np.ndarray]]) -> dict[str, float]:
+    """Sum the replicas' metric variables into ``model``'s metrics and read them.
+
+    Keras metrics keep additive states (totals and counts, confusion matrices), so
+    the sum of the replicas' states is the state one process would have reached on
+    the union of their data: exact, not an average of averages.
+    """
+    variables = [v for m in model.metrics for v in m.variables]
+    for i, v in enumerate(variables):
+        v.assign(np.sum([s[i] for s in states], axis=0))
+    result = {k: float(np.asarray(v)) for k, v in model.get_metrics_result().items()}
+    model.reset_metrics()
+    return result
