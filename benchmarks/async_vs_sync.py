@@ -76,7 +76,7 @@ def run(client, train, val, extra: dict, slow: bool, epochs: int, batch: int, ta
     history = dasktf.fit(
         small_cnn(), *train, client=client, n_workers=3, epochs=epochs, batch_size=batch,
         optimizer="adam", learning_rate=2e-3, metrics=["accuracy"], validation_data=val,
-        seed=0, verbose=0, **kwargs,
+        seed=0, verbose=0, **kwargs, loss="sparse_categorical_crossentropy",
     )
     h = history.history
     seconds = np.asarray(h["epoch_seconds"])

@@ -90,7 +90,7 @@ def run_case(client, model, x, y, batch: int, options: dict) -> dict:
     with dask.config.set(cfg):
         history = dasktf.fit(
             model, x, y, client=client, epochs=2, batch_size=batch, seed=0,
-            optimizer="sgd", verbose=0, shuffle=False, **options,
+            optimizer="sgd", verbose=0, shuffle=False, **options, loss="sparse_categorical_crossentropy",
         )
     h = history.history
     return {

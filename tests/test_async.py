@@ -99,7 +99,7 @@ def test_one_worker_never_stale_and_matches_sync(client, small_digits):
         model = _mlp()
         runs[mode] = dasktf.fit(
             model, x, y, client=client, n_workers=1, mode=mode, epochs=2,
-            batch_size=48, optimizer=keras.optimizers.SGD(0.5), shuffle=False, verbose=0,
+            batch_size=48, optimizer=keras.optimizers.SGD(0.5), shuffle=False, verbose=0, loss="sparse_categorical_crossentropy",
         )
     updates = runs["async"].updates
     assert len(updates) == 2 * 6 and (updates["staleness"] == 0).all()
@@ -111,7 +111,7 @@ def test_three_equal_workers_mean_staleness_between_1_and_3(client, digits):
     history = dasktf.fit(
         _mlp(), digits.x_train, digits.y_train, client=client, n_workers=3,
         mode="async", epochs=2, batch_size=96, optimizer="sgd", learning_rate=0.1,
-        seed=1, verbose=0,
+        seed=1, verbose=0, loss="sparse_categorical_crossentropy",
     )
     u = history.updates
     # Each worker reads, computes and pushes while the 2 others push once each.
@@ -125,7 +125,7 @@ def test_bounded_staleness(client, small_digits, bound):
     history = dasktf.fit(
         _mlp(), x, y, client=client, n_workers=3, mode="async", max_staleness=bound,
         epochs=2, batch_size=48, optimizer=keras.optimizers.SGD(0.5), shuffle=False,
-        verbose=0,
+        verbose=0, loss="sparse_categorical_crossentropy",
     )
     u = history.updates
     assert u["staleness"].max() <= bound
@@ -144,12 +144,12 @@ def test_max_staleness_0_is_sequential_sgd_not_sync(client, small_digits):
     history = dasktf.fit(
         _copy(initial), x, y, client=client, n_workers=n_workers,
         mode="async", max_staleness=0, epochs=2, batch_size=batch,
-        optimizer=keras.optimizers.SGD(lr), shuffle=False, verbose=0, seed=0,
+        optimizer=keras.optimizers.SGD(lr), shuffle=False, verbose=0, seed=0, loss="sparse_categorical_crossentropy",
     )
     sync = dasktf.fit(
         _copy(initial), x, y, client=client, n_workers=n_workers,
         epochs=2, batch_size=batch, optimizer=keras.optimizers.SGD(lr), shuffle=False,
-        verbose=0, seed=0,
+        verbose=0, seed=0, loss="sparse_categorical_crossentropy",
     )
     # The single-process reference: the same local batches, one SGD step each, in
     # the recorded order.
@@ -178,7 +178,7 @@ def test_slow_worker_is_the_stalest_and_updates_least(client, digits):
     history = dasktf.fit(
         _wide(), digits.x_train, digits.y_train, client=client, n_workers=3,
         mode="async", epochs=1, batch_size=3 * 64, optimizer="sgd", learning_rate=0.05,
-        slow_workers={2: 4}, verbose=0, seed=0,
+        slow_workers={2: 4}, verbose=0, seed=0, loss="sparse_categorical_crossentropy",
     )
     u = history.updates
     per_worker = u.groupby("worker")["staleness"].agg(["mean", "count"])
@@ -195,8 +195,8 @@ def test_quorum_drops_the_straggler(client, digits):
     common = dict(client=client, n_workers=3, epochs=2, batch_size=3 * 64,
                   optimizer="sgd", learning_rate=0.05, slow_workers={2: 4}, verbose=0,
                   seed=0)
-    quorum = dasktf.fit(_wide(), x, y, sync_quorum=2, **common)
-    sync = dasktf.fit(_wide(), x, y, **common)
+    quorum = dasktf.fit(_wide(), x, y, sync_quorum=2, **common, loss="sparse_categorical_crossentropy")
+    sync = dasktf.fit(_wide(), x, y, **common, loss="sparse_categorical_crossentropy")
     u = quorum.updates
     steps = u.groupby("update")["worker"].apply(frozenset)
     assert len(steps) == 8 and (u.groupby("update").size() == 2).all()
@@ -214,7 +214,7 @@ def test_staleness_lr_inverse_scales_stale_updates(client, small_digits):
     x, y = small_digits
     history = dasktf.fit(
         _mlp(), x, y, client=client, n_workers=3, mode="async", staleness_lr="inverse",
-        epochs=1, batch_size=48, optimizer=keras.optimizers.SGD(0.5), verbose=0,
+        epochs=1, batch_size=48, optimizer=keras.optimizers.SGD(0.5), verbose=0, loss="sparse_categorical_crossentropy",
     )
     u = history.updates
     expected = 1.0 / np.maximum(1, u["staleness"])
@@ -261,20 +261,20 @@ def test_staleness_lr_needs_a_fixed_learning_rate():
     schedule = keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.9)
     with pytest.raises(ValueError, match="LearningRateSchedule"):
         dasktf.Trainer(_mlp(), mode="async", staleness_lr="inverse",
-                       optimizer=keras.optimizers.SGD(schedule), n_workers=2)
+                       optimizer=keras.optimizers.SGD(schedule), n_workers=2, loss="sparse_categorical_crossentropy")
 
 
 def test_trainer_checks_quorum_against_the_cluster(client, small_digits):
     x, y = small_digits
     with pytest.raises(ValueError, match="exceeds the 3 worker"):
-        dasktf.fit(_mlp(), x, y, client=client, sync_quorum=4, verbose=0)
+        dasktf.fit(_mlp(), x, y, client=client, sync_quorum=4, verbose=0, loss="sparse_categorical_crossentropy")
 
 
 @pytest.mark.parametrize("mode", [{"mode": "async"}, {"sync_quorum": 2}])
 def test_scale_lr_is_refused_outside_plain_sync(client, small_digits, mode):
     x, y = small_digits
     with pytest.raises(ValueError, match="scale_lr follows the global batch of sync"):
-        dasktf.fit(_mlp(), x, y, client=client, scale_lr=True, verbose=0, **mode)
+        dasktf.fit(_mlp(), x, y, client=client, scale_lr=True, verbose=0, **mode, loss="sparse_categorical_crossentropy")
 
 
 def test_cli_rejects_bad_async_options():

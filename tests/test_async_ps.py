@@ -59,7 +59,7 @@ def test_num_ps_2_with_max_staleness_0_is_the_same_sequential_sgd(client, small_
             num_ps=num_ps,
             epochs=2,
             optimizer=keras.optimizers.SGD(lr),
-            **FIT,
+            **FIT, loss="sparse_categorical_crossentropy",
         )
         u = history.updates
         assert (u["staleness"] == 0).all() and len(u) >= 2 * 3 * 2
@@ -87,7 +87,7 @@ def test_num_ps_3_equals_num_ps_1_with_adam_on_one_worker(client, small_digits):
             num_ps=num_ps,
             epochs=2,
             optimizer=keras.optimizers.Adam(0.01),
-            **FIT,
+            **FIT, loss="sparse_categorical_crossentropy",
         )
     for a, b in zip(runs[3].model.get_weights(), runs[1].model.get_weights(), strict=False):
         assert relative_error(a, b) < 1e-5
@@ -107,7 +107,7 @@ def test_staleness_bound_holds_with_num_ps_2(client, small_digits):
         num_ps=2,
         epochs=2,
         optimizer=keras.optimizers.SGD(0.5),
-        **FIT,
+        **FIT, loss="sparse_categorical_crossentropy",
     )
     u = history.updates
     assert u["staleness"].max() <= 1
@@ -133,7 +133,7 @@ def test_each_holder_receives_only_its_slice(client, small_digits):
         num_ps=3,
         epochs=2,
         optimizer=keras.optimizers.SGD(0.5),
-        **FIT,
+        **FIT, loss="sparse_categorical_crossentropy",
     )
     computed = history.gradient_tasks["computed"]
     slices = [sum(b - a for a, b in r) for r in shard_plan(shapes, 3)]
@@ -161,7 +161,7 @@ def test_async_bytes_per_step_in_history(client, small_digits):
     model = _mlp()
     n_params = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
     plain = dasktf.fit(
-        _copy(model), x, y, client=client, n_workers=2, epochs=2, optimizer="sgd", **FIT
+        _copy(model), x, y, client=client, n_workers=2, epochs=2, optimizer="sgd", **FIT, loss="sparse_categorical_crossentropy"
     ).history
     packed = dasktf.fit(
         _copy(model),
@@ -173,7 +173,7 @@ def test_async_bytes_per_step_in_history(client, small_digits):
         optimizer="sgd",
         compression="fp16",
         weights_dtype="bf16",
-        **FIT,
+        **FIT, loss="sparse_categorical_crossentropy",
     ).history
     for h in (plain, packed):
         for key in (
@@ -202,7 +202,7 @@ def test_num_ps_beyond_what_the_parameters_split_into_is_refused(client, small_d
             num_ps=1000,
             epochs=1,
             optimizer="sgd",
-            **FIT,
+            **FIT, loss="sparse_categorical_crossentropy",
         )
 
 

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from dasktf.data.frames import frames_to_arrays, holds_frames
 from dasktf.data.structure import (
     Nest,
     as_arrays,
@@ -474,6 +475,8 @@ def make_source(x: Any, y: Any = None, sample_weight: Any = None,
     """
     if class_weight is not None and sample_weight is not None:
         raise ValueError("Give sample_weight or class_weight, not both (as in Keras).")
+    if holds_frames(x, y, sample_weight):
+        x, y, sample_weight = frames_to_arrays(x, y, sample_weight)
     if class_weight is not None:
         check_class_weight(class_weight, y)
     if callable(x) and not hasattr(x, "__array__") and not is_nested(x):
@@ -513,6 +516,8 @@ def split_validation(x: Any, y: Any, sample_weight: Any, fraction: float
     shuffling, become the validation data (``floor(n * (1 - fraction))`` rows stay)."""
     if not 0 < fraction < 1:
         raise ValueError(f"validation_split must be in (0, 1); got {fraction!r}.")
+    if holds_frames(x, y, sample_weight):
+        x, y, sample_weight = frames_to_arrays(x, y, sample_weight)
     if callable(x) and not hasattr(x, "__array__") and not is_nested(x):
         raise ValueError(
             "validation_split needs x and y as arrays (it takes their last rows); a "
@@ -551,6 +556,8 @@ def unpack_validation(validation_data: Any) -> tuple[Any, Any, Any]:
 def validation_shard(validation_data: tuple[Any, Any, Any]) -> Shard:
     """``(x, y, sample_weight)`` validation data as one checked in-memory shard."""
     x, y, w = validation_data
+    if holds_frames(x, y, w):  # computed to the client: validation data is small
+        x, y, w = frames_to_arrays(x, y, w)
     x, y = as_arrays(x, "x_val"), as_arrays(y, "y_val")
     w = None if w is None else as_arrays(broadcast_to(w, y), "sample_weight_val")
     data = Shard(x, y, w)

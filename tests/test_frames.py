@@ -1,0 +1,128 @@
+"""Dask DataFrames as training data: partitions stay where they live.
+
+A persisted frame's partitions are converted on the workers holding them; the
+client receives row counts, metrics and weights, never the partitions (counted
+here at the client's one door for data, ``Client._gather``). One worker reading
+its partitions in order trains exactly as Keras on the same rows.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+
+import dask.dataframe as dd
+import keras
+import numpy as np
+import pandas as pd
+import pytest
+from dask.sizeof import sizeof
+
+import dasktf
+from tests.conftest import relative_error
+
+
+def _frame(digits, copies: int = 1) -> pd.DataFrame:
+    x = np.concatenate([digits.x_train.reshape(len(digits.x_train), -1)] * copies)
+    y = np.concatenate([digits.y_train] * copies)
+    frame = pd.DataFrame(x.astype("float64"), columns=[f"p{i}" for i in range(64)])
+    frame["label"] = y.astype("int64")
+    frame["weight"] = np.where(y % 2 == 0, 2.0, 0.5)
+    return frame
+
+
+def _model(seed: int = 3) -> keras.Model:
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(16, activation="relu"),
+                              keras.layers.Dense(10, activation="softmax")])
+    model.compile(optimizer=keras.optimizers.SGD(0.3), loss="sparse_categorical_crossentropy",
+                  weighted_metrics=["accuracy"])
+    return model
+
+
+class _Received:
+    """Bytes the client gathers from the cluster while it is installed."""
+
+    def __init__(self, client) -> None:
+        self.client, self.bytes, self._gather = client, 0, client._gather
+
+    async def _counting(self, *args, **kwargs):
+        out = await self._gather(*args, **kwargs)
+        self.bytes += sizeof(out)
+        return out
+
+    def __enter__(self) -> _Received:
+        self.client._gather = self._counting
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.client._gather = self._gather
+
+
+def test_a_persisted_frame_trains_without_its_partitions_reaching_the_client(client, digits):
+    frame = _frame(digits, copies=8)  # 11,504 rows, 6 MB
+    df = dd.from_pandas(frame, npartitions=12).persist()
+    with _Received(client) as received:
+        history = dasktf.fit(_model(), df, "label", sample_weight="weight", client=client,
+                             n_workers=3, epochs=2, batch_size=256, verbose=0, seed=0)
+    assert history.history["accuracy"][-1] > 0.85
+    assert received.bytes < 0.05 * frame.memory_usage().sum(), received.bytes
+
+
+def test_one_worker_on_a_frame_equals_keras_on_its_rows(client, digits):
+    frame = _frame(digits)[:600]
+    reference = _model()
+    ours = keras.models.clone_model(reference)
+    ours.set_weights(reference.get_weights())
+    ours.compile(optimizer=keras.optimizers.SGD(0.3), loss="sparse_categorical_crossentropy",
+                 weighted_metrics=["accuracy"])
+    features = frame[[f"p{i}" for i in range(64)]].to_numpy("float32")
+    want = reference.fit(features, frame["label"].to_numpy(), sample_weight=frame["weight"],
+                         batch_size=50, epochs=2, shuffle=False, verbose=0)
+    df = dd.from_pandas(frame, npartitions=4)
+    history = dasktf.fit(ours, df.drop(columns=["label", "weight"]), df["label"],
+                         sample_weight=df["weight"], client=client, n_workers=1,
+                         batch_size=50, epochs=2, shuffle=False, verbose=0)
+    for got, exp in zip(history.model.get_weights(), reference.get_weights(), strict=True):
+        assert relative_error(got, exp) < 2e-5
+    np.testing.assert_allclose(history.history["loss"], want.history["loss"], rtol=2e-5)
+
+
+def test_frames_as_several_inputs(client, digits):
+    frame = _frame(digits)[:480]
+    frame["meta"] = frame["label"] % 3
+    df = dd.from_pandas(frame, npartitions=3)
+    keras.utils.set_random_seed(0)
+    pixels, meta = keras.Input((64,), name="pixels"), keras.Input((1,), name="meta")
+    h = keras.layers.Concatenate()([keras.layers.Dense(8)(pixels), meta])
+    model = keras.Model({"pixels": pixels, "meta": meta},
+                        keras.layers.Dense(10, activation="softmax")(h))
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    history = dasktf.fit(model, {"pixels": df[[f"p{i}" for i in range(64)]],
+                                 "meta": df[["meta"]]},
+                         df["label"], client=client, n_workers=2, epochs=2, verbose=0)
+    assert history.history["loss"][-1] < history.history["loss"][0]
+
+
+def test_non_numeric_columns_are_named_before_anything_is_computed(client, digits):
+    frame = _frame(digits)[:100]
+    frame["city"] = "Lyon"
+    frame["kind"] = pd.Categorical(["a", "b"] * 50)
+    df = dd.from_pandas(frame, npartitions=2)
+    started = time.perf_counter()
+    with pytest.raises(ValueError, match=r"not numeric: 'city' \(.*\), 'kind' \(category\)"):
+        dasktf.fit(_model(), df, "label", client=client, n_workers=2, verbose=0)
+    with pytest.raises(ValueError, match=r"Columns \['labels'\] are not in x"):
+        dasktf.fit(_model(), df, "labels", client=client, n_workers=2, verbose=0)
+    assert time.perf_counter() - started < 5
+
+
+def test_a_parquet_directory_gone_missing_names_the_path(client, digits, tmp_path):
+    path = tmp_path / "gone.parquet"
+    dd.from_pandas(_frame(digits)[:200], npartitions=2).to_parquet(path)
+    df = dd.read_parquet(path)  # lazy: the files are read when training starts
+    shutil.rmtree(path)
+    started = time.perf_counter()
+    with pytest.raises(Exception, match=r"gone\.parquet"):
+        dasktf.fit(_model(), df, "label", client=client, n_workers=2, verbose=0)
+    assert time.perf_counter() - started < 15
