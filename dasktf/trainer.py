@@ -320,6 +320,7 @@ class Trainer:
         steps_per_epoch: int | None = None,
         validation_steps: int | None = None,
         validation_freq: int = 1,
+        stream: bool = False,
         callbacks: Sequence[Any] | None = None,
         verbose: int | str = 1,
         checkpoint_dir: str | None = None,
@@ -335,9 +336,14 @@ class Trainer:
         x, y
             NumPy arrays, Dask arrays (chunks stay on the workers holding them), or
             ``x`` a shard loader ``load(shard_index, num_shards) -> (x, y)`` (or
-            ``(x, y, sample_weight)``) run on each worker (``y`` then ``None``).
-            Arrays may be nested in lists, tuples or dicts matching the model's
-            inputs and outputs by position or by name, as Keras matches them.
+            ``(x, y, sample_weight)``) run on each worker (``y`` then ``None``; a
+            loader returning an iterator of such parts is streamed), or
+            ``x=dataset_fn`` with ``dataset_fn(ctx) -> tf.data.Dataset`` run on each
+            worker every epoch (``ctx``: :class:`~dasktf.data.streams.DatasetContext`).
+            Dask DataFrames and Series are taken as Dask arrays are (``y`` may name
+            a column of ``x``). Arrays may be nested in lists, tuples or dicts
+            matching the model's inputs and outputs by position or by name, as
+            Keras matches them.
         batch_size
             The *global* batch: each step averages the gradients of ``batch_size``
             examples spread over the workers (default 128, not Keras' 32: a step
@@ -358,6 +364,11 @@ class Trainer:
         steps_per_epoch, validation_steps, validation_freq
             Refused unless left at their defaults: every epoch reads every row once
             and validates once.
+        stream
+            Read lazy Dask collections part by part on the workers every epoch,
+            ``dasktf.data.prefetch`` parts ahead, instead of holding each shard in
+            memory: for data larger than the workers' memory
+            (:mod:`dasktf.data.streams`).
         callbacks
             ``keras.callbacks.Callback`` instances, run on the client.
         verbose
@@ -407,7 +418,8 @@ class Trainer:
                 x, y, sample_weight, validation_split)
         if validation_data is not None:
             validation_data = unpack_validation(validation_data)
-        source = make_source(x, y, sample_weight, class_weight)
+        source = make_source(x, y, sample_weight, class_weight, stream=bool(stream),
+                             seed=self.options.seed)
         options = FaultOptions(checkpoint_dir, checkpoint_every, bool(resume),
                                on_worker_loss, bool(scale_lr))
         validate_fault_options(self.options, options)
@@ -478,6 +490,7 @@ def fit(
     steps_per_epoch: int | None = None,
     validation_steps: int | None = None,
     validation_freq: int = 1,
+    stream: bool = False,
     seed: int | None = None,
     callbacks: Sequence[Any] | None = None,
     verbose: int | str = 1,
@@ -558,6 +571,7 @@ def fit(
             steps_per_epoch=steps_per_epoch,
             validation_steps=validation_steps,
             validation_freq=validation_freq,
+            stream=stream,
             callbacks=callbacks,
             verbose=verbose,
             checkpoint_dir=checkpoint_dir,

@@ -3,10 +3,12 @@
 The example writes the digits data set as a directory of Parquet files (one per
 partition, 64 pixel columns and a ``label`` column), then does what a Dask user
 does: ``dd.read_parquet`` on a cluster, ``persist`` so each partition sits on one
-worker, and ``dasktf.fit(model, df, "label")``. Each worker's shard is made from
-the partitions it already holds; the client receives row counts, the
-validation split (the last 20% of the rows, as Keras' ``validation_split``),
-metrics and the trained weights, never the training partitions.
+worker, hold the last partition out for validation, and
+``dasktf.fit(model, train, "label")``. Each worker's shard is made from the
+partitions it already holds; the client receives row counts, the validation
+partition, metrics and the trained weights, never the training partitions.
+``--stream`` reads the files part by part on the workers every epoch instead
+(``stream=True``: for data larger than the workers' memory).
 
 Run: ``python examples/parquet_frame.py --workers 2``.
 """
@@ -39,6 +41,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--epochs", type=int, default=8)
+    parser.add_argument("--stream", action="store_true",
+                        help="read the Parquet files part by part every epoch")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -47,9 +51,13 @@ def main() -> None:
         with LocalCluster(n_workers=args.workers, threads_per_worker=1,
                           host="127.0.0.1", dashboard_address=None) as cluster, \
                 Client(cluster) as client:
-            df = dd.read_parquet(path).persist()  # partitions now live on the workers
+            df = dd.read_parquet(path)
+            if not args.stream:
+                df = df.persist()  # the partitions now live on the workers
+            train, val = df.partitions[:-1], df.partitions[-1:]
             print(f"{rows} rows in {df.npartitions} partitions on "
-                  f"{len(client.scheduler_info()['workers'])} workers")
+                  f"{len(client.scheduler_info()['workers'])} workers "
+                  f"({'streamed' if args.stream else 'resident'})")
 
             model = keras.Sequential([
                 keras.Input((64,)),
@@ -58,8 +66,9 @@ def main() -> None:
             ])
             model.compile(optimizer=keras.optimizers.Adam(1e-2),
                           loss="sparse_categorical_crossentropy", metrics=["accuracy"])
-            history = dasktf.fit(model, df, "label", client=client, epochs=args.epochs,
-                                 batch_size=64, validation_split=0.2, verbose=0, seed=0)
+            history = dasktf.fit(model, train, "label", client=client, epochs=args.epochs,
+                                 batch_size=64, stream=args.stream, verbose=0, seed=0,
+                                 validation_data=(val.drop(columns="label"), val["label"]))
             print(f"train accuracy {history.history['accuracy'][-1]:.4f}  "
                   f"validation accuracy {history.history['val_accuracy'][-1]:.4f}")
 

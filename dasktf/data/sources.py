@@ -22,22 +22,44 @@ uneven shards and a short last batch are averaged correctly.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import dask.utils
 import numpy as np
 
-from dasktf.data.frames import frames_to_arrays, holds_frames
+from dasktf import config
+from dasktf.data.partitions import (
+    compute_leaves,
+    convert,
+    holds_frames,
+    is_dask_frame,
+    partition_leaves,
+)
+from dasktf.data.shards import (
+    Shard,
+    ShardStats,
+    check_class_weight,
+    check_stats,
+    with_weights,
+)
+from dasktf.data.streams import (
+    DaskParts,
+    DatasetContext,
+    DatasetParts,
+    LoaderParts,
+    StreamedShard,
+    accepts_context,
+    part_from,
+)
 from dasktf.data.structure import (
-    Nest,
     as_arrays,
     broadcast_to,
     concat,
     first_leaf,
     is_nested,
     leaves,
-    map_named,
     map_nest,
     num_rows,
     take,
@@ -47,102 +69,6 @@ if TYPE_CHECKING:
     from distributed import Client, Future
 
 ShardLoader = Callable[[int, int], tuple[Any, Any]]
-
-
-@dataclass
-class Shard:
-    """The rows one worker trains on (or evaluates), resident in its memory.
-
-    ``x``, ``y`` and ``w`` (the sample weights, ``None`` for none) are arrays or
-    nests of them (:mod:`dasktf.data.structure`), all with the same rows.
-    """
-
-    x: Nest
-    y: Nest
-    w: Nest = None
-
-    def __len__(self) -> int:
-        return len(first_leaf(self.x))
-
-    def take(self, rows: Any) -> Shard:
-        """The shard of rows ``rows`` (in that order)."""
-        return Shard(take(self.x, rows), take(self.y, rows),
-                     None if self.w is None else take(self.w, rows))
-
-    def batch(self, rows: Any) -> tuple[Nest, Nest, Nest]:
-        return take(self.x, rows), take(self.y, rows), (
-            None if self.w is None else take(self.w, rows))
-
-    @staticmethod
-    def concat(parts: list[Shard]) -> Shard:
-        return Shard(concat([p.x for p in parts]), concat([p.y for p in parts]),
-                     None if parts[0].w is None else concat([p.w for p in parts]))
-
-
-@dataclass(frozen=True)
-class LeafStats:
-    """One array's per-sample shape, dtype and value range, checked on the client."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-    finite: bool
-    low: float
-    high: float
-    integral: bool
-
-    @classmethod
-    def of(cls, name: str, a: np.ndarray, values: bool = True) -> LeafStats:
-        """``values=False``: shape, dtype and finiteness only (inputs need no range)."""
-        finite = _all_finite(a)
-        numeric = values and (np.issubdtype(a.dtype, np.number) or a.dtype == bool)
-        integral = bool(np.issubdtype(a.dtype, np.integer)) or (
-            numeric and finite and a.size > 0 and bool(np.all(np.mod(a, 1) == 0))
-        )
-        ranged = numeric and a.size and finite
-        return cls(name, tuple(a.shape[1:]), str(a.dtype), finite,
-                   float(a.min()) if ranged else 0.0, float(a.max()) if ranged else 0.0,
-                   integral)
-
-
-@dataclass(frozen=True)
-class ShardStats:
-    """What the client needs to validate a shard without fetching it: the row
-    count and a :class:`LeafStats` per array, in the nest of ``x``, ``y``, ``w``."""
-
-    n: int
-    x: Nest
-    y: Nest
-    w: Nest = None
-
-    @classmethod
-    def of(cls, shard: Shard) -> ShardStats:
-        n = num_rows({"x": shard.x, "y": shard.y,
-                      **({} if shard.w is None else {"sample_weight": shard.w})})
-        def inputs(name: str, a: np.ndarray) -> LeafStats:
-            return LeafStats.of(name, a, values=False)
-
-        return cls(n, map_named(inputs, shard.x, "x"),
-                   map_named(LeafStats.of, shard.y, "y"),
-                   None if shard.w is None else map_named(LeafStats.of, shard.w,
-                                                          "sample_weight"))
-
-    def all_leaves(self) -> list[LeafStats]:
-        return [leaf for nest in (self.x, self.y, self.w) if nest is not None
-                for _, leaf in leaves(nest)]
-
-    def probe(self, rows: int = 1) -> tuple[Nest, Nest, Nest]:
-        """Zero-valued ``(x, y, w)`` of ``rows`` rows with the data's shapes and dtypes."""
-        def zeros(leaf: LeafStats) -> np.ndarray:
-            return np.zeros((rows, *leaf.shape), dtype=leaf.dtype)
-
-        return (map_nest(zeros, self.x), map_nest(zeros, self.y),
-                None if self.w is None else map_nest(lambda leaf: np.ones(
-                    (rows, *leaf.shape), dtype=leaf.dtype), self.w))
-
-    def layout(self) -> Any:
-        """Shapes and dtypes of every array, to compare shards."""
-        return [(leaf.name, leaf.shape, leaf.dtype) for leaf in self.all_leaves()]
 
 
 @dataclass
@@ -160,82 +86,6 @@ class PlacedData:
     @property
     def n_samples(self) -> int:
         return sum(s.n for s in self.stats)
-
-
-def _all_finite(a: np.ndarray) -> bool:
-    if not np.issubdtype(a.dtype, np.inexact):
-        return True
-    return bool(np.isfinite(a).all())
-
-
-def check_stats(stats: Sequence[ShardStats], where: str = "the training data") -> None:
-    """Raise ``ValueError`` for NaN/inf values or shards that disagree on shapes,
-    naming the array (``x['image']``, ``y[1]``, ``sample_weight``) at fault."""
-    for i, s in enumerate(stats):
-        bad = [leaf.name for leaf in s.all_leaves() if not leaf.finite]
-        if bad:
-            shard = f" (shard {i})" if len(stats) > 1 else ""
-            raise ValueError(
-                f"{where} contains NaN or infinite values in {', '.join(bad)}{shard}; "
-                "clean or impute them before training."
-            )
-    layouts = {repr(s.layout()) for s in stats if s.n}
-    if len(layouts) > 1:
-        raise ValueError(f"The shards of {where} disagree on shapes: {sorted(layouts)}.")
-
-
-def check_labels(stats: Sequence[ShardStats], path: str, num_classes: int) -> None:
-    """Sparse class labels of output ``path`` must be integers in ``[0, num_classes)``."""
-    labels = [leaf for s in stats if s.n for name, leaf in leaves(s.y, "y") if name == path]
-    if not labels:
-        return
-    if not all(leaf.integral for leaf in labels):
-        raise ValueError(
-            f"Labels {path} must be integer class indices for a sparse categorical "
-            "loss; got non-integer values."
-        )
-    low, high = min(leaf.low for leaf in labels), max(leaf.high for leaf in labels)
-    if low < 0 or high >= num_classes:
-        raise ValueError(
-            f"Labels {path} must lie in [0, {num_classes}) for an output with "
-            f"{num_classes} units; got labels from {low:g} to {high:g}. Check the "
-            "labels, or give the model as many outputs as there are classes."
-        )
-
-
-def class_weight_to_sample_weight(y: np.ndarray, class_weight: dict[int, float]) -> np.ndarray:
-    """Keras' mapping: each row weighs ``class_weight[its class]`` (1 if absent); the
-    class of one-hot rows is their argmax."""
-    labels = np.asarray(y)
-    if labels.ndim > 1:
-        labels = labels.argmax(axis=-1) if labels.shape[-1] != 1 else labels[..., 0]
-    labels = np.round(labels).astype(np.int64).reshape(len(labels))
-    weights = np.ones(len(labels), dtype=np.float32)
-    for cls, weight in class_weight.items():
-        weights[labels == int(cls)] = weight
-    return weights
-
-
-def check_class_weight(class_weight: Any, y: Nest) -> None:
-    if class_weight is None:
-        return
-    if not isinstance(class_weight, dict) or not all(
-        isinstance(k, (int, np.integer)) and not isinstance(k, bool) for k in class_weight
-    ):
-        raise TypeError("class_weight must be a dict {class index: weight}; "
-                        f"got {class_weight!r}.")
-    if is_nested(y):
-        raise ValueError(
-            "class_weight is only supported for models with a single output (as in "
-            "Keras); give per-output sample_weight instead."
-        )
-
-
-def with_weights(shard: Shard, class_weight: dict[int, float] | None) -> Shard:
-    """The shard with ``class_weight`` turned into sample weights (Keras' rule)."""
-    if class_weight is None:
-        return shard
-    return Shard(shard.x, shard.y, class_weight_to_sample_weight(shard.y, class_weight))
 
 
 def interleaved_schedule(n: int, batch_size: int, n_workers: int) -> np.ndarray:
@@ -317,8 +167,11 @@ def shard_from_parts(x_parts: list[Any], y_parts: list[Any], w_parts: list[Any] 
 
 
 def load_shard(load: ShardLoader, index: int, n_shards: int,
-               class_weight: dict[int, float] | None = None) -> Shard:
+               class_weight: dict[int, float] | None = None) -> Shard | StreamedShard:
     out = load(index, n_shards)
+    if isinstance(out, Iterator):  # parts to stream, read anew every epoch
+        return StreamedShard(LoaderParts(load, index, n_shards, class_weight),
+                             int(config.get("data.prefetch")), f"shard {index}").scan()
     if not (isinstance(out, tuple) and len(out) in (2, 3)):
         raise TypeError(
             "The shard loader must return a tuple (x, y) or (x, y, sample_weight); "
@@ -336,15 +189,15 @@ def load_shard(load: ShardLoader, index: int, n_shards: int,
 class _WorkerSideSource:
     """Sources whose shards are built on the workers; stats come back from there."""
 
-    def _build(self, client: Client, workers: list[str]) -> list[Future]:
+    def _build(self, client: Client, workers: list[str], batch_size: int) -> list[Future]:
         raise NotImplementedError
 
     def place(self, client: Client, workers: list[str], batch_size: int) -> PlacedData:
-        shards = self._build(client, workers)
+        shards = self._build(client, workers, batch_size)
         stats = client.gather(
             [
                 # pure=False: the stats of a shard are cheap, never worth caching.
-                client.submit(ShardStats.of, s, workers=[w], pure=False)
+                client.submit(stats_of, s, workers=[w], pure=False)
                 for s, w in zip(shards, workers, strict=True)
             ]
         )
@@ -360,60 +213,48 @@ class _WorkerSideSource:
 
 
 class DaskArraySource(_WorkerSideSource):
-    """Dask arrays (or nests of them): each worker's shard is built from chunks it
-    mostly already holds."""
+    """Dask arrays, DataFrames and Series (or nests of them): each worker's shard is
+    built from partitions it mostly already holds, converted where they live."""
 
     def __init__(self, x: Any, y: Any, sample_weight: Any = None,
                  class_weight: dict[int, float] | None = None) -> None:
-        if y is None:
-            raise ValueError("y is required when x is a Dask array.")
-        arrays: dict[str, Any] = {"x": x, "y": y}
-        if sample_weight is not None:
-            arrays["sample_weight"] = broadcast_to(sample_weight, y)
-        num_rows(arrays)
-        lead = first_leaf(x)
-        lead = lead.rechunk({i: -1 for i in range(1, lead.ndim)})
-
-        def align(a: Any) -> Any:  # every array cut into the leading array's row chunks
-            import dask.array as da
-
-            a = da.asarray(a)
-            return a.rechunk({0: lead.chunks[0], **{i: -1 for i in range(1, a.ndim)}})
-
-        self.x, self.y = map_nest(align, x), map_nest(align, y)
-        self.w = None if sample_weight is None else map_nest(align, arrays["sample_weight"])
+        self.chunks, self.row_chunks = partition_leaves(x, y, sample_weight)
         self.class_weight = class_weight
-        self.row_chunks = list(lead.chunks[0])
+        self.weighted = sample_weight is not None
 
     def _parts(self, client: Client, chunks: Sequence[int]) -> list[Any]:
-        """Futures of row chunks ``chunks``: per chunk, the nest ``[x, y, w]``."""
-        nests = [self.x, self.y] + ([] if self.w is None else [self.w])
-        delayed = map_nest(lambda a: a.to_delayed().ravel(), nests)
-        per_chunk = [map_nest(lambda d, j=j: d[j], delayed) for j in chunks]
-        # One future per array chunk (compute() of a nest would make one per nest).
-        futures = iter(client.compute([leaf for nest in per_chunk for _, leaf in leaves(nest)]))
+        """Futures of partitions ``chunks``: per partition, the nest ``[x, y, w]``."""
+        import dask
+
+        per_chunk = [self.chunks[j] for j in chunks]
+        # One future per array of a partition, each computed on the cluster where
+        # its partition is (compute() of a nest would make one per nest).
+        futures = iter(client.compute([dask.delayed(convert)(leaf.delayed, leaf.kind)
+                                       for nest in per_chunk for _, leaf in leaves(nest)]))
         return [map_nest(lambda _: next(futures), nest) for nest in per_chunk]
 
     def _submit(self, client: Client, parts: list[Any], worker: str) -> Future:
         return client.submit(
             shard_from_parts, [p[0] for p in parts], [p[1] for p in parts],
-            None if self.w is None else [p[2] for p in parts], self.class_weight,
+            [p[2] for p in parts] if self.weighted else None, self.class_weight,
             workers=[worker], pure=False,
         )
 
-    def _build(self, client: Client, workers: list[str]) -> list[Future]:
-        parts = self._parts(client, range(len(self.row_chunks)))
+    def _build(self, client: Client, workers: list[str], batch_size: int) -> list[Future]:
+        parts = self._parts(client, range(len(self.chunks)))
         lead = [first_leaf(p[0]) for p in parts]
+        sizes = self.row_chunks or client.gather([client.submit(len, f, pure=False)
+                                                  for f in lead])
         holders = client.who_has(lead)
         self.assignment = assignment = assign_chunks(
-            self.row_chunks, [holders.get(f.key, ()) for f in lead], workers
+            sizes, [holders.get(f.key, ()) for f in lead], workers
         )
         return [self._submit(client, [parts[j] for j in chunks], w)
                 for w, chunks in zip(workers, assignment, strict=True)]
 
-    def reload(self, client: Client, index: int, worker: str) -> Future:
+    def reload(self, client: Client, index: int, n: int, worker: str) -> Future:
         """Shard ``index`` rebuilt on ``worker``, recomputed from the Dask graph where
-        a lost worker held the only copy of its chunks."""
+        a lost worker held the only copy of its partitions."""
         return self._submit(client, self._parts(client, self.assignment[index]), worker)
 
 
@@ -444,7 +285,7 @@ class LoaderSource(_WorkerSideSource):
         self.load = load
         self.class_weight = class_weight
 
-    def _build(self, client: Client, workers: list[str]) -> list[Future]:
+    def _build(self, client: Client, workers: list[str], batch_size: int) -> list[Future]:
         n = len(workers)
         return [
             # pure=False: a loader may read files that change between runs.
@@ -454,11 +295,122 @@ class LoaderSource(_WorkerSideSource):
         ]
 
 
-DataSource = ArraySource | DaskArraySource | LoaderSource
+def stats_of(shard: Shard | StreamedShard) -> ShardStats:
+    """A placed shard's stats (a streamed one has them from its first read)."""
+    return shard.stats if isinstance(shard, StreamedShard) else ShardStats.of(shard)
+
+
+def build_stream(parts: Any, where: str) -> StreamedShard:
+    return StreamedShard(parts, int(config.get("data.prefetch")), where).scan()
+
+
+class DaskStreamSource(_WorkerSideSource):
+    """Lazy Dask arrays or DataFrames (or nests of them) streamed: each worker reads
+    its block of partitions one at a time, every epoch (:class:`DaskParts`)."""
+
+    def __init__(self, x: Any, y: Any, sample_weight: Any = None,
+                 class_weight: dict[int, float] | None = None) -> None:
+        self.chunks, _ = partition_leaves(x, y, sample_weight)
+        self.class_weight = class_weight
+
+    def blocks(self, n: int) -> list[np.ndarray]:
+        if len(self.chunks) < n:
+            raise ValueError(
+                f"The data has {len(self.chunks)} partitions for {n} workers; streaming "
+                "gives each worker whole partitions. Repartition into at least "
+                f"{n} (more, smaller ones bound memory better)."
+            )
+        return np.array_split(np.arange(len(self.chunks)), n)
+
+    def parts_of(self, index: int, n: int) -> DaskParts:
+        block = self.blocks(n)[index]
+        return DaskParts([self.chunks[j] for j in block], self.class_weight,
+                         f"partitions {block[0]}-{block[-1]}")
+
+    def _build(self, client: Client, workers: list[str], batch_size: int) -> list[Future]:
+        n = len(workers)
+        return [client.submit(build_stream, self.parts_of(i, n), f"shard {i} ({w})",
+                              workers=[w], pure=False)
+                for i, w in enumerate(workers)]
+
+    def reload(self, client: Client, index: int, n: int, worker: str) -> Future:
+        return client.submit(build_stream, self.parts_of(index, n), f"shard {index}",
+                             workers=[worker], pure=False)
+
+
+class DatasetFnSource(_WorkerSideSource):
+    """``dataset_fn(ctx) -> tf.data.Dataset`` run on every worker, every epoch
+    (:class:`DatasetParts`), as ``distribute_datasets_from_function`` runs it."""
+
+    def __init__(self, dataset_fn: Any, seed: int,
+                 class_weight: dict[int, float] | None = None) -> None:
+        self.dataset_fn, self.seed, self.class_weight = dataset_fn, seed, class_weight
+        self.batch_size = 0
+
+    def parts_of(self, index: int, n: int) -> DatasetParts:
+        local = self.batch_size // n + (index < self.batch_size % n)
+        context = DatasetContext(index, n, local, self.batch_size, 0, self.seed)
+        return DatasetParts(self.dataset_fn, context, self.class_weight)
+
+    def _build(self, client: Client, workers: list[str], batch_size: int) -> list[Future]:
+        self.batch_size = batch_size
+        n = len(workers)
+        return [client.submit(build_stream, self.parts_of(i, n),
+                              f"dataset_fn on shard {i} ({w})", workers=[w], pure=False)
+                for i, w in enumerate(workers)]
+
+    def reload(self, client: Client, index: int, n: int, worker: str) -> Future:
+        return client.submit(build_stream, self.parts_of(index, n),
+                             f"dataset_fn on shard {index}", workers=[worker], pure=False)
+
+
+def materialize_dataset(dataset: Any) -> tuple[Any, Any, Any]:
+    """A ``tf.data.Dataset`` built on the client, read into arrays when it is small
+    (``dasktf.data.materialize-limit`` bytes), with a warning; else refused."""
+    import warnings
+
+    limit = dask.utils.parse_bytes(config.get("data.materialize-limit"))
+    form = ("pass x=dataset_fn, where dataset_fn(ctx) builds each worker's part "
+            "of the data (ctx.shard_index of ctx.num_shards, ctx.local_batch_size, "
+            "ctx.epoch, ctx.seed) and returns a tf.data.Dataset of (x, y) batches")
+    if int(dataset.cardinality()) == -1:  # tf.data.INFINITE_CARDINALITY
+        raise ValueError("x is an infinite tf.data.Dataset: dasktf reads every row once "
+                         f"per epoch. {form[0].upper()}{form[1:]}.")
+    parts, size = [], 0
+    for element in dataset.as_numpy_iterator():
+        part = part_from(tuple(element) if isinstance(element, (tuple, list)) else element,
+                         "The tf.data.Dataset")
+        size += sum(leaf.nbytes for nest in (part.x, part.y, part.w) if nest is not None
+                    for _, leaf in leaves(nest))
+        if size > limit:
+            raise ValueError(
+                "x is a tf.data.Dataset built on the client, larger than "
+                f"dasktf.data.materialize-limit ({config.get('data.materialize-limit')}): "
+                "it cannot be split over the workers without reading it all here. "
+                f"Instead, {form}."
+            )
+        parts.append(part)
+    data = Shard.concat(parts)
+    warnings.warn(
+        f"x is a tf.data.Dataset built on the client: dasktf read it into memory "
+        f"({len(data)} rows, {size / 2**20:.1f} MiB) and splits the rows over the "
+        f"workers (batched by batch_size). For data that does not fit, {form}.",
+        UserWarning, stacklevel=3,
+    )
+    return data.x, data.y, data.w
+
+
+def is_tf_dataset(x: Any) -> bool:
+    return type(x).__module__.startswith("tensorflow") and hasattr(x, "element_spec")
+
+
+DataSource = (ArraySource | DaskArraySource | LoaderSource | DaskStreamSource
+              | DatasetFnSource)
 
 
 def make_source(x: Any, y: Any = None, sample_weight: Any = None,
-                class_weight: dict[int, float] | None = None) -> DataSource:
+                class_weight: dict[int, float] | None = None, stream: bool = False,
+                seed: int = 0) -> DataSource:
     """Pick the adapter for what the user passed as training data.
 
     ``x``, ``y`` and ``sample_weight`` may each be an array or a (nested) list,
@@ -475,19 +427,35 @@ def make_source(x: Any, y: Any = None, sample_weight: Any = None,
     """
     if class_weight is not None and sample_weight is not None:
         raise ValueError("Give sample_weight or class_weight, not both (as in Keras).")
-    if holds_frames(x, y, sample_weight):
-        x, y, sample_weight = frames_to_arrays(x, y, sample_weight)
-    if class_weight is not None:
+    if is_tf_dataset(x):
+        if y is not None or sample_weight is not None:
+            raise ValueError("y and sample_weight must be None when x is a tf.data.Dataset "
+                             "(it yields them).")
+        x, y, sample_weight = materialize_dataset(x)
+    if class_weight is not None and not callable(x):
         check_class_weight(class_weight, y)
     if callable(x) and not hasattr(x, "__array__") and not is_nested(x):
         if y is not None or sample_weight is not None:
             raise ValueError(
-                "y and sample_weight must be None when x is a shard loader; it returns "
-                "(x, y) or (x, y, sample_weight)."
+                "y and sample_weight must be None when x is a shard loader or a "
+                "dataset_fn; it gives (x, y) or (x, y, sample_weight)."
             )
+        if accepts_context(x):
+            return DatasetFnSource(x, seed, class_weight)
         return LoaderSource(x, class_weight)
-    kinds = {_is_dask_array(leaf) for nest in (x, y, sample_weight) if nest is not None
-             for _, leaf in leaves(nest)}
+    dask_leaves = holds_frames(x, y, sample_weight) or any(
+        _is_dask_array(leaf) for nest in (x, y, sample_weight) if nest is not None
+        for _, leaf in leaves(nest))
+    if stream:
+        if not dask_leaves:
+            raise ValueError(
+                "stream=True reads lazy Dask arrays or DataFrames part by part on the "
+                "workers; in-memory arrays are placed whole. Pass Dask collections (e.g. "
+                "dd.read_parquet(...)), a loader yielding parts, or a dataset_fn."
+            )
+        return DaskStreamSource(x, y, sample_weight, class_weight)
+    kinds = {_is_dask(leaf) for nest in (x, y, sample_weight) if nest is not None
+             for _, leaf in leaves(nest) if not isinstance(leaf, str)}  # str: a column
     if kinds == {True}:
         return DaskArraySource(x, y, sample_weight, class_weight)
     if kinds == {True, False}:
@@ -510,6 +478,10 @@ def _is_dask_array(a: Any) -> bool:
     return type(a).__module__.startswith("dask.array")
 
 
+def _is_dask(a: Any) -> bool:
+    return _is_dask_array(a) or is_dask_frame(a)
+
+
 def split_validation(x: Any, y: Any, sample_weight: Any, fraction: float
                      ) -> tuple[tuple[Any, Any, Any], tuple[Any, Any, Any]]:
     """Keras' ``validation_split``: the last ``fraction`` of the rows, before any
@@ -517,7 +489,11 @@ def split_validation(x: Any, y: Any, sample_weight: Any, fraction: float
     if not 0 < fraction < 1:
         raise ValueError(f"validation_split must be in (0, 1); got {fraction!r}.")
     if holds_frames(x, y, sample_weight):
-        x, y, sample_weight = frames_to_arrays(x, y, sample_weight)
+        raise ValueError(
+            "validation_split takes the last rows, which a Dask DataFrame cannot "
+            "index by position. Split it by partitions (df.partitions[:-k] and "
+            "df.partitions[-k:]) or with df.random_split, and pass validation_data."
+        )
     if callable(x) and not hasattr(x, "__array__") and not is_nested(x):
         raise ValueError(
             "validation_split needs x and y as arrays (it takes their last rows); a "
@@ -556,8 +532,7 @@ def unpack_validation(validation_data: Any) -> tuple[Any, Any, Any]:
 def validation_shard(validation_data: tuple[Any, Any, Any]) -> Shard:
     """``(x, y, sample_weight)`` validation data as one checked in-memory shard."""
     x, y, w = validation_data
-    if holds_frames(x, y, w):  # computed to the client: validation data is small
-        x, y, w = frames_to_arrays(x, y, w)
+    x, y, w = compute_leaves(x, y, w)  # Dask ones, here: validation data is small
     x, y = as_arrays(x, "x_val"), as_arrays(y, "y_val")
     w = None if w is None else as_arrays(broadcast_to(w, y), "sample_weight_val")
     data = Shard(x, y, w)

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from dasktf.data.sources import ShardStats, check_labels
+from dasktf.data.shards import ShardStats, check_labels
 from dasktf.data.structure import is_nested, leaves, map_nest
 from dasktf.models import CompileRecipe, compiled_args, portable_metrics
 from dasktf.run.options import (

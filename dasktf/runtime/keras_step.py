@@ -14,7 +14,7 @@ import numpy as np
 from dasktf.data.structure import map_nest
 
 if TYPE_CHECKING:
-    from dasktf.data.sources import Shard
+    from dasktf.data.shards import Shard
 
 
 def weigh_output_losses(trackers: list[Any], before: list[Any], n: Any) -> None:

@@ -27,7 +27,8 @@ from dasktf.cluster.devices import (
     compute_device,
     precision_policy,
 )
-from dasktf.data.sources import Shard
+from dasktf.data.shards import Shard
+from dasktf.data.streams import StreamedShard
 from dasktf.data.structure import first_leaf
 from dasktf.exceptions import ReplicaError
 from dasktf.models import CompileRecipe, ModelSpec
@@ -175,8 +176,8 @@ class Replica:
         self.loss_tracker = next(m for m in model.metrics if m.name == "loss")
         compile_loss = getattr(model, "_compile_loss", None)
         self.output_loss_trackers = list(getattr(compile_loss, "metrics", None) or [])
-        self.weighted = shard.w is not None
-        self._gradient_fn = tf.function(self._gradient, input_signature=batch_signature(shard))
+        self.weighted = probe.w is not None
+        self._gradient_fn = tf.function(self._gradient, input_signature=batch_signature(probe))
         # A fixed signature: a Python int count would retrace for every new value
         # (the short last batch of each epoch, for one).
         self._apply_fn = tf.function(
@@ -187,7 +188,7 @@ class Replica:
             ],
         )
         self._epoch = -1
-        self._order = np.arange(len(shard))
+        self._order = None if isinstance(shard, StreamedShard) else np.arange(len(shard))
         self.step_seconds: list[float] = []
         from dasktf.diagnostics.events import MetricsBuffer
 
@@ -331,9 +332,13 @@ class Replica:
             self._epoch = epoch
             if self.shuffle:
                 rng = np.random.default_rng([self.seed, epoch, self.index])
-                self._order = rng.permutation(len(self.shard))
-        rows = self._order[self.offsets[step] : self.offsets[step + 1]]
-        own = self.shard.take(rows)
+                self._order = (None if isinstance(self.shard, StreamedShard)
+                               else rng.permutation(len(self.shard)))
+        if isinstance(self.shard, StreamedShard):  # read in order, part by part
+            own = self.shard.window(epoch, self.offsets[step], self.offsets[step + 1],
+                                    (self.seed, epoch, self.index) if self.shuffle else None)
+        else:
+            own = self.shard.take(self._order[self.offsets[step] : self.offsets[step + 1]])
         if not self.adopted:
             return own
         return Shard.concat([own, *(self.adopted_batch(index, shard, column, epoch, step)
@@ -344,6 +349,10 @@ class Replica:
     ) -> Shard:
         """Rows of an adopted shard, in the order its lost owner would have read them
         (same seed, same per-epoch permutation), so the global batch is unchanged."""
+        if isinstance(shard, StreamedShard):
+            offsets = np.concatenate([[0], np.cumsum(column)])
+            return shard.window(epoch, offsets[step], offsets[step + 1],
+                                (self.seed, epoch, index) if self.shuffle else None)
         key = (index, epoch)
         order = self._orders.get(key)
         if order is None:
@@ -565,5 +574,8 @@ def forget_replicas(run_id: str) -> int:
     """Drop this process's replicas of ``run_id``; how many there were."""
     keys = [k for k in _REPLICAS if k[0] == run_id]
     for k in keys:
-        del _REPLICAS[k]
+        replica = _REPLICAS.pop(k)
+        for shard in [replica.shard, *(s for _, s, _ in replica.adopted)]:
+            if isinstance(shard, StreamedShard):
+                shard.close()  # its reading thread stops with the run
     return len(keys)

@@ -14,7 +14,7 @@ import numpy as np
 from dasktf.cluster.devices import (
     placement_summary,
 )
-from dasktf.data.sources import Shard
+from dasktf.data.shards import Shard
 from dasktf.runtime.channel import channel, receive, send
 from dasktf.runtime.replica import (
     EpochReport,

@@ -48,7 +48,7 @@ class _CollectiveReplica:
         self.model = model
         self.grad_bytes = 4 * sum(int(np.prod(v.shape)) for v in model.trainable_variables)
         self._step = tf.function(self._train_step, input_signature=[
-            tf.TensorSpec((), tf.float32), *batch_signature(shard)])
+            tf.TensorSpec((), tf.float32), *batch_signature(self.local.shard.take(slice(0, 1)))])
         self._metrics = tf.function(self._update_metrics)
 
     def _train_step(self, total: Any, x: Any, y: Any, w: Any = None) -> Any:

@@ -43,7 +43,6 @@ import numpy as np
 from dasktf.cluster.waits import RunContext, wait_for
 from dasktf.data.sources import (
     ArraySource,
-    DaskArraySource,
     LoaderSource,
     Shard,
     interleaved_indices,
@@ -169,8 +168,8 @@ def reload_shard(
     if isinstance(source, LoaderSource):
         return client.submit(load_shard, source.load, index, n_shards, source.class_weight,
                              workers=[worker], pure=False)
-    if isinstance(source, DaskArraySource):
-        return source.reload(client, index, worker)
+    if hasattr(source, "reload"):  # Dask arrays, streams, dataset_fn
+        return source.reload(client, index, n_shards, worker)
     raise TypeError(f"cannot reload a shard from {type(source).__name__}")
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from dasktf.data.sources import Shard
+from dasktf.data.shards import Shard
 from dasktf.engines.holder.records import PushOutcome, UpdateRecord
 from dasktf.exceptions import StepTimeoutError
 from dasktf.runtime.replica import (

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dasktf import config
-from dasktf.data.sources import Shard
+from dasktf.data.shards import Shard
 from dasktf.exceptions import AllWorkersLostError, WorkerLostError
 
 if TYPE_CHECKING:

@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dasktf import config
-from dasktf.data.sources import Shard
+from dasktf.data.shards import Shard
 from dasktf.engines.holder.actor import HOLDER_INDEX, ParameterHolder
 from dasktf.engines.holder.options import choose_holder, spread_holders
 from dasktf.engines.holder.records import PushOutcome

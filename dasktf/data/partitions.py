@@ -1,0 +1,205 @@
+"""Dask collections cut into partitions: the tasks of each partition's arrays.
+
+Dask arrays, DataFrames and Series (or nests of them, for several inputs and
+outputs) become one list: per partition, the nest ``[x, y(, w)]`` of
+:class:`PartLeaf` tasks. The resident source computes those tasks on the cluster,
+where the partitions live (:class:`~dasktf.data.sources.DaskArraySource`); the
+streamed one computes them on the worker, one partition at a time
+(:class:`~dasktf.data.streams.DaskParts`). Numeric columns become float32
+features; columns of any other dtype are refused by name, before anything is
+computed (their dtypes are known from the frame's metadata).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from dasktf.data.structure import (
+    Nest,
+    broadcast_to,
+    first_leaf,
+    leaves,
+    map_nest,
+    num_rows,
+)
+
+
+@dataclass(frozen=True)
+class PartLeaf:
+    """One array of a partition: its task (a ``Delayed``) and how the computed
+    value becomes an array: ``"array"`` as it is, ``"features"`` a frame as
+    float32, ``"labels"`` a frame or series as integers (float32 if it holds floats)."""
+
+    delayed: Any
+    kind: str
+
+
+def convert(value: Any, kind: str) -> np.ndarray:
+    """A computed partition leaf as the array a shard holds (see :class:`PartLeaf`)."""
+    if kind == "array":
+        return np.asarray(value)
+    array = value.to_numpy()
+    if kind == "features" or array.dtype.kind not in "iub":
+        array = array.astype(np.float32)
+    return array
+
+
+def partition_leaves(x: Nest, y: Nest, sample_weight: Nest) -> tuple[list[Any], list[int] | None]:
+    """Per partition, the nest ``[x, y(, w)]`` of its :class:`PartLeaf` tasks, and
+    the rows per partition where they are known (arrays; frames: ``None``).
+
+    Frames give their partitions as declared (unoptimized: an optimized read may
+    merge small files differently for different columns), and their tasks are
+    shared between features and labels, so one compute reads a partition once.
+    Arrays mixed with frames are cut into the frames' partitions (counted on the
+    cluster).
+    """
+    if y is None:
+        raise ValueError("y is required when x is a Dask array or DataFrame.")
+    if holds_frames(x, y, sample_weight):
+        x, y, sample_weight = select_columns(x, y, sample_weight)
+    nests = [x, y] + ([] if sample_weight is None else [broadcast_to(sample_weight, y)])
+    names = ["x", "y", "sample_weight"]
+    frames = [f for nest in nests for _, f in leaves(nest) if is_dask_frame(f)]
+    if frames:
+        parts = {f.npartitions for f in frames}
+        if len(parts) > 1:
+            raise ValueError(f"The Dask frames must have as many partitions each; got "
+                             f"{sorted(parts)}.")
+        lengths = None
+        if len(frames) < sum(1 for nest in nests for _ in leaves(nest)):  # arrays too
+            lengths = frame_lengths(frames[0])
+        tasks = [map_nest(lambda a, kind=kind: _frame_tasks(a, kind, lengths), nest)
+                 for nest, kind in zip(nests, ["features", "labels", "labels"], strict=False)]
+    else:
+        num_rows(dict(zip(names, nests, strict=False)))
+        lead = first_leaf(x).rechunk({i: -1 for i in range(1, first_leaf(x).ndim)})
+        lengths = list(lead.chunks[0])
+        tasks = [map_nest(lambda a: _array_tasks(a, lengths), nest) for nest in nests]
+    count = len(first_leaf(tasks[0]))
+    return [map_nest(lambda t, j=j: t[j], tasks) for j in range(count)], lengths
+
+
+def _objects(items: list[Any]) -> np.ndarray:
+    """A list as a 1-d object array: a leaf to :func:`map_nest`, not a nest."""
+    out = np.empty(len(items), dtype=object)
+    out[:] = items
+    return out
+
+
+def _frame_tasks(leaf: Any, kind: str, lengths: list[int] | None) -> np.ndarray:
+    if is_dask_frame(leaf):
+        return _objects([PartLeaf(d, kind) for d in leaf.to_delayed(optimize_graph=False)])
+    return _array_tasks(leaf, lengths)
+
+
+def _array_tasks(array: Any, lengths: list[int] | None) -> np.ndarray:
+    import dask.array as da
+
+    array = da.asarray(array)
+    array = array.rechunk({0: tuple(lengths), **{i: -1 for i in range(1, array.ndim)}})
+    return _objects([PartLeaf(d, "array") for d in array.to_delayed().ravel()])
+
+
+def frame_lengths(frame: Any) -> list[int]:
+    """Rows per declared partition, counted on the cluster (the client gets ints)."""
+    import dask
+
+    counts = [dask.delayed(len)(d) for d in frame.to_delayed(optimize_graph=False)]
+    return [int(n) for n in dask.compute(*counts)]
+
+
+def compute_leaves(x: Nest, y: Nest, sample_weight: Nest) -> tuple[Nest, Nest, Nest]:
+    """Frames and Dask arrays computed into NumPy arrays here, on the client (for
+    validation data, which is small)."""
+    import dask
+
+    if holds_frames(x, y, sample_weight):
+        x, y, sample_weight = select_columns(x, y, sample_weight)
+
+    def local(value: Any, kind: str) -> Any:
+        if is_dask_frame(value):
+            return convert(value.compute(), kind)
+        if type(value).__module__.startswith("dask"):
+            return np.asarray(dask.compute(value)[0])
+        return value
+
+    return (map_nest(lambda v: local(v, "features"), x), map_nest(lambda v: local(v, "labels"), y),
+            None if sample_weight is None else map_nest(lambda v: local(v, "labels"),
+                                                        sample_weight))
+
+
+def is_dask_frame(obj: Any) -> bool:
+    """A Dask DataFrame or Series (legacy or dask-expr)."""
+    module = type(obj).__module__
+    return module.startswith(("dask.dataframe", "dask_expr")) and hasattr(obj, "npartitions")
+
+
+def holds_frames(*nests: Nest) -> bool:
+    return any(is_dask_frame(leaf) for nest in nests if nest is not None
+               for _, leaf in leaves(nest))
+
+
+def select_columns(x: Nest, y: Any, sample_weight: Any) -> tuple[Nest, Nest, Nest]:
+    """``y`` and ``sample_weight`` given as column names of a DataFrame ``x`` become
+    those columns, taken out of the features; every frame's dtypes are checked."""
+    if y is None:
+        raise ValueError("y is required when x is a Dask DataFrame: give a Series, a "
+                         "DataFrame, or the name(s) of x's label column(s).")
+    named = [v for v in (y, sample_weight) if _names_columns(v)]
+    if named:
+        if not is_dask_frame(x) or x.ndim != 2:
+            raise ValueError("y or sample_weight names columns, so x must be one Dask "
+                             "DataFrame holding them.")
+        columns = [c for v in named for c in ([v] if isinstance(v, str) else v)]
+        missing = [c for c in columns if c not in x.columns]
+        if missing:
+            raise ValueError(f"Columns {missing} are not in x (its columns: "
+                             f"{list(x.columns)}).")
+        y = x[y] if _names_columns(y) else y
+        sample_weight = x[sample_weight] if _names_columns(sample_weight) else sample_weight
+        x = x.drop(columns=columns)
+    check_numeric({"x": x, "y": y, "sample_weight": sample_weight})
+    return x, y, sample_weight
+
+
+def _names_columns(value: Any) -> bool:
+    return isinstance(value, str) or (
+        isinstance(value, list) and bool(value) and all(isinstance(v, str) for v in value))
+
+
+def check_numeric(nests: dict[str, Nest]) -> None:
+    """Refuse non-numeric columns by name, from the frames' metadata alone."""
+    for name, nest in nests.items():
+        if nest is None:
+            continue
+        for path, leaf in leaves(nest, name):
+            if not is_dask_frame(leaf):
+                continue
+            bad = {str(c): str(t) for c, t in _dtypes(leaf).items() if _kind(t) is None}
+            if bad:
+                said = ", ".join(f"{c!r} ({t})" for c, t in bad.items())
+                raise ValueError(
+                    f"{path} has columns that are not numeric: {said}. Encode them "
+                    "first (e.g. df[col].cat.codes after categorize(), or "
+                    "dd.get_dummies), or keep them out of the features."
+                )
+
+
+def _dtypes(frame: Any) -> dict[Any, Any]:
+    return dict(frame.dtypes) if frame.ndim == 2 else {frame.name: frame.dtype}
+
+
+def _kind(dtype: Any) -> str | None:
+    """``"i"`` integral (ints, bools), ``"f"`` float, ``None`` not numeric
+    (object, string, category, datetime)."""
+    name = str(dtype).lower()
+    try:
+        kind = np.dtype(dtype).kind
+    except TypeError:  # pandas extension dtypes: category, string, nullable Int64
+        kind = ("f" if name.startswith("float") else
+                "i" if name.startswith(("int", "uint", "bool")) else "")
+    return "i" if kind in "iub" and kind else "f" if kind == "f" else None
