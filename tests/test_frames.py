@@ -11,6 +11,7 @@ from __future__ import annotations
 import shutil
 import time
 
+import dask.array as da
 import dask.dataframe as dd
 import keras
 import numpy as np
@@ -126,3 +127,29 @@ def test_a_parquet_directory_gone_missing_names_the_path(client, digits, tmp_pat
     with pytest.raises(Exception, match=r"gone\.parquet"):
         dasktf.fit(_model(), df, "label", client=client, n_workers=2, verbose=0)
     assert time.perf_counter() - started < 15
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_frames_and_dask_arrays_mixed_in_one_input_dict(client, digits, stream):
+    """A frame's columns beside a Dask array cut otherwise: the array is re-cut into
+    the frame's partitions (their rows counted on the cluster); one worker reading
+    them in order trains exactly as Keras on the same rows."""
+    frame = _frame(digits)[:400]
+    df = dd.from_pandas(frame, npartitions=4)
+    extra = np.random.default_rng(0).normal(size=(400, 3)).astype("float32")
+    keras.utils.set_random_seed(0)
+    pixels, more = keras.Input((64,), name="pixels"), keras.Input((3,), name="more")
+    reference = keras.Model({"pixels": pixels, "more": more}, keras.layers.Dense(
+        10, activation="softmax")(keras.layers.Concatenate()([pixels, more])))
+    ours = keras.models.clone_model(reference)
+    ours.set_weights(reference.get_weights())
+    for m in (reference, ours):
+        m.compile(optimizer=keras.optimizers.SGD(0.5), loss="sparse_categorical_crossentropy")
+    columns = [f"p{i}" for i in range(64)]
+    reference.fit({"pixels": frame[columns].to_numpy("float32"), "more": extra},
+                  frame["label"].to_numpy(), batch_size=50, shuffle=False, verbose=0)
+    x = {"pixels": df[columns], "more": da.from_array(extra, chunks=70)}
+    history = dasktf.fit(ours, x, df["label"], client=client, n_workers=1, batch_size=50,
+                         shuffle=False, verbose=0, stream=stream)
+    for got, want in zip(history.model.get_weights(), reference.get_weights(), strict=True):
+        assert relative_error(got, want) < 2e-5
