@@ -152,5 +152,5 @@ def test_a_client_side_dataset_is_read_when_small_and_refused_when_infinite(clie
         history = _fit(client, small)
     assert any("dataset_fn" in str(w.message) for w in caught)
     assert np.isfinite(history.history["loss"]).all()
-    with pytest.raises(ValueError, match="infinite tf.data.Dataset.*dataset_fn"):
+    with pytest.raises(ValueError, match=r"infinite tf\.data\.Dataset.*dataset_fn"):
         _fit(client, small.repeat())
