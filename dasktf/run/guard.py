@@ -232,6 +232,14 @@ class RunGuard:
             engine.capabilities.checkpoints == "epochs" and self.options.checkpoint_dir
         ):  # the collective engine keeps its state only when it checkpoints
             state = engine.state()
+        elif engine.capabilities.checkpoints == "holder":  # async: the holder's optimizer
+            from dasktf.engines.holder.checkpoint import HolderCut
+
+            try:
+                state = HolderCut(engine).state
+            except Exception:  # the weights are back; the optimizer state is a bonus
+                logger.warning("reading the parameter holder's optimizer state failed; "
+                               "history.model's optimizer starts fresh", exc_info=True)
         if state is not None:
             model.optimizer.build(model.trainable_variables)
             variables = model.optimizer.variables
