@@ -393,3 +393,5 @@ def test_structured_weighted_inputs_train_on_every_engine(client, options):
     loss = history.history["loss"]
     assert loss[-1] < loss[0]
     assert {"label_loss", "score_loss", "label_accuracy"} <= set(history.history)
+    if options == {"mode": "async"}:  # the holder's optimizer state came back
+        assert int(history.model.optimizer.iterations.numpy()) == len(history.updates)
