@@ -395,3 +395,29 @@ def test_structured_weighted_inputs_train_on_every_engine(client, options):
     assert {"label_loss", "score_loss", "label_accuracy"} <= set(history.history)
     if options == {"mode": "async"}:  # the holder's optimizer state came back
         assert int(history.model.optimizer.iterations.numpy()) == len(history.updates)
+
+
+class Penalised(keras.Sequential):
+    """A model that overrides compute_loss (an L2 penalty on the first kernel), as
+    the Keras guide on customising fit shows: dasktf calls it for every gradient."""
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        loss = super().compute_loss(x, y, y_pred, sample_weight, training)
+        return loss + 0.05 * keras.ops.sum(keras.ops.square(self.layers[0].kernel))
+
+
+def test_an_overridden_compute_loss_is_honoured(client, digits):
+    x, y = digits.x_train[:240].reshape(240, -1), digits.y_train[:240]
+    keras.utils.set_random_seed(12)
+    reference = Penalised([keras.Input((64,)), keras.layers.Dense(12, activation="relu"),
+                           keras.layers.Dense(10, activation="softmax")])
+    ours = Penalised.from_config(reference.get_config())
+    ours.set_weights(reference.get_weights())
+    initial = [w.copy() for w in reference.get_weights()]
+    for m in (reference, ours):
+        m.compile(optimizer=keras.optimizers.SGD(0.3), loss="sparse_categorical_crossentropy")
+    want = reference.fit(x, y, batch_size=60, epochs=2, shuffle=False, verbose=0)
+    history = dasktf.fit(ours, x, y, client=client, n_workers=3, batch_size=60, epochs=2,
+                         shuffle=False, verbose=0)
+    _assert_same_weights(history.model, reference, initial)
+    _assert_same_history(history.history, want.history, ["loss"])

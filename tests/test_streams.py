@@ -90,6 +90,8 @@ def test_a_lazy_parquet_frame_streams_from_its_files(client, digits, tmp_path):
     # shuffle=False: the same rows as the resident frame gives, in the same order
     _same(_fit(client, df, "label", stream=True, n_workers=1),
           _fit(client, df, "label", n_workers=1))
+    with pytest.raises(ValueError, match=r"x is persisted.*Drop stream=True"):
+        _fit(client, df.drop(columns="label").persist(), df["label"], stream=True)
 
 
 def test_dataset_fn_gets_its_context_on_every_worker_and_equals_resident(

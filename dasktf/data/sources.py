@@ -453,6 +453,7 @@ def make_source(x: Any, y: Any = None, sample_weight: Any = None,
                 "workers; in-memory arrays are placed whole. Pass Dask collections (e.g. "
                 "dd.read_parquet(...)), a loader yielding parts, or a dataset_fn."
             )
+        check_lazy(x, y, sample_weight)
         return DaskStreamSource(x, y, sample_weight, class_weight)
     kinds = {_is_dask(leaf) for nest in (x, y, sample_weight) if nest is not None
              for _, leaf in leaves(nest) if not isinstance(leaf, str)}  # str: a column
@@ -472,6 +473,22 @@ def make_source(x: Any, y: Any = None, sample_weight: Any = None,
             f"{type(x).__name__}" + (f" at {', '.join(bad)}." if is_nested(x) else ".")
         )
     return ArraySource(x, y, sample_weight, class_weight)
+
+
+def check_lazy(*nests: Any) -> None:
+    """``stream=True`` reads partitions from their sources on each worker; a
+    persisted collection's partitions are already in the cluster's memory."""
+    from distributed import futures_of
+
+    persisted = [path for name, nest in zip(("x", "y", "sample_weight"), nests, strict=True)
+                 if nest is not None for path, leaf in leaves(nest, name)
+                 if _is_dask(leaf) and futures_of(leaf)]
+    if persisted:
+        raise ValueError(
+            f"stream=True reads lazy collections part by part, but {', '.join(persisted)} "
+            "is persisted: its partitions are already in memory. Drop stream=True (the "
+            "workers use the partitions they hold), or pass the collection unpersisted."
+        )
 
 
 def _is_dask_array(a: Any) -> bool:
