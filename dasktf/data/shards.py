@@ -48,10 +48,6 @@ class Shard:
         return Shard(take(self.x, rows), take(self.y, rows),
                      None if self.w is None else take(self.w, rows))
 
-    def batch(self, rows: Any) -> tuple[Nest, Nest, Nest]:
-        return take(self.x, rows), take(self.y, rows), (
-            None if self.w is None else take(self.w, rows))
-
     @staticmethod
     def concat(parts: list[Shard]) -> Shard:
         return Shard(concat([p.x for p in parts]), concat([p.y for p in parts]),

@@ -172,16 +172,7 @@ def load_shard(load: ShardLoader, index: int, n_shards: int,
     if isinstance(out, Iterator):  # parts to stream, read anew every epoch
         return StreamedShard(LoaderParts(load, index, n_shards, class_weight),
                              int(config.get("data.prefetch")), f"shard {index}").scan()
-    if not (isinstance(out, tuple) and len(out) in (2, 3)):
-        raise TypeError(
-            "The shard loader must return a tuple (x, y) or (x, y, sample_weight); "
-            f"got {type(out).__name__}."
-        )
-    x, y = as_arrays(out[0], "x"), as_arrays(out[1], "y")
-    w = as_arrays(broadcast_to(out[2], y), "sample_weight") if len(out) == 3 else None
-    if w is not None and class_weight is not None:
-        raise ValueError("The shard loader returns sample weights: give no class_weight too.")
-    shard = with_weights(Shard(x, y, w), class_weight)
+    shard = part_from(out, "The shard loader", class_weight)
     ShardStats.of(shard)  # the row counts agree, or an error naming the arrays
     return shard
 

@@ -80,13 +80,15 @@ def accepts_context(fn: Any) -> bool:
 
 
 def part_from(out: Any, where: str, class_weight: dict[int, float] | None = None) -> Any:
-    """One ``(x, y[, sample_weight])`` element as a :class:`Shard`."""
-
+    """One ``(x, y[, sample_weight])`` element as a :class:`Shard` (``class_weight``
+    turned into sample weights, as Keras does)."""
     if not (isinstance(out, tuple) and len(out) in (2, 3)):
         raise TypeError(f"{where} must give (x, y) or (x, y, sample_weight) tuples; got "
                         f"{type(out).__name__}.")
     x, y = as_arrays(out[0], "x"), as_arrays(out[1], "y")
     w = as_arrays(broadcast_to(out[2], y), "sample_weight") if len(out) == 3 else None
+    if w is not None and class_weight is not None:
+        raise ValueError(f"{where} gives sample weights: give no class_weight too.")
     return with_weights(Shard(x, y, w), class_weight)
 
 
@@ -181,7 +183,6 @@ class StreamedShard:
         self.where = where
         self.n = 0
         self.stats: Any = None
-        self.part_rows = 0  # the largest part seen: what one part costs in memory
         self.empty: Any = None  # no rows, the stream's structure (a worker's empty step)
         self.head: Any = None  # the first row: what a replica builds its model on
         self._reader: _Reader | None = None
@@ -201,7 +202,6 @@ class StreamedShard:
             check_stats([stats], where=f"{self.source.describe(j)} ({self.where})")
             merged = stats if merged is None else merge_stats(merged, stats, self.source
                                                                .describe(j))
-            self.part_rows = max(self.part_rows, stats.n)
             if self.empty is None:
                 self.empty = part.take(slice(0, 0))
                 self.head = part.take(slice(0, 1))
