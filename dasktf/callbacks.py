@@ -118,6 +118,13 @@ class History(keras.callbacks.History):
     applied_updates
         Sync graph runs: per replica, the global updates it applied, in order
         (every surviving replica reads ``0..N-1``); ``None`` for other engines.
+    rounds
+        Sync runs with ``local_steps``: one entry per round (outer update):
+        ``epoch``, ``update``, ``drift`` (the workers' spread around the mean
+        change, over its norm), ``loss`` (the round's mean inner-step loss),
+        ``examples`` and ``redone`` (times a recovery restarted the round from its
+        start on the first replica); the epoch logs add ``rounds``, the mean
+        ``drift`` and ``bytes_per_example``.
     """
 
     def __init__(self) -> None:
@@ -133,6 +140,7 @@ class History(keras.callbacks.History):
         self.holder_traffic: list[dict[str, int]] | None = None
         self.recoveries: list[dict[str, Any]] = []
         self.applied_updates: dict[int, list[int]] | None = None
+        self.rounds: list[dict[str, Any]] = []
 
 
 class ProgressBar(keras.callbacks.Callback):
@@ -160,7 +168,8 @@ class ProgressBar(keras.callbacks.Callback):
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         if self._bar is None:
             return
-        self._bar.update(1)
+        # a round of local steps ends several steps at once
+        self._bar.update(max(1, batch + 1 - self._bar.n))
         elapsed = time.perf_counter() - self._start
         postfix = {"ex/s": f"{(batch + 1) * self.batch_size / max(elapsed, 1e-9):,.0f}"}
         if logs and logs.get("loss") is not None:

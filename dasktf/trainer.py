@@ -196,6 +196,21 @@ class Trainer:
         ``dasktf.reduction-fan-in`` per reduction),
         ``"naive"`` (all-to-one) or ``"ring"`` (reduce-scatter / all-gather), see
         :mod:`dasktf.engines.graph.topology`.
+    local_steps
+        Rounds of local steps (Local SGD, DiLoCo; :mod:`dasktf.runtime.rounds`):
+        each worker takes ``local_steps`` steps of the optimizer on its own batches
+        (its share of ``batch_size`` each), then the workers' parameter changes are
+        averaged (through the topology and codec, batch-size weighted) and the
+        outer optimizer applies the mean change: one task graph per round instead
+        of per step. Async: each worker pushes its round's change, scaled by
+        ``1/N``, when the round ends; staleness counts rounds. ``1`` (default) with
+        ``"average"``: plain sync steps. ``history.rounds`` and the epoch logs
+        ``rounds``, ``drift`` and ``bytes_per_example`` describe the rounds.
+    outer_optimizer, outer_learning_rate, outer_momentum
+        ``"average"`` (default: outer SGD, learning rate 1, no momentum: model
+        averaging), ``"nesterov"`` (DiLoCo: SGD with Nesterov momentum, learning
+        rate 0.7 and momentum 0.9 unless given) or any Keras optimizer instance.
+        Its state lives with the averaged weights and is checkpointed.
 
     Examples
     --------
@@ -238,6 +253,10 @@ class Trainer:
         num_ps: int | None = None,
         placement: str | None = None,
         topology: str | None = None,
+        local_steps: int = 1,
+        outer_optimizer: Any = "average",
+        outer_learning_rate: float | None = None,
+        outer_momentum: float | None = None,
     ) -> None:
         if client is not None and scheduler is not None:
             raise ValueError("Give either client or scheduler, not both.")
@@ -250,7 +269,9 @@ class Trainer:
             staleness_lr=staleness_lr, sync_quorum=sync_quorum,
             slow_workers=slow_workers, engine=engine, on_epoch_end=on_epoch_end,
             compression=compression, weights_dtype=weights_dtype, num_ps=num_ps,
-            placement=placement, topology=topology,
+            placement=placement, topology=topology, local_steps=local_steps,
+            outer_optimizer=outer_optimizer, outer_learning_rate=outer_learning_rate,
+            outer_momentum=outer_momentum,
         )
         if client is None and scheduler is None:
             # Fail before any process starts: GPUs this machine lacks, too many workers.
@@ -514,6 +535,10 @@ def fit(
     num_ps: int | None = None,
     placement: str | None = None,
     topology: str | None = None,
+    local_steps: int = 1,
+    outer_optimizer: Any = "average",
+    outer_learning_rate: float | None = None,
+    outer_momentum: float | None = None,
 ) -> History:
     """Train ``model`` data-parallel on a Dask cluster; return its :class:`History`.
 
@@ -527,56 +552,12 @@ def fit(
     ...                      optimizer="adam", metrics=["accuracy"])
     >>> history.history["loss"]  # doctest: +SKIP
     """
-    with Trainer(
-        model,
-        client=client,
-        scheduler=scheduler,
-        n_workers=n_workers,
-        mode=mode,
-        optimizer=optimizer,
-        learning_rate=learning_rate,
-        loss=loss,
-        loss_weights=loss_weights,
-        metrics=metrics,
-        weighted_metrics=weighted_metrics,
-        seed=seed,
-        threads_per_worker=threads_per_worker,
-        security=security,
-        gpus=gpus,
-        mixed_precision=mixed_precision,
-        max_staleness=max_staleness,
-        staleness_lr=staleness_lr,
-        sync_quorum=sync_quorum,
-        slow_workers=slow_workers,
-        engine=engine,
-        on_epoch_end=on_epoch_end,
-        compression=compression,
-        weights_dtype=weights_dtype,
-        num_ps=num_ps,
-        placement=placement,
-        topology=topology,
-    ) as trainer:
-        return trainer.fit(
-            x,
-            y,
-            epochs=epochs,
-            batch_size=batch_size,
-            validation_data=validation_data,
-            validation_split=validation_split,
-            shuffle=shuffle,
-            sample_weight=sample_weight,
-            class_weight=class_weight,
-            initial_epoch=initial_epoch,
-            validation_batch_size=validation_batch_size,
-            steps_per_epoch=steps_per_epoch,
-            validation_steps=validation_steps,
-            validation_freq=validation_freq,
-            stream=stream,
-            callbacks=callbacks,
-            verbose=verbose,
-            checkpoint_dir=checkpoint_dir,
-            checkpoint_every=checkpoint_every,
-            resume=resume,
-            on_worker_loss=on_worker_loss,
-            scale_lr=scale_lr,
-        )
+    given = dict(locals())
+    # Trainer takes the run's options, Trainer.fit the data and the fit call's own.
+    trainer_args = {name: given.pop(name) for name in _TRAINER_ARGS}
+    with Trainer(given.pop("model"), **trainer_args) as trainer:
+        return trainer.fit(**given)
+
+
+_TRAINER_ARGS = [name for name, p in inspect.signature(Trainer.__init__).parameters.items()
+                 if p.kind is inspect.Parameter.KEYWORD_ONLY]

@@ -71,6 +71,16 @@ from dasktf.models import BUILTIN_MODELS
               default="float32", show_default=True,
               help="ps: the dtype weights travel back to the replicas in (master copy "
               "stays float32).")
+@click.option("--local-steps", type=click.IntRange(min=1), default=1, show_default=True,
+              metavar="H", help="rounds of H local steps per worker, then the workers' "
+              "changes are averaged (Local SGD / DiLoCo): one task graph per round.")
+@click.option("--outer-optimizer", type=click.Choice(["average", "nesterov"]),
+              default="average", show_default=True,
+              help="with --local-steps: how the mean change is applied (average: model "
+              "averaging; nesterov: DiLoCo, lr 0.7, momentum 0.9).")
+@click.option("--outer-lr", "outer_learning_rate",
+              type=click.FloatRange(min=0, min_open=True), default=None,
+              help="the outer optimizer's learning rate (average: 1, nesterov: 0.7).")
 @click.option("--epochs", "-e", type=click.IntRange(min=1), default=None,
               help="Passes over the data. Default: the data set's own (digits: 5).")
 @click.option("--batch-size", "-b", type=click.IntRange(min=1), default=None,
@@ -155,6 +165,8 @@ def _fit(
     resume: bool = False, on_worker_loss: str = "recover", scale_lr: bool = False,
     compression: str = "none", num_ps: int | None = None, placement: str | None = None,
     topology: str | None = None, weights_dtype: str = "float32",
+    local_steps: int = 1, outer_optimizer: str = "average",
+    outer_learning_rate: float | None = None,
 ) -> None:
     import dasktf
     from dasktf.run.engine import resolve_engine
@@ -191,7 +203,8 @@ def _fit(
         slow_workers=parse_slow_workers(slow_worker),
         engine=engine,
         compression=compression, weights_dtype=weights_dtype, num_ps=num_ps,
-        placement=placement, topology=topology,
+        placement=placement, topology=topology, local_steps=local_steps,
+        outer_optimizer=outer_optimizer, outer_learning_rate=outer_learning_rate,
     )
     start = time.perf_counter()
     trainer = dasktf.Trainer.from_options(options, scheduler=scheduler)
@@ -204,6 +217,8 @@ def _fit(
             f"dasktf fit: model {model}, data {dataset.name} "
             f"({len(dataset.x_train):,} train / {len(dataset.x_test):,} test), mode {mode}, "
             f"engine {resolve_engine(engine)}, global batch {batch_size}, {epochs} epoch(s)"
+            + (f", rounds of {local_steps} local steps ({outer_optimizer})"
+               if options.local is not None else "")
         )
         history = trainer.fit(
             dataset.x_train,

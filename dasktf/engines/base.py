@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     import numpy as np
 
     from dasktf.runtime.replica import EpochReport
+    from dasktf.runtime.rounds import LocalSpec
 
 #: How a run checkpoints an engine's training state.
 #: ``steps``: :meth:`Engine.state` on ``checkpoint_every``'s per-epoch step grid;
@@ -99,6 +100,22 @@ class Engine:
     #: a callback set ``model.stop_training`` mid-epoch (``TerminateOnNaN``): an
     #: engine that can end its epoch early submits no further step
     stop_requested = False
+    #: rounds of local steps (``local_steps=H``): an update, the unit ``run_epoch``
+    #: counts in (``on_step``, ``start``), is then a round of H inner steps
+    local: LocalSpec | None = None
+
+    def units(self, steps_per_epoch: int) -> int:
+        """Updates in an epoch: its steps, or its rounds of local steps."""
+        return steps_per_epoch if self.local is None else self.local.rounds(steps_per_epoch)
+
+    def last_step(self, unit: int, steps_per_epoch: int) -> int:
+        """The batch index Keras callbacks see for ``on_step(unit)``."""
+        return unit
+
+    def round_records(self) -> list[dict[str, Any]]:
+        """Rounds of local steps: the last epoch's outer updates (``update``,
+        ``drift``, ``loss``, ``examples``), for the history."""
+        return []
 
     def run_epoch(self, epoch: int, on_step: Callable[[int], None] | None = None,
                   start: int = 0) -> list[EpochReport]:

@@ -3,7 +3,9 @@ leaves a corrupt newest checkpoint.
 
 A checkpoint is two files named by the global update it follows::
 
-    ckpt-00000123.npz    weights, optimizer variables (np.savez)
+    ckpt-00000123.npz    weights, optimizer variables (np.savez); rounds of local
+                         steps add the outer optimizer's and every replica's inner
+                         optimizer's variables
     ckpt-00000123.json   manifest: SHA-256 of the .npz, counters, seed, run config
 
 Each is written to a temporary name, flushed to disk and renamed into place, the
@@ -67,12 +69,18 @@ def save_checkpoint(
     stem = d / f"{_PREFIX}{update + 1:09d}"
     arrays = {f"w{i}": np.asarray(w) for i, w in enumerate(state["weights"])}
     arrays.update({f"o{i}": np.asarray(v) for i, v in enumerate(state["optimizer"])})
+    outer = state.get("outer") or []
+    inner = state.get("inner") or {}
+    arrays.update({f"u{i}": np.asarray(v) for i, v in enumerate(outer)})
+    for index, variables in inner.items():
+        arrays.update({f"i{index}_{j}": np.asarray(v) for j, v in enumerate(variables)})
     data = stem.with_suffix(".npz")
     _write_atomic(data, lambda f: np.savez(f, **arrays))
     manifest = {
         "format": 1, "file": data.name, "sha256": _sha256(data),
         "applied": update, "n_weights": len(state["weights"]),
-        "n_optimizer": len(state["optimizer"]), **meta,
+        "n_optimizer": len(state["optimizer"]), "n_outer": len(outer),
+        "n_inner": {str(index): len(v) for index, v in inner.items()}, **meta,
     }
     path = stem.with_suffix(".json")
     _write_atomic(path, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
@@ -106,6 +114,11 @@ def read_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
             "optimizer": [z[f"o{i}"] for i in range(manifest["n_optimizer"])],
             "applied": int(manifest["applied"]),
         }
+        if manifest.get("n_outer"):
+            state["outer"] = [z[f"u{i}"] for i in range(manifest["n_outer"])]
+        if manifest.get("n_inner"):
+            state["inner"] = {int(k): [z[f"i{k}_{j}"] for j in range(n)]
+                              for k, n in manifest["n_inner"].items()}
     return state, manifest
 
 

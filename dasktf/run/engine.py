@@ -105,7 +105,7 @@ def make_engine(run: Run, epochs: int) -> Engine:
         spec = dataclasses.replace(t.comm, n_workers=len(run.workers))
         return ElasticSyncEngine(run.ctx, spec, shapes, run.placed.schedule, hooks,
                                  average_stats=bool(non_trainable_floats(run.model)),
-                                 ps_layout=run.ps_layout)
+                                 ps_layout=run.ps_layout, local=t.local)
     holder = choose_holder(run.workers, t.slow_workers)
     args = (run.ctx, run.workers[holder], cfg, weights, run.placed.shards[holder], val,
             run.placed.schedule)
@@ -117,5 +117,5 @@ def make_engine(run: Run, epochs: int) -> Engine:
         )
         return AsyncEngine(*args, max_staleness=t.max_staleness,
                            staleness_lr=t.staleness_lr, epochs=epochs, holders=holders,
-                           plan=plan, hooks=hooks)
+                           plan=plan, hooks=hooks, local=t.local)
     return QuorumEngine(*args, quorum=t.sync_quorum, epochs=epochs, hooks=hooks)

@@ -146,6 +146,12 @@ class RunGuard:
         state, manifest, path = found
         if manifest.get("mode") == "async":
             raise ValueError(f"{path} is an async run's checkpoint; resume it with mode='async'.")
+        local_steps = engine.local.steps if engine.local is not None else 1
+        if int(manifest.get("local_steps", 1)) != local_steps:
+            raise ValueError(
+                f"{path} was written by a run with local_steps="
+                f"{manifest.get('local_steps', 1)}; resume it with the same local_steps "
+                f"(this run has {local_steps}): its step counter counts those rounds.")
         engine.load_state(state)
         self.last_checkpoint = path
         epoch, step = int(manifest["next_epoch"]), int(manifest["next_step"])
@@ -194,7 +200,7 @@ class RunGuard:
         state = engine.state()
         base = engine.update_base
         step = state["applied"] + 1 - base
-        if epoch_end or step >= self.run.ctx.steps_per_epoch:
+        if epoch_end or step >= engine.units(self.run.ctx.steps_per_epoch):
             next_epoch, next_step = epoch + 1, 0
         else:
             next_epoch, next_step = epoch, step
@@ -205,6 +211,8 @@ class RunGuard:
             "batch_size": self.run.batch_size, "workers": list(self.run.ctx.workers),
             "mode": self.run.trainer.options.mode, "run": self.run.run_id,
             "model": self.run.spec_description, "wall_time": time.time(),
+            # a step means a round of these: a resume must train in the same rounds
+            "local_steps": engine.local.steps if engine.local is not None else 1,
         }
         self.last_checkpoint = ckpt.save_checkpoint(self.options.checkpoint_dir, state, meta)
         engine.keep_restore_point(state)
@@ -232,7 +240,9 @@ class RunGuard:
             engine.capabilities.checkpoints == "epochs" and self.options.checkpoint_dir
         ):  # the collective engine keeps its state only when it checkpoints
             state = engine.state()
-        elif engine.capabilities.checkpoints == "holder":  # async: the holder's optimizer
+        elif engine.capabilities.checkpoints == "holder" and engine.local is None:
+            # async: the holder's optimizer (with rounds it is the outer one, and
+            # the inner optimizers' states stay each worker's own)
             from dasktf.engines.holder.checkpoint import HolderCut
 
             try:

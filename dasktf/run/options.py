@@ -20,6 +20,7 @@ import numpy as np
 from dasktf.cluster.devices import GpusArg
 from dasktf.engines.graph.elastic import ON_WORKER_LOSS
 from dasktf.engines.holder.options import validate_mode_options
+from dasktf.runtime.rounds import LocalSpec, local_spec
 from dasktf.wire.packets import CommSpec, validate_comm_options
 
 MODES = ("sync", "async")
@@ -107,6 +108,30 @@ def validate_engine(engine: str, mode: str, sync_quorum: int | None,
         )
 
 
+def check_local_steps(options: TrainOptions) -> None:
+    """Refuse what rounds of local steps do not combine with, saying why."""
+    if options.sync_quorum is not None:
+        raise ValueError(
+            "local_steps (and an outer optimizer) cannot combine with sync_quorum: a "
+            "quorum drops the late workers' gradients of a step, while a round's "
+            "change is a worker's whole round of steps. Use mode='async' with "
+            "local_steps for rounds that never wait for a slow worker."
+        )
+    if options.engine == "collective":
+        raise ValueError(
+            "engine='collective' all-reduces a gradient every step inside TensorFlow; "
+            "rounds of local steps run on the task-graph engine (engine='graph' or "
+            "'auto'), which averages once per round."
+        )
+    if options.comm.num_ps > 1 or options.comm.placement == "ps":
+        raise ValueError(
+            "local_steps does not combine with num_ps > 1: the parameter servers "
+            "(or async holders) would each hold a slice of the outer optimizer, "
+            "which dasktf does not build. Rounds already cut the traffic H-fold, "
+            "which is what sharding the servers is for; drop num_ps."
+        )
+
+
 @dataclass(frozen=True)
 class TrainOptions:
     """What a run trains and how, checked once (see the module docstring).
@@ -140,6 +165,10 @@ class TrainOptions:
     num_ps: int | None = None
     placement: str | None = None
     topology: str | None = None
+    local_steps: int = 1
+    outer_optimizer: Any = "average"
+    outer_learning_rate: float | None = None
+    outer_momentum: float | None = None
     #: how gradients and weights travel (from compression ... topology)
     comm: CommSpec = field(init=False, repr=False)
     #: the optimizer given (with ``learning_rate``) as a Keras config, ``None`` when
@@ -147,6 +176,9 @@ class TrainOptions:
     optimizer_config: dict[str, Any] | None = field(init=False, repr=False)
     #: the metrics given, as names, callables or metric recipes
     metric_configs: Any = field(init=False, repr=False)
+    #: rounds of local steps (from ``local_steps`` and the outer optimizer), ``None``
+    #: for plain sync steps
+    local: LocalSpec | None = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         def set_(name: str, value: Any) -> None:
@@ -175,6 +207,11 @@ class TrainOptions:
         else:
             set_("seed", int(self.seed))
         set_("mixed_precision", bool(self.mixed_precision))
+        positive_int("local_steps", self.local_steps)
+        set_("local", local_spec(self.local_steps, self.outer_optimizer,
+                                 self.outer_learning_rate, self.outer_momentum))
+        if self.local is not None:
+            check_local_steps(self)
 
     @classmethod
     def names(cls) -> list[str]:

@@ -150,6 +150,7 @@ class Run:
             mixed_precision=o.mixed_precision,
             publish_metrics=bool(config.get("metrics")),
             comm=dataclasses.replace(o.comm, n_workers=len(self.workers)),
+            local=o.local,
         )
         self._validation = validation_data
         if o.comm.num_ps > 1:  # refuse a num_ps the parameters cannot be split over
@@ -236,7 +237,7 @@ class Run:
         first_epoch, first_step = guard.begin(engine)
         if initial_epoch > first_epoch:  # Keras' initial_epoch; a resume may be later
             first_epoch, first_step = initial_epoch, 0
-            engine.start_at(initial_epoch * self.ctx.steps_per_epoch)
+            engine.start_at(initial_epoch * engine.units(self.ctx.steps_per_epoch))
         # after begin: a resumed run's learning rate is the checkpoint's
         relay = LearningRateRelay(self.model, guard.lr_factor)
         self.publish(self._run_start_record(epochs, engine.mode, engine.engine))
@@ -244,14 +245,16 @@ class Run:
         self.model.stop_training = False
         cb.on_train_begin()
 
-        def on_step(step: int) -> None:
+        def on_step(unit: int) -> None:
             # The global loss of a step arrives with the next one: until the first
             # has arrived there is none, and callbacks only ever see real numbers.
+            # (A unit is a round with local_steps: callbacks count its last step.)
             latest = self._latest_loss
-            cb.on_train_batch_end(step, {} if latest is None else {"loss": latest})
+            cb.on_train_batch_end(engine.last_step(unit, self.ctx.steps_per_epoch),
+                                  {} if latest is None else {"loss": latest})
             if self.model.stop_training:
                 engine.stop_requested = True
-            guard.after_step(engine, epoch, step)
+            guard.after_step(engine, epoch, unit)
 
         try:
             for epoch in range(first_epoch, epochs):
@@ -266,7 +269,9 @@ class Run:
                 self.model.set_weights(reports[0].weights)
                 cb.on_epoch_end(epoch, logs)
                 relay.relay(engine)  # ReduceLROnPlateau: before the checkpoint
-                last_update = (epoch + 1) * self.ctx.steps_per_epoch - 1
+                last_update = (epoch + 1) * engine.units(self.ctx.steps_per_epoch) - 1
+                history.rounds.extend({"epoch": epoch, **r}
+                                      for r in engine.round_records())
                 self.publish(epoch_record(self.run_id, epoch, last_update, logs))
                 if self.model.stop_training:
                     break

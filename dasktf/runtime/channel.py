@@ -61,7 +61,7 @@ class Channel:
                 values = feedback.encode(part / np.float32(out.count) if lossy else part)
             packets.append(
                 Packet(values, out.count, out.loss_sum, out.compute_seconds, origin,
-                       mean=lossy, update=out.update)
+                       mean=lossy, update=out.update, square_sum=out.square_sum)
             )
         return packets[0] if self.spec.n_chunks == 1 else packets
 
@@ -117,7 +117,8 @@ def receive(
         total = np.empty(ch.size, np.float32)
         for ranges, p in zip(ch.chunks, packets, strict=False):
             scatter_ranges(total, ranges, p.total())  # type: ignore[arg-type]
-    summed = GradientSum(total, first.count, first.loss_sum, update=first.update)
+    summed = GradientSum(total, first.count, first.loss_sum, update=first.update,
+                         square_sum=first.square_sum)
     return summed, summed
 
 
@@ -148,7 +149,8 @@ def encode_push(replica: Replica, grad: GradientSum) -> Any:
         total = grad.total
         parts: list[Any] = [
             GradientSum(None if total is None else gather_ranges(total, r).copy(),
-                        grad.count, grad.loss_sum, grad.compute_seconds)
+                        grad.count, grad.loss_sum, grad.compute_seconds,
+                        square_sum=grad.square_sum)
             for r in ch.chunks
         ]
     else:

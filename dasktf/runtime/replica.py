@@ -38,6 +38,7 @@ from dasktf.runtime.keras_step import (
     build_metrics,
     weigh_output_losses,
 )
+from dasktf.runtime.rounds import LocalSpec, Rounds
 from dasktf.wire.messages import GradientSum
 
 logger = logging.getLogger(__name__)
@@ -61,6 +62,8 @@ class ReplicaConfig:
     #: how gradients and weights travel (a :class:`dasktf.wire.packets.CommSpec`); None:
     #: plain float32 GradientSums (the async holder's own replica)
     comm: Any = None
+    #: rounds of local steps (:class:`dasktf.runtime.rounds.LocalSpec`); None: sync steps
+    local: LocalSpec | None = None
 
 
 @dataclass
@@ -77,6 +80,9 @@ class EpochReport:
     traffic: dict[str, Any] | None = None
     #: the optimizer's variables, where the engine asked for them (checkpoints)
     optimizer_variables: list[np.ndarray] | None = None
+    #: rounds of local steps: the outer updates this replica applied this epoch,
+    #: each ``{update, drift, loss, examples}`` (:class:`dasktf.runtime.rounds.Rounds`)
+    rounds: list[dict[str, Any]] | None = None
 
 
 @dataclass
@@ -224,6 +230,9 @@ class Replica:
         #: rows join this replica's batches (see :mod:`dasktf.engines.graph.elastic`).
         self.adopted: list[tuple[int, Shard, np.ndarray]] = []
         self._orders: dict[tuple[int, int], np.ndarray] = {}
+        #: Rounds of local steps (``local_steps=H``): the outer optimizer and the
+        #: round's start; ``None`` for sync steps.
+        self.rounds = Rounds(self, config.local) if config.local is not None else None
 
     # -- compiled bodies ------------------------------------------------------
     def _gradient(self, x: Any, y: Any, w: Any = None) -> tuple[Any, Any]:
@@ -272,6 +281,9 @@ class Replica:
         with self.apply_lock:
             if not self._claim(summed.update):
                 return
+            if self.rounds is not None:  # an outer step, not a gradient
+                self.rounds.apply(summed)
+                return
             if self.lr_ramp is not None and summed.update >= 0:
                 self._ramp(summed.update)
             if summed.count:
@@ -303,11 +315,13 @@ class Replica:
         """Weights, optimizer variables and ``applied``: a consistent cut (no
         apply half-way)."""
         with self.apply_lock:
-            return {
+            state = {
                 "weights": [np.asarray(w) for w in self.model.get_weights()],
                 "optimizer": [np.asarray(v.numpy()) for v in self.model.optimizer.variables],
                 "applied": self.applied,
+                "index": self.index,
             }
+            return state if self.rounds is None else self.rounds.cut(state)
 
     def keep_state(self) -> None:
         """Keep the state as it is now, after the update just applied, for a
@@ -387,7 +401,8 @@ class Replica:
         just applied carries it)."""
         if not self.events.enabled:
             return
-        update = epoch * len(self.schedule) + step
+        update = epoch * (len(self.schedule) if self.rounds is None
+                          else self.rounds.spec.rounds(len(self.schedule))) + step
         moved = moved if moved is not None else (
             (out.total.nbytes if out.total is not None else 0)
             + (previous.total.nbytes if previous is not None and previous.total is not None else 0)
@@ -413,6 +428,8 @@ class Replica:
         if previous is not None and previous.count:
             record["loss"] = previous.loss
             record["loss_step"] = update - 1
+        if self.rounds is not None:
+            self.rounds.annotate(record, previous)
         self.events.add(record)
 
     def set_flat_weights(self, flat: np.ndarray) -> None:

@@ -86,7 +86,9 @@ def step_task(
     replica.apply(to_apply)
     if keep:
         replica.keep_state()
-    out = replica.gradient(epoch, step)
+    # with local_steps=H, ``step`` is a round: H inner steps, then the change to send
+    out = replica.gradient(epoch, step) if replica.rounds is None else replica.rounds.run(
+        epoch, step)
     out.update = update
     end = time.perf_counter()
     out.compute_seconds = end - start
@@ -133,7 +135,9 @@ def end_epoch_task(
     seconds, replica.step_seconds = replica.step_seconds, []
     weights = [np.asarray(w) for w in replica.model.get_weights()] if with_weights else None
     ledger = traffic(run_id) if replica.comm is not None else None
-    return EpochReport(get_worker().address, train, val, weights, seconds, ledger)
+    rounds = replica.rounds.take_log() if replica.rounds is not None else None
+    return EpochReport(get_worker().address, train, val, weights, seconds, ledger,
+                       rounds=rounds)
 
 
 def set_learning_rate_task(run_id: str, lr: float) -> float:

@@ -22,6 +22,9 @@ class GradientSum:
     #: The global update this sum makes when applied (-1: untracked). A replica
     #: applies each update once, whoever hands it over (see :meth:`Replica.apply`).
     update: int = -1
+    #: Rounds of local steps: ``Σ n_i ||Δ_i||²`` of the changes summed (the workers'
+    #: spread, :func:`dasktf.runtime.rounds.drift`); 0 for gradients.
+    square_sum: float = 0.0
 
     @property
     def loss(self) -> float:
@@ -42,4 +45,5 @@ def sum_gradients(*parts: GradientSum) -> GradientSum:
         sum(p.loss_sum for p in parts),
         max(p.compute_seconds for p in parts),
         max(p.update for p in parts),
+        sum(p.square_sum for p in parts),
     )

@@ -77,6 +77,8 @@ class Packet:
     #: the global update the sum makes when applied (-1: untracked); replicas apply
     #: each update once (dasktf.engines.graph.elastic's recovery hands sums over again)
     update: int = -1
+    #: ``GradientSum.square_sum``: summed as ``loss_sum`` is (every chunk carries it)
+    square_sum: float = 0.0
 
     @property
     def nbytes(self) -> int:
@@ -278,7 +280,8 @@ def as_gradient_sum(grad: Any) -> GradientSum:
     """Async holder: a pushed gradient back in float32 (a GradientSum as is)."""
     if isinstance(grad, GradientSum):
         return grad
-    return GradientSum(grad.total(), grad.count, grad.loss_sum, grad.compute_seconds)
+    return GradientSum(grad.total(), grad.count, grad.loss_sum, grad.compute_seconds,
+                       square_sum=grad.square_sum)
 
 
 def encode_weights(flat: np.ndarray, weights_dtype: str | None) -> Any:
@@ -328,7 +331,8 @@ def reduce_packets(run_id: str, compression: str, *parts: Packet) -> Packet:
     if total is not None and count:
         values = codec.encode_sum(total / np.float32(count) if codec.lossy else total)
     return Packet(values, count, summed.loss_sum, summed.compute_seconds,
-                  get_worker().address, mean=codec.lossy, update=summed.update)
+                  get_worker().address, mean=codec.lossy, update=summed.update,
+                  square_sum=summed.square_sum)
 
 
 def sum_packets(parts: tuple[Packet, ...] | list[Packet]) -> GradientSum:
@@ -337,7 +341,7 @@ def sum_packets(parts: tuple[Packet, ...] | list[Packet]) -> GradientSum:
     gradients in the same (worker) order, so their sums are bitwise the same."""
     total, count, loss_sum = sum_parts(parts)
     return GradientSum(total, count, loss_sum, max(p.compute_seconds for p in parts),
-                       max(p.update for p in parts))
+                       max(p.update for p in parts), sum(p.square_sum for p in parts))
 
 
 def sum_parts(parts: tuple[Packet, ...] | list[Packet]) -> tuple[np.ndarray | None, int, float]:

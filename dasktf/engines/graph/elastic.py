@@ -64,6 +64,8 @@ from dasktf.wire.packets import CommSpec
 if TYPE_CHECKING:
     from distributed import Client, Future
 
+    from dasktf.runtime.rounds import LocalSpec
+
 logger = logging.getLogger(__name__)
 
 #: Accepted values of ``on_worker_loss``.
@@ -91,8 +93,12 @@ def set_state_task(
     replica = get_replica(run_id)
     with replica.apply_lock:
         replica.model.set_weights(state["weights"])
-        for v, value in zip(replica.model.optimizer.variables, state["optimizer"], strict=False):
-            v.assign(value)
+        if replica.rounds is not None:  # inner optimizer states are each worker's own
+            replica.rounds.load(state)
+        else:
+            for v, value in zip(replica.model.optimizer.variables, state["optimizer"],
+                                strict=False):
+                v.assign(value)
         applied = int(state["applied"])
         if rewind:
             replica.applied_log = [u for u in replica.applied_log if u <= applied]
@@ -217,9 +223,12 @@ class ElasticSyncEngine(CommEngine):
         hooks: RunHooks,
         average_stats: bool = False,
         ps_layout: tuple[Any, list[int]] | None = None,
+        local: LocalSpec | None = None,
     ) -> None:
         super().__init__(ctx, spec, shapes)
         self.schedule = schedule
+        self.examples_per_epoch = int(schedule.sum())
+        self.local = local
         #: ``{worker address: [replica indices whose shards it trains on]}``
         self.carried = {w: [i] for i, w in enumerate(ctx.workers)}
         self.hooks = hooks
@@ -397,6 +406,10 @@ class ElasticSyncEngine(CommEngine):
         merged into it (the mirrored placement's format)."""
         client, ctx = self.ctx.client, self.ctx
         update, after = self.kept_request()
+        if self.local is not None:
+            parts = (self.in_flight[self.retired + 1][0]  # type: ignore[operator]
+                     if update is not None else [None] * len(ctx.workers))
+            return round_state(ctx, update, parts)
         f = client.submit(replica_state_task, ctx.run_id, update, after,
                           workers=[ctx.workers[0]], allow_other_workers=False, pure=False)
         if self.spec.placement != "ps":
@@ -454,7 +467,25 @@ class ElasticSyncEngine(CommEngine):
         self.respec(len(self.ctx.workers))
         self.carried = {w: [i] for i, w in enumerate(self.ctx.workers)}
         self.schedule = schedule
+        self.examples_per_epoch = int(schedule.sum())
         self.reform_needed = False
+
+
+def round_state(ctx: RunContext, update: int | None, kept_by: list[Any]) -> dict[str, Any]:
+    """Rounds of local steps: the first replica's state (weights, outer optimizer)
+    with every replica's inner optimizer state, ``{index: variables}``, all at the
+    same round start (``update``: the one each kept, ``kept_by`` its step tasks)."""
+    client = ctx.client
+    futures = [client.submit(replica_state_task, ctx.run_id, update, after,
+                             workers=[w], allow_other_workers=False, pure=False)
+               for w, after in zip(ctx.workers, kept_by, strict=True)]
+    wait_for(ctx, futures, "reading the replicas' training states")
+    states = client.gather(futures)
+    applied = {s["applied"] for s in states}
+    if len(applied) != 1:
+        raise RuntimeError(f"replicas read at updates {sorted(applied)}; this is a "
+                           "dasktf bug (a round-start cut must be one update).")
+    return {**states[0], "inner": {int(s["index"]): s["optimizer"] for s in states}}
 
 
 def _futures(total: Any) -> list[Any]:

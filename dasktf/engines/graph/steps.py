@@ -75,6 +75,22 @@ class SyncEngine(Engine):
         #: end averages it over the replicas (tf.distribute's MEAN aggregation).
         self.average_stats = False
         self.losses: list[dict[str, Any]] = []
+        #: The first replica's outer updates of the last epoch (rounds of local steps).
+        self.round_log: list[dict[str, Any]] = []
+
+    def round_records(self) -> list[dict[str, Any]]:
+        return list(self.round_log)
+
+    def last_step(self, unit: int, steps_per_epoch: int) -> int:
+        """A round ends at its last step, which callbacks count in."""
+        if self.local is None:
+            return unit
+        return self.local.round_steps(unit, steps_per_epoch)[-1]
+
+    @property
+    def units_per_epoch(self) -> int:
+        """The updates of an epoch: its steps, or its rounds (``local_steps``)."""
+        return self.units(self.ctx.steps_per_epoch)
 
     def _reduce(self, parts: list[Future], epoch: int, step: int) -> Future:
         level, depth = parts, 0
@@ -122,7 +138,9 @@ class SyncEngine(Engine):
                 step,
                 previous,
                 self.update_base + step,
-                i == 0 and step > 0 and self.checkpoint_due(step - 1),
+                # rounds: every replica keeps its own inner optimizer state too
+                (i == 0 or self.local is not None) and step > 0
+                and self.checkpoint_due(step - 1),
                 key=f"dasktf-step-{self.ctx.run_id}-{epoch}-{step}-{i}{self.key_suffix}",
                 # The replica and shard live on this worker alone: never move the task.
                 workers=[w],
@@ -140,7 +158,7 @@ class SyncEngine(Engine):
         window: deque[tuple[int, Future]] = deque()
         previous: Future | None = None
         self.in_flight, self.retired, self.held = {}, None, {}
-        for step in range(start, self.ctx.steps_per_epoch):
+        for step in range(start, self.units_per_epoch):
             if self.stop_requested:  # the steps in flight finish; no new one starts
                 break
             previous = self.submit_step(epoch, step, previous)
@@ -183,9 +201,11 @@ class SyncEngine(Engine):
             for i, w in enumerate(self.ctx.workers)
         ]
         wait_for(self.ctx, ends, f"the end of epoch {epoch + 1}")
-        self.update_base += self.ctx.steps_per_epoch
+        self.update_base += self.units_per_epoch
         self.in_flight, self.retired, self.held = {}, None, {}
-        return self.ctx.client.gather(ends)  # type: ignore[no-any-return]
+        reports: list[EpochReport] = self.ctx.client.gather(ends)
+        self.round_log = list(reports[0].rounds or [])
+        return reports
 
     def set_learning_rate(self, lr: float) -> None:
         """Every replica's optimizer takes ``lr`` (between epochs: nothing in flight)."""
@@ -206,7 +226,7 @@ class SyncEngine(Engine):
         checkpoint of; an epoch's last step is checkpointed at the epoch end."""
         every = self.keep_every
         return every is not None and (step + 1) % every == 0 and (
-            step + 1 < self.ctx.steps_per_epoch
+            step + 1 < self.units_per_epoch
         )
 
     def kept_request(self) -> tuple[int | None, Any]:

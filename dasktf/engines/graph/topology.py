@@ -33,6 +33,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from dasktf.cluster.waits import RunContext
 from dasktf.engines.graph.steps import SyncEngine
 from dasktf.runtime.servers import ps_apply_task, server_workers
@@ -78,6 +80,8 @@ class CommEngine(SyncEngine):
         #: Raised whenever the servers' slices are reloaded (a rewind, a re-form):
         #: server tasks of an older generation still running then do nothing.
         self.generation = 0
+        #: rows of an epoch (bytes per example); set by the engine that knows the schedule
+        self.examples_per_epoch = 0
         self._bytes_before: dict[str, tuple[int, int]] = {}
         self._epoch_bytes: dict[str, tuple[int, int]] = {}
 
@@ -182,19 +186,29 @@ class CommEngine(SyncEngine):
         return reports
 
     def epoch_logs(self, seconds: float) -> dict[str, float]:
-        """Per worker and step: bytes sent + received (mean over workers), sent
-        alone, and the busiest direction of the busiest worker over the allreduce
-        lower bound ``2 (N-1)/N x P x 4`` (each direction; ring: about 1)."""
-        steps = max(1, self.ctx.steps_per_epoch)
+        """Per worker and update (a step, or a round of local steps): bytes sent +
+        received (mean over workers), sent alone, and the busiest direction of the
+        busiest worker over the allreduce lower bound ``2 (N-1)/N x P x 4`` (each
+        direction; ring: about 1); the bytes all workers sent per example trained
+        (what compares ``local_steps`` fairly); with rounds, their number and mean
+        drift (:func:`dasktf.runtime.rounds.drift`)."""
+        steps = max(1, self.units_per_epoch)
         moved = list(self._epoch_bytes.values()) or [(0, 0)]
         bound = allreduce_lower_bound(self.n_params, len(self.ctx.workers))
         busiest = max(max(s, r) for s, r in moved) / steps
-        return {
+        logs = {
             "bytes_per_step": float(sum(s + r for s, r in moved) / len(moved) / steps),
             "bytes_sent_per_step": float(sum(s for s, _ in moved) / len(moved) / steps),
             "bytes_lower_bound": bound,
             "bytes_bound_ratio": busiest / bound if bound else 0.0,
         }
+        if self.examples_per_epoch:
+            logs["bytes_per_example"] = float(sum(s for s, _ in moved)
+                                              / self.examples_per_epoch)
+        if self.local is not None and self.round_log:
+            logs["rounds"] = float(len(self.round_log))
+            logs["drift"] = float(np.mean([r["drift"] for r in self.round_log]))
+        return logs
 
 
 def _size(shape: tuple[int, ...]) -> int:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -63,6 +64,8 @@ from dasktf.runtime.replica import (
 
 if TYPE_CHECKING:
     from distributed import Future
+
+    from dasktf.runtime.rounds import LocalSpec
 
 logger = logging.getLogger(__name__)
 
@@ -120,8 +123,10 @@ class AsyncEngine(Engine):
         holders: list[str] | None = None,
         plan: list[list[tuple[int, int]]] | None = None,
         hooks: RunHooks | None = None,
+        local: LocalSpec | None = None,
     ) -> None:
         hooks = hooks or RunHooks(on_worker_loss="raise")
+        self.local = local
         self.ctx = ctx
         self.holder_worker = holder_worker
         self.ahead = max(1, int(config.get("async.submit-ahead")))
@@ -130,10 +135,10 @@ class AsyncEngine(Engine):
         self.shard_index: dict[int, int] = {}
         self.shuffle = hooks.shuffle
         self.reload = hooks.reload
-        self.cursors = [
-            WorkerCursor([s for s in range(schedule.shape[0]) if schedule[s, i] > 0])
-            for i in range(len(ctx.workers))
-        ]
+        # an item is a step, or with local_steps a round of steps (its first index
+        # counts the round: the replica reads the round's steps itself)
+        self.cursors = [WorkerCursor(self._items(schedule[:, i]))
+                        for i in range(len(ctx.workers))]
         self.updates: list[UpdateRecord] = []
         self.dropped: dict[int, int] = {i: 0 for i in range(len(ctx.workers))}
         self.applied = 0  # updates the client has seen applied
@@ -173,7 +178,11 @@ class AsyncEngine(Engine):
         #: discarded`` (checked by the tests).
         self.tasks = {"computed": 0, "stopped": 0}
         self.epochs = epochs
-        self._holder_args = (replica_config, max_staleness, staleness_lr, quorum)
+        # Rounds: the holder applies each round's change with the outer optimizer.
+        holder_config = replica_config if local is None else dataclasses.replace(
+            replica_config, local=None,
+            recipe=dataclasses.replace(replica_config.recipe, optimizer=local.outer))
+        self._holder_args = (holder_config, max_staleness, staleness_lr, quorum)
         #: The last learning rate the client set: a holder rebuilt from an older cut
         #: takes it again (dasktf.engines.holder.recovery).
         self.learning_rate: float | None = None
@@ -193,6 +202,13 @@ class AsyncEngine(Engine):
         self.sharded: Any = None
         self._epoch_bytes: list[list[int]] = []
         self.start_holder(holders or [holder_worker], weights, probe, val_shards)
+
+    def _items(self, column: np.ndarray) -> list[int]:
+        """The non-empty items of one worker's pass: steps, or rounds."""
+        if self.local is None:
+            return [s for s in range(len(column)) if column[s] > 0]
+        return [r for r in range(self.local.rounds(len(column)))
+                if column[list(self.local.round_steps(r, len(column)))].sum() > 0]
 
     def start_holder(
         self, workers: list[str], weights: Any, probe: Any, val_shards: list[Any]

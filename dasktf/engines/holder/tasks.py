@@ -78,11 +78,20 @@ def async_step_task(
             link.next_pull = None
             return StepResult(replica.identity, shard_pass, step, None)
         token, version, flat = pulled
-        if flat is not None:
+        rounds = replica.rounds
+        if rounds is not None:
+            # a round starts from the holder's weights; ``None``: the version this
+            # replica read last, whose weights its last round started from
+            assert flat is not None or rounds.start is not None
+            rounds.begin_at(decode_weights(flat) if flat is not None
+                            else rounds.start.weights, version)  # type: ignore[union-attr]
+        elif flat is not None:
             replica.set_flat_weights(decode_weights(flat))
         replica.holder_version = version
         start = time.perf_counter()
-        grad = replica.gradient(shard_pass, step)
+        # with local_steps, ``step`` is a round: its steps, then the change to push
+        grad = (replica.gradient(shard_pass, step) if rounds is None
+                else rounds.run(shard_pass, step, synced=False))
         grad.compute_seconds = time.perf_counter() - start
         straggle(replica, grad.compute_seconds)
         states = replica.take_metric_states()

@@ -1,0 +1,305 @@
+"""Rounds of local steps (Local SGD, DiLoCo): what a replica does with ``local_steps=H``.
+
+A round is ``H`` inner steps of the run's optimizer (the *inner* one, whose state
+stays on this worker across rounds) on this replica's own batches, from the
+round's start weights ``w``; the replica then hands over its parameter change
+``Δ_i = w - w_i`` (times its row count, as a gradient sum is, so the reduction
+weighs every worker by its batches). Every replica receives the same sum, goes
+back to ``w`` and applies the *outer* optimizer to the mean ``Δ`` as if it were a
+gradient: outer SGD with learning rate 1 and no momentum is plain model averaging
+(Lin et al. 2018); Nesterov momentum 0.9 with learning rate 0.7 is DiLoCo
+(Douillard et al. 2023). So the whole of the sync engine (topology, codec with
+error feedback, recovery) carries ``Δ`` instead of a gradient, once per round.
+
+``drift`` (per round) is the rows-weighted spread of the workers' ``Δ_i`` around
+their mean, over the mean's norm: ``sqrt(mean ||Δ_i||² - ||Δ̄||²) / ||Δ̄||``. Each
+worker sends ``n_i ||Δ_i||²`` with its sum (``GradientSum.square_sum``), so the
+spread costs one scalar, whatever the topology.
+
+Recovery redoes a round: the state at the round's start (the weights ``w`` and the
+inner optimizer's variables) is kept (:class:`RoundStart`), and a round task that
+finds no new update applied since goes back to it before its inner steps. A
+checkpoint (or a reconciliation) of a replica mid-round is its round-start state.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from dasktf.runtime.keras_step import batch_args, batch_signature
+from dasktf.wire.messages import GradientSum
+
+if TYPE_CHECKING:
+    from dasktf.runtime.replica import Replica
+
+#: The outer optimizers by name (any ``keras.optimizers.Optimizer`` is taken too).
+OUTER_OPTIMIZERS = ("average", "nesterov")
+#: DiLoCo's outer step (Douillard et al. 2023, section 3).
+NESTEROV_LEARNING_RATE = 0.7
+NESTEROV_MOMENTUM = 0.9
+
+
+@dataclass(frozen=True)
+class LocalSpec:
+    """A run's rounds: ``steps`` inner steps each, then the outer step."""
+
+    steps: int
+    #: the outer optimizer's Keras config (``keras.optimizers.serialize``)
+    outer: dict[str, Any]
+    #: ``"average"``, ``"nesterov"`` or the class name of the instance given
+    name: str
+
+    def rounds(self, steps_per_epoch: int) -> int:
+        """Rounds in an epoch of ``steps_per_epoch`` inner steps (the last may be short)."""
+        return -(-int(steps_per_epoch) // self.steps)
+
+    def round_steps(self, round_: int, steps_per_epoch: int) -> range:
+        """The inner steps of round ``round_`` of an epoch."""
+        first = round_ * self.steps
+        return range(first, min(first + self.steps, int(steps_per_epoch)))
+
+
+def local_spec(
+    local_steps: int, outer_optimizer: Any, outer_learning_rate: float | None,
+    outer_momentum: float | None,
+) -> LocalSpec | None:
+    """The rounds a run trains in, or ``None`` for plain sync steps (one inner step
+    averaged by outer SGD with learning rate 1 is exactly one sync step: dasktf then
+    runs the sync step, whose one optimizer sees the averaged gradient)."""
+    import keras
+
+    if isinstance(outer_optimizer, keras.optimizers.Optimizer):
+        if outer_learning_rate is not None or outer_momentum is not None:
+            raise ValueError(
+                "outer_learning_rate and outer_momentum configure the named outer "
+                "optimizers; set them on the keras optimizer you passed instead."
+            )
+        opt = outer_optimizer.__class__.from_config(outer_optimizer.get_config())
+        name = type(outer_optimizer).__name__
+    elif outer_optimizer == "average":
+        if outer_momentum is not None:
+            raise ValueError(
+                "outer_optimizer='average' is outer SGD without momentum; use "
+                "outer_optimizer='nesterov' for outer_momentum."
+            )
+        lr = 1.0 if outer_learning_rate is None else float(outer_learning_rate)
+        opt = keras.optimizers.SGD(learning_rate=lr)
+        name = "average"
+        if local_steps == 1 and lr == 1.0:
+            return None
+    elif outer_optimizer == "nesterov":
+        lr = NESTEROV_LEARNING_RATE if outer_learning_rate is None else float(outer_learning_rate)
+        momentum = NESTEROV_MOMENTUM if outer_momentum is None else float(outer_momentum)
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"outer_momentum must lie in [0, 1); got {outer_momentum!r}.")
+        opt = keras.optimizers.SGD(learning_rate=lr, momentum=momentum, nesterov=True)
+        name = "nesterov"
+    else:
+        raise ValueError(
+            f"outer_optimizer must be one of {OUTER_OPTIMIZERS} or a "
+            f"keras.optimizers.Optimizer; got {outer_optimizer!r}."
+        )
+    if outer_learning_rate is not None and not outer_learning_rate > 0:
+        raise ValueError(f"outer_learning_rate must be positive; got {outer_learning_rate!r}.")
+    return LocalSpec(int(local_steps), keras.optimizers.serialize(opt), name)
+
+
+@dataclass
+class RoundStart:
+    """A replica at the start of a round: after update ``applied``, its trainable
+    weights ``weights`` (flat) and its inner optimizer's variables."""
+
+    applied: int
+    weights: np.ndarray
+    inner: list[np.ndarray]
+    #: times the round was begun again from here (a recovery redid it)
+    redone: int = 0
+
+
+@dataclass
+class Rounds:
+    """A replica's rounds: the outer optimizer, the round start, the drift log."""
+
+    replica: Replica
+    spec: LocalSpec
+    outer: Any = None
+    start: RoundStart | None = None
+    #: ``{update, drift, loss, examples, redone}`` of each outer update this replica applied
+    #: since the last epoch end (the first replica's go to the history)
+    log: list[dict[str, Any]] = field(default_factory=list)
+    #: Async rounds: each round's change is scaled by this share (1 / workers)
+    share: float = 1.0
+
+    def __post_init__(self) -> None:
+        import keras
+        import tensorflow as tf
+
+        r = self.replica
+        self.outer = keras.optimizers.deserialize(self.spec.outer)
+        self.outer.build(r.variables)
+        # Positions of the trainable variables among model.get_weights()' arrays.
+        trainable = {id(v) for v in r.variables}
+        self.positions = [i for i, w in enumerate(r.model.weights) if id(w) in trainable]
+        signature = batch_signature(r.shard.take(slice(0, 1)))
+        self._inner_fn = tf.function(self._inner_step, input_signature=signature)
+        self._outer_fn = tf.function(
+            self._outer_step,
+            input_signature=[tf.TensorSpec((sum(r.sizes),), tf.float32),
+                             tf.TensorSpec((), tf.float32)],
+        )
+
+    # -- compiled bodies ------------------------------------------------------
+    def _inner_step(self, *batch: Any) -> Any:
+        import tensorflow as tf
+
+        from dasktf.data.structure import first_leaf
+
+        total, loss_sum = self.replica._gradient(*batch)
+        n = tf.cast(tf.shape(first_leaf(batch[0]))[0], tf.float32)
+        self.replica._apply(total, n)
+        return loss_sum
+
+    def _outer_step(self, total: Any, count: Any) -> None:
+        import tensorflow as tf
+
+        r = self.replica
+        mean = total / count
+        deltas = [tf.reshape(p, s) for p, s in zip(tf.split(mean, r.sizes), r.shapes,
+                                                   strict=True)]
+        self.outer.apply_gradients(zip(deltas, r.variables, strict=True))
+
+    # -- the round ------------------------------------------------------------
+    def begin(self) -> RoundStart:
+        """The round's start (under ``apply_lock``): a new one after a new update,
+        else the kept one, restored (a recovery redoes this round)."""
+        r = self.replica
+        start = self.start
+        if start is not None and start.applied == r.applied:
+            r.set_flat_weights(start.weights)
+            for v, value in zip(r.model.optimizer.variables, start.inner, strict=True):
+                v.assign(value)
+            start.redone += 1
+            return start
+        self.start = RoundStart(r.applied, r.flat_weights(),
+                                [np.array(v.numpy()) for v in r.model.optimizer.variables])
+        return self.start
+
+    def begin_at(self, flat: np.ndarray, version: int) -> RoundStart:
+        """Async: the round starts from the holder's weights of ``version``; its
+        change is pushed scaled by this worker's share, ``1/N`` (dasktf's shards
+        are equal to a row), so N rounds move the weights as one averaged round."""
+        r = self.replica
+        self.share = 1.0 / max(1, int(getattr(r.comm, "n_workers", 1) or 1))
+        r.set_flat_weights(flat)
+        self.start = RoundStart(version, np.array(flat, np.float32), [])
+        return self.start
+
+    def run(self, epoch: int, round_: int, synced: bool = True) -> GradientSum:
+        """Round ``round_`` of ``epoch``: its inner steps, then the change to send
+        (``total = n Δ``, ``square_sum = n ||Δ||²``); empty if the replica was fenced
+        (a recovery stopped it: the round is redone). ``synced=False``: an async
+        round, begun by :meth:`begin_at`."""
+        r = self.replica
+        if synced:
+            with r.apply_lock:
+                self.begin()
+        start = self.start
+        assert start is not None
+        rows, loss_sum, began = 0, 0.0, time.perf_counter()
+        for step in self.spec.round_steps(round_, len(r.schedule)):
+            batch = r.batch(epoch, step)
+            if not len(batch):
+                continue
+            with r.apply_lock:
+                if r.fenced:
+                    return GradientSum(None, 0, 0.0)
+                with _on(r.device):
+                    step_loss = float(self._inner_fn(*batch_args(batch)))
+            rows += len(batch)
+            loss_sum += step_loss
+            if r.events.enabled:
+                r.events.add({
+                    "run": r.run_id, "kind": "inner", "epoch": epoch, "round": round_,
+                    "step": step, "worker": r.index, "batch_size": len(batch),
+                    "local_loss": step_loss / len(batch), "wall_time": time.time(),
+                })
+        if not rows:
+            return GradientSum(None, 0, 0.0, compute_seconds=time.perf_counter() - began)
+        delta = start.weights - r.flat_weights()
+        scale = np.float32(rows * self.share)
+        return GradientSum(delta * scale, rows, loss_sum,
+                           compute_seconds=time.perf_counter() - began,
+                           square_sum=float(rows) * float(np.dot(delta, delta)))
+
+    def apply(self, summed: GradientSum) -> None:
+        """The outer step of a round's sum (under ``apply_lock``, claimed): back to
+        the round's start, then the outer optimizer on the mean change."""
+        r, start = self.replica, self.start
+        if start is not None:
+            r.set_flat_weights(start.weights)
+        if not summed.count or summed.total is None:
+            return
+        with _on(r.device):
+            self._outer_fn(summed.total, np.float32(summed.count))
+        mean = summed.total / np.float32(summed.count)
+        self.log.append({
+            "update": summed.update, "drift": drift(mean, summed.square_sum, summed.count),
+            "loss": summed.loss, "examples": summed.count,
+            "redone": start.redone if start is not None else 0,
+        })
+
+    def annotate(self, record: dict[str, Any], previous: GradientSum | None) -> None:
+        """A round's step record: its H, and the drift of the round just applied."""
+        record["local_steps"] = self.spec.steps
+        if self.log and previous is not None and previous.count:
+            record["drift"] = self.log[-1]["drift"]
+
+    # -- state ----------------------------------------------------------------
+    def cut(self, state: dict[str, Any]) -> dict[str, Any]:
+        """A replica's training state at its round start (mid-round, the weights and
+        inner state the round began with), with the outer optimizer's variables."""
+        r, start = self.replica, self.start
+        if start is not None and start.applied == r.applied and start.inner:
+            weights = list(state["weights"])
+            flat = np.split(start.weights, np.cumsum(r.sizes)[:-1])
+            for i, part, shape in zip(self.positions, flat, r.shapes, strict=True):
+                weights[i] = part.reshape(shape)
+            state = {**state, "weights": weights, "optimizer": list(start.inner)}
+        state["outer"] = [np.asarray(v.numpy()) for v in self.outer.variables]
+        return state
+
+    def load(self, state: dict[str, Any]) -> None:
+        """Take a state's outer optimizer and, where it has this replica's, inner
+        optimizer variables (a reconciliation keeps the replica's own inner state:
+        inner states are per worker)."""
+        r = self.replica
+        for v, value in zip(self.outer.variables, state.get("outer") or [], strict=False):
+            v.assign(value)
+        inner = (state.get("inner") or {}).get(r.index)
+        if inner is not None:
+            for v, value in zip(r.model.optimizer.variables, inner, strict=True):
+                v.assign(value)
+        self.start = None  # the next round starts from the state loaded
+
+    def take_log(self) -> list[dict[str, Any]]:
+        log, self.log = self.log, []
+        return log
+
+
+def drift(mean: np.ndarray, square_sum: float, count: int) -> float:
+    """The workers' spread around the mean change over its norm (see the module)."""
+    norm2 = float(np.dot(mean, mean))
+    if norm2 <= 0.0 or not count:
+        return 0.0
+    spread = max(0.0, square_sum / count - norm2)
+    return float(np.sqrt(spread / norm2))
+
+
+def _on(device: str) -> Any:
+    import tensorflow as tf
+
+    return tf.device(device)
