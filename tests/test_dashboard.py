@@ -262,6 +262,39 @@ def test_dashboard_started_late_shows_the_earlier_points(client, digits, browser
     training.join()
 
 
+def test_rounds_panel_shows_inner_losses_round_ends_drift_and_bytes(client, digits,
+                                                                   browser, tmp_path):
+    """A sync run in rounds of 4 local steps: the page plots every worker's inner
+    steps, a round end every 4 steps, each round's drift (as the history has it)
+    and the bytes per example, and says what staleness means in rounds."""
+    with DashboardServer(client, port=0) as server:
+        history = Training(client, digits, epochs=2, local_steps=4).join()
+        page = _open(browser, server.url)  # it follows the newest run: this one
+        _wait(lambda: "finished" in page.inner_text(".dasktf-header"), 30, "the run's end")
+        steps = -(-len(digits.x_train) // 32)
+        _wait(lambda: len(_source(page, "inner_loss")["step"]) == 3 * 2 * steps, 20,
+              "every inner step")
+        inner = _source(page, "inner_loss")
+        assert set(inner["worker"]) == {"0", "1", "2"}
+        assert all(loss > 0 for loss in inner["loss"])
+        rounds = _source(page, "rounds")
+        # each epoch's last round is applied by the epoch end, whose drift only the
+        # history has: the page shows the others
+        per_epoch = -(-steps // 4)
+        assert rounds["round"] == [r for r in range(2 * per_epoch)
+                                   if (r + 1) % per_epoch], rounds["round"]
+        assert all(s % 4 == 0 for s, r in zip(rounds["step"], rounds["round"], strict=True)
+                   if (r + 1) % per_epoch)
+        drift = {r["update"]: r["drift"] for r in history.rounds}
+        assert rounds["drift"] == pytest.approx([drift[r] for r in rounds["round"]])
+        assert min(rounds["drift"]) > 0 and min(rounds["bytes_per_example"]) > 0
+        note = page.inner_text(".bk-Div >> text=staleness is 0")
+        assert "rounds of 4 local steps" in note, note
+        assert "Drift" in page.inner_text(".bk-Div >> text=Rounds of 4 local steps")
+        page.screenshot(path=str(tmp_path / "rounds.png"), full_page=True)
+        page.close()
+
+
 def test_dashboard_command_reports_a_bad_run_and_scheduler(client):
     with dask.config.set({"dasktf.connect-timeout": "2s"}):
         result = CliRunner().invoke(dasktf.cli.main, ["dashboard", "--scheduler",

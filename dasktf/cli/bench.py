@@ -98,7 +98,7 @@ def keras_run(model_name: str, data: dict[str, Any], batch: int, epochs: int, lr
         start = time.perf_counter()
         seconds, acc = _keras_train(kind, model_name, data, batch, epochs, lr)
         row = summarize(seconds, acc, len(data["x"]), time.perf_counter() - start, target)
-        row["variant"] = kind
+        row.update(variant=kind, epoch_seconds=seconds, val_accuracy=acc)
         if best is None or row["examples_per_s"] > best["examples_per_s"]:
             best = row
     assert best is not None
@@ -201,8 +201,10 @@ def mwms_run(client: Any, workers: list[str], model_name: str, data: dict[str, A
                              workers=workers, timeout=600)
     wall = time.perf_counter() - start
     # The slowest worker's epochs are the run's.
-    seconds = list(np.max([o["epoch_seconds"] for o in out], axis=0))
-    return summarize(seconds, out[0]["val_accuracy"], len(data["x"]), wall, target)
+    seconds = [float(s) for s in np.max([o["epoch_seconds"] for o in out], axis=0)]
+    row = summarize(seconds, out[0]["val_accuracy"], len(data["x"]), wall, target)
+    row.update(epoch_seconds=seconds, val_accuracy=out[0]["val_accuracy"])
+    return row
 
 
 # -- dasktf ------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from bokeh.models import Div
 from dasktf import config
 from dasktf.dashboard.components import (
     LossCurves,
+    RoundsPanel,
     RunHeader,
     StalenessPanel,
     WorkerPanel,
@@ -57,12 +58,14 @@ class TrainingDashboard:
         self.header = RunHeader()
         self.losses = LossCurves()
         self.staleness = StalenessPanel()
+        self.rounds = RoundsPanel()
         self.workers = WorkerPanel()
         self.root: LayoutDOM = column(
             self.header.root,
             self.losses.root,
             Div(text="<h3 style='margin:4px 0'>Staleness</h3>"),
             self.staleness.root,
+            self.rounds.root,
             Div(text="<h3 style='margin:4px 0'>Workers</h3>"),
             self.workers.root,
             sizing_mode="stretch_width",
@@ -79,6 +82,7 @@ class TrainingDashboard:
             return
         self.losses.update(snapshot)
         self.staleness.update(snapshot)
+        self.rounds.update(snapshot)
         self.workers.update(snapshot)
         self.cursor = snapshot.get("cursor")
         self.updates += 1

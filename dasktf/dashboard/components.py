@@ -8,7 +8,8 @@ about how snapshots arrive, so they are built and tested from plain dicts.
 
 Source names are a public interface (tests and users' scripts find them with
 ``doc.get_model_by_name``): ``loss``, ``epochs``, ``staleness``,
-``staleness_histogram`` and ``workers``.
+``staleness_histogram``, ``workers``, and with rounds of local steps ``inner_loss``
+and ``rounds``.
 """
 
 from __future__ import annotations
@@ -51,6 +52,23 @@ def _apply_series(source: ColumnDataSource, part: dict[str, Any] | None,
         source.data = data
     elif n:
         source.stream(data)
+
+
+def _apply_per_worker(source: ColumnDataSource, parts: dict[str, Any]) -> None:
+    """Apply every worker's series diff to one source with ``worker`` and ``color``
+    columns (the store resends every worker's series when any was downsampled)."""
+    if any(p.get("reset") for p in parts.values()):
+        merged: dict[str, list[Any]] = {k: [] for k in source.data}
+        for w, p in sorted(parts.items(), key=lambda kv: int(kv[0])):
+            n = len(next(iter(p["data"].values()), []))
+            for key, values in p["data"].items():
+                merged[key] += list(values)
+            merged["worker"] += [w] * n
+            merged["color"] += [worker_color(int(w))] * n
+        source.data = merged
+    else:
+        for w, p in parts.items():
+            _apply_series(source, p, {"worker": w, "color": worker_color(int(w))})
 
 
 def format_seconds(seconds: float | None) -> str:
@@ -188,32 +206,89 @@ class StalenessPanel:
                                           sizing_mode="stretch_width"),
                            sizing_mode="stretch_width")
 
+    ROUNDS_NOTE = (
+        "sync mode, rounds of {h} local steps: every round starts all workers from the "
+        "same averaged weights, so staleness is 0 for every update (a round); within "
+        "a round the replicas drift apart instead (see Rounds below)."
+    )
+
     def update(self, snapshot: Snapshot) -> None:
         mode = (snapshot.get("header") or {}).get("mode", "")
-        self.note.text = f"<i>{self.SYNC_NOTE}</i>" if mode == "sync" else (
+        h = int((snapshot.get("meta") or {}).get("local_steps") or 1)
+        unit = "its round's change" if h > 1 else "its gradient"
+        self.note.text = (
+            f"<i>{self.ROUNDS_NOTE.format(h=h) if h > 1 else self.SYNC_NOTE}</i>"
+            if mode == "sync" else
             f"<i>{mode} mode: staleness = updates applied between a worker reading the "
-            "weights and its gradient being applied.</i>" if mode else ""
+            f"weights and {unit} being applied.</i>" if mode else ""
         )
-        parts = (snapshot.get("series") or {}).get("staleness") or {}
-        if any(p.get("reset") for p in parts.values()):
-            # The store resends every worker's series when any was downsampled.
-            merged: dict[str, list[Any]] = {k: [] for k in self.source.data}
-            for w, p in sorted(parts.items(), key=lambda kv: int(kv[0])):
-                n = len(p["data"]["update"])
-                merged["update"] += list(p["data"]["update"])
-                merged["staleness"] += list(p["data"]["staleness"])
-                merged["worker"] += [w] * n
-                merged["color"] += [worker_color(int(w))] * n
-            self.source.data = merged
-        else:
-            for w, p in parts.items():
-                _apply_series(self.source, p, {"worker": w, "color": worker_color(int(w))})
+        _apply_per_worker(self.source, (snapshot.get("series") or {}).get("staleness") or {})
         hist = snapshot.get("histogram") or {}
         values = list(hist.get("staleness") or [])
         self.histogram.data = {
             "staleness": values, "count": list(hist.get("count") or []),
             "left": [v - 0.4 for v in values], "right": [v + 0.4 for v in values],
         }
+
+
+class RoundsPanel:
+    """Rounds of local steps: each worker's inner-step loss with the round
+    boundaries, and per round the drift and the bytes moved per example. Hidden
+    unless the run trains in rounds (``local_steps`` > 1)."""
+
+    NOTE = (
+        "Rounds of {h} local steps: each worker takes {h} steps on its own batches, "
+        "then the workers' changes are averaged (dashed lines: round ends). Drift = the "
+        "workers' spread around the mean change over its norm: how far the replicas "
+        "wandered apart in the round."
+    )
+
+    def __init__(self, height: int = 260) -> None:
+        self.inner = ColumnDataSource({"step": [], "loss": [], "worker": [], "color": []},
+                                      name="inner_loss")
+        self.rounds = ColumnDataSource(
+            {"round": [], "step": [], "drift": [], "bytes_per_example": []}, name="rounds")
+        self.note = Div(name="rounds_note", text="", sizing_mode="stretch_width")
+        tools = "pan,wheel_zoom,box_zoom,reset,save"
+        self.loss_figure = figure(
+            title="Inner-step loss per worker", x_axis_label="step", y_axis_label="loss",
+            height=height, sizing_mode="stretch_width", tools=tools, output_backend="webgl")
+        self.loss_figure.vspan(x="step", source=self.rounds, line_color="#7f7f7f",
+                               line_dash="dashed", line_alpha=0.5)
+        self.loss_figure.scatter("step", "loss", source=self.inner, color="color", size=3,
+                                 alpha=0.6)
+        self.loss_figure.add_tools(HoverTool(tooltips=[("worker", "@worker"),
+                                                       ("step", "@step"),
+                                                       ("loss", "@loss{0.0000}")]))
+        self.drift_figure = figure(
+            title="Drift per round", x_axis_label="step", y_axis_label="drift",
+            height=height, sizing_mode="stretch_width", tools=tools,
+            x_range=self.loss_figure.x_range)
+        self.drift_figure.line("step", "drift", source=self.rounds, color="#ff7f0e",
+                               line_width=2)
+        self.drift_figure.scatter("step", "drift", source=self.rounds, color="#ff7f0e",
+                                  size=5)
+        self.bytes_figure = figure(
+            title="Bytes moved per example (run so far)", x_axis_label="step",
+            y_axis_label="bytes / example", height=height, sizing_mode="stretch_width",
+            tools=tools, x_range=self.loss_figure.x_range)
+        self.bytes_figure.line("step", "bytes_per_example", source=self.rounds,
+                               color="#2ca02c", line_width=2)
+        self.root = column(
+            Div(text="<h3 style='margin:4px 0'>Rounds</h3>"), self.note,
+            row(self.loss_figure, self.drift_figure, self.bytes_figure,
+                sizing_mode="stretch_width"),
+            sizing_mode="stretch_width", visible=False, name="rounds_panel")
+
+    def update(self, snapshot: Snapshot) -> None:
+        h = int((snapshot.get("meta") or {}).get("local_steps") or 1)
+        self.root.visible = h > 1
+        if h <= 1:
+            return
+        self.note.text = f"<i>{self.NOTE.format(h=h)}</i>"
+        series = snapshot.get("series") or {}
+        _apply_per_worker(self.inner, series.get("inner") or {})
+        _apply_series(self.rounds, series.get("rounds"))
 
 
 class WorkerPanel:

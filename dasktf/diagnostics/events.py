@@ -81,6 +81,10 @@ class RunStartRecord(TypedDict, total=False):
     total_updates: int  #: updates the run will apply if it is not stopped early
     batch_size: int  #: the global batch
     n_samples: int
+    #: steps per round of local steps (1: an update per step); the workers then also
+    #: publish ``kind="inner"`` records, one per inner step (worker, epoch, round,
+    #: step, batch_size, local_loss), and their step records carry ``drift``
+    local_steps: int
     wall_time: float
 
 
@@ -165,6 +169,7 @@ def run_start_record(
     batch_size: int,
     n_samples: int,
     total_updates: int | None = None,
+    local_steps: int = 1,
 ) -> dict[str, Any]:
     """The :class:`RunStartRecord` of a run whose replicas are built."""
     devices = [
@@ -179,7 +184,7 @@ def run_start_record(
         "total_updates": int(total_updates if total_updates is not None
                              else epochs * steps_per_epoch),
         "batch_size": int(batch_size), "n_samples": int(n_samples),
-        "wall_time": time.time(),
+        "local_steps": int(local_steps), "wall_time": time.time(),
     }
 
 

@@ -220,6 +220,15 @@ class RunHistory:
             max_points,
         )
         self.staleness: dict[int, DecimatedSeries] = {}
+        #: Rounds of local steps: each worker's inner-step losses against the global
+        #: step, and per round its end step, drift and the bytes moved per example
+        #: so far (all workers' bytes over all rows they trained on).
+        self.inner: dict[int, DecimatedSeries] = {}
+        self.rounds = DecimatedSeries(["round", "step", "drift", "bytes_per_example"],
+                                      max_points, order_by="round")
+        self._bytes = 0.0
+        self._rows = 0
+        self._last_round = -1
         self.histogram: dict[int, int] = {}
         self.workers: dict[int, WorkerStats] = {}
         self.lost: set[str] = set()
@@ -233,6 +242,8 @@ class RunHistory:
         kind = r.get("kind")
         if kind in ("step", "update"):
             self._add_step(r, now)
+        elif kind == "inner":
+            self._add_inner(r)
         elif kind == "epoch":
             self._add_epoch(r)
         elif kind == "run_start":
@@ -267,6 +278,10 @@ class RunHistory:
                 ["update", "staleness"], self.max_points
             )
         series.append({"update": update, "staleness": staleness})
+        self._bytes += float(r.get("bytes") or 0)
+        self._rows += int(r.get("batch_size") or 0)
+        if r.get("drift") is not None and update - 1 > self._last_round:
+            self._add_round(update - 1, float(r["drift"]))
         loss = r.get("loss")
         if loss is not None:
             # Sync: every worker carries the same global loss; keep it once. Async:
@@ -277,6 +292,29 @@ class RunHistory:
             elif at > self._last_loss_update:
                 self._last_loss_update = at
                 self.loss.append({"update": at, "loss": float(loss)})
+
+    def _add_inner(self, r: dict[str, Any]) -> None:
+        worker = int(r.get("worker", 0))
+        steps = int(self.meta.get("steps_per_epoch") or 0)
+        series = self.inner.get(worker)
+        if series is None:
+            series = self.inner[worker] = DecimatedSeries(["step", "loss"], self.max_points,
+                                                          order_by="step")
+        series.append({"step": int(r.get("epoch", 0)) * steps + int(r.get("step", 0)),
+                       "loss": r.get("local_loss")})
+
+    def _add_round(self, round_: int, drift: float) -> None:
+        """A sync round's drift (it rides on the next round's step records)."""
+        self._last_round = round_
+        steps = int(self.meta.get("steps_per_epoch") or 0)
+        h = int(self.meta.get("local_steps") or 1)
+        per_epoch = max(1, -(-steps // h))
+        epoch, local = divmod(round_, per_epoch)
+        self.rounds.append({
+            "round": round_, "step": epoch * steps + min((local + 1) * h, steps),
+            "drift": drift,
+            "bytes_per_example": self._bytes / self._rows if self._rows else None,
+        })
 
     def _add_epoch(self, r: dict[str, Any]) -> None:
         logs = r.get("logs") or {}
@@ -386,15 +424,10 @@ class RunHistory:
         cursor = cursor if cursor and cursor.get("run") == self.run else {}
         loss, loss_cursor = self.loss.since(cursor.get("loss"))
         epochs, epochs_cursor = self.epochs.since(cursor.get("epochs"))
-        old = cursor.get("staleness") or {}
-        staleness: dict[str, Any] = {}
-        staleness_cursor: dict[str, list[int]] = {}
-        for w, series in sorted(self.staleness.items()):
-            staleness[str(w)], staleness_cursor[str(w)] = series.since(old.get(str(w)))
-        if any(p["reset"] for p in staleness.values()):
-            # The dashboard shows all workers in one source: reload them together.
-            for w, series in sorted(self.staleness.items()):
-                staleness[str(w)], staleness_cursor[str(w)] = series.since(None)
+        staleness, staleness_cursor = _per_worker(self.staleness,
+                                                  cursor.get("staleness") or {})
+        inner, inner_cursor = _per_worker(self.inner, cursor.get("inner") or {})
+        rounds, rounds_cursor = self.rounds.since(cursor.get("rounds"))
         hist = sorted(self.histogram.items())
         return {
             "run": self.run,
@@ -402,14 +435,32 @@ class RunHistory:
             "header": self.header(now),
             "workers": self.worker_rows(now, slow_factor),
             "histogram": {"staleness": [k for k, _ in hist], "count": [v for _, v in hist]},
-            "series": {"loss": loss, "epochs": epochs, "staleness": staleness},
+            "series": {"loss": loss, "epochs": epochs, "staleness": staleness,
+                       "inner": inner, "rounds": rounds},
             "cursor": {
                 "run": self.run,
                 "loss": loss_cursor,
                 "epochs": epochs_cursor,
                 "staleness": staleness_cursor,
+                "inner": inner_cursor,
+                "rounds": rounds_cursor,
             },
         }
+
+
+def _per_worker(
+    series: dict[int, DecimatedSeries], old: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, list[int]]]:
+    """Each worker's rows since ``old``; all of them again when one was reset (the
+    dashboard shows the workers in one source)."""
+    parts: dict[str, Any] = {}
+    cursors: dict[str, list[int]] = {}
+    for w, s in sorted(series.items()):
+        parts[str(w)], cursors[str(w)] = s.since(old.get(str(w)))
+    if any(p["reset"] for p in parts.values()):
+        for w, s in sorted(series.items()):
+            parts[str(w)], cursors[str(w)] = s.since(None)
+    return parts, cursors
 
 
 class MetricsStore(SchedulerPlugin):

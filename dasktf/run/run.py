@@ -28,6 +28,7 @@ from dasktf.diagnostics.events import (
     unpack,
 )
 from dasktf.diagnostics.metrics import ensure_store
+from dasktf.engines.base import Engine
 from dasktf.models import (
     BUILTIN_MODELS,
     ModelSpec,
@@ -240,7 +241,7 @@ class Run:
             engine.start_at(initial_epoch * engine.units(self.ctx.steps_per_epoch))
         # after begin: a resumed run's learning rate is the checkpoint's
         relay = LearningRateRelay(self.model, guard.lr_factor)
-        self.publish(self._run_start_record(epochs, engine.mode, engine.engine))
+        self.publish(self._run_start_record(epochs, engine))
         self.client.subscribe_topic(TOPIC, self._on_event)
         self.model.stop_training = False
         cb.on_train_begin()
@@ -311,13 +312,17 @@ class Run:
         logs["epoch_seconds"] = seconds
         return logs
 
-    def _run_start_record(self, epochs: int, mode: str, engine: str) -> dict[str, Any]:
+    def _run_start_record(self, epochs: int, engine: Engine) -> dict[str, Any]:
+        local = engine.local
         return run_start_record(
-            self.run_id, mode=mode, engine=engine, model=self.spec_description,
-            workers=self.workers,
+            self.run_id, mode=engine.mode, engine=engine.engine,
+            model=self.spec_description, workers=self.workers,
             replica_info=self.replica_info, epochs=epochs,
             steps_per_epoch=self.ctx.steps_per_epoch, batch_size=self.batch_size,
             n_samples=self.placed.n_samples,
+            total_updates=(None if local is None or engine.mode != "sync"
+                           else epochs * engine.units(self.ctx.steps_per_epoch)),
+            local_steps=local.steps if local is not None else 1,
         )
 
     def publish(self, record: dict[str, Any]) -> None:
