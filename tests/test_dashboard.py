@@ -283,14 +283,17 @@ def test_rounds_panel_shows_inner_losses_round_ends_drift_and_bytes(client, digi
         per_epoch = -(-steps // 4)
         assert rounds["round"] == [r for r in range(2 * per_epoch)
                                    if (r + 1) % per_epoch], rounds["round"]
-        assert all(s % 4 == 0 for s, r in zip(rounds["step"], rounds["round"], strict=True)
-                   if (r + 1) % per_epoch)
+        # a round ends every 4 steps of its epoch
+        assert rounds["step"] == [(r // per_epoch) * steps + (r % per_epoch + 1) * 4
+                                  for r in rounds["round"]]
         drift = {r["update"]: r["drift"] for r in history.rounds}
         assert rounds["drift"] == pytest.approx([drift[r] for r in rounds["round"]])
         assert min(rounds["drift"]) > 0 and min(rounds["bytes_per_example"]) > 0
         note = page.inner_text(".bk-Div >> text=staleness is 0")
         assert "rounds of 4 local steps" in note, note
-        assert "Drift" in page.inner_text(".bk-Div >> text=Rounds of 4 local steps")
+        rounds_note = page.inner_text(".bk-Div >> text=Drift = the workers' spread")
+        assert rounds_note.startswith("Rounds of 4 local steps"), rounds_note
+        assert page.is_visible(".bk-Div >> text=Drift = the workers' spread")
         page.screenshot(path=str(tmp_path / "rounds.png"), full_page=True)
         page.close()
 
