@@ -10,6 +10,7 @@ import csv
 import math
 import numbers
 import os
+import time
 
 import keras
 import numpy as np
@@ -146,12 +147,14 @@ def test_early_stopping_stops_and_restores_the_best_epochs_weights(client, digit
 class LossTrace(keras.callbacks.Callback):
     """The loss each batch hook saw (``None``: none had arrived yet)."""
 
-    def __init__(self) -> None:
+    def __init__(self, pause: float = 0.0) -> None:
         super().__init__()
         self.losses: list[float | None] = []
+        self.pause = pause
 
     def on_train_batch_end(self, batch, logs=None):
         self.losses.append((logs or {}).get("loss"))
+        time.sleep(self.pause)
 
 
 def _diverging_fit(client, callbacks, epochs=EPOCHS):
@@ -165,7 +168,10 @@ def _diverging_fit(client, callbacks, epochs=EPOCHS):
 def test_terminate_on_nan_stops_the_run(client):
     # Without it, dasktf trains on with NaN weights to the last epoch.
     assert len(_diverging_fit(client, []).history["loss"]) == EPOCHS
-    trace = LossTrace()
+    # A client that lingers 40 ms a batch: the epoch's 32 steps then outlast the
+    # workers' 0.5 s record interval, so a loss reaches the client mid-epoch (on a
+    # quiet machine the whole epoch otherwise fits in one interval).
+    trace = LossTrace(pause=0.04)
     history = _diverging_fit(client, [trace, keras.callbacks.TerminateOnNaN()])
     assert any(loss is not None and not math.isfinite(loss) for loss in trace.losses)
     # The graph engine submits no step after the one whose loss was not finite (the

@@ -30,7 +30,8 @@ def worker_record_seconds(n: int = 20_000) -> float:
     # A topic of its own: the same log_event cost, but no "run" in the store.
     events = MetricsBuffer(enabled=True, topic=f"{TOPIC}-cost-probe")
     replica = SimpleNamespace(events=events, schedule=np.zeros(100),
-                              run_id="cost-probe", index=0, timing=StepTimer(True))
+                              run_id="cost-probe", index=0, timing=StepTimer(True),
+                              rounds=None)
     out, previous = GradientSum(grad, 64, 1.0, 0.01), GradientSum(grad, 128, 2.0, 0.0)
     start = time.perf_counter()
     for i in range(n):
