@@ -32,6 +32,10 @@ if TYPE_CHECKING:
 
 #: The scheduler event topic every dasktf run publishes on.
 TOPIC = "dasktf-metrics"
+#: The newest global loss alone, from one replica per run: what the client's
+#: callbacks need mid-epoch. The client listens here, not on :data:`TOPIC`, whose
+#: records (one per worker per step) would cost it O(workers) per step.
+LOSS_TOPIC = "dasktf-loss"
 
 
 class StepRecord(TypedDict, total=False):
@@ -117,10 +121,12 @@ class MetricsBuffer:
     """
 
     def __init__(self, interval: float | None = None, enabled: bool | None = None,
-                 topic: str = TOPIC) -> None:
+                 topic: str = TOPIC, reports_loss: bool = False) -> None:
         self.interval = config.get_seconds("metrics-interval", interval)
         self.enabled = bool(config.get("metrics", enabled))
         self.topic = topic
+        #: also send the newest global loss of each batch on :data:`LOSS_TOPIC`
+        self.reports_loss = reports_loss
         self.records: list[dict[str, Any]] = []
         self._last_flush = time.monotonic()
 
@@ -139,9 +145,22 @@ class MetricsBuffer:
             from distributed import get_worker
 
             worker = get_worker()
-        worker.log_event(self.topic, {"records": self.records})
+        send_records(worker, self.records, self.topic, self.reports_loss)
         self.records = []
         self._last_flush = time.monotonic()
+
+
+def send_records(worker: Any, records: list[dict[str, Any]], topic: str = TOPIC,
+                 reports_loss: bool = False) -> None:
+    """One message of a worker's step records; with ``reports_loss``, a second,
+    tiny one on :data:`LOSS_TOPIC` with the newest global loss among them."""
+    worker.log_event(topic, {"records": records})
+    if reports_loss:
+        latest = next((r for r in reversed(records) if r.get("loss") is not None), None)
+        if latest is not None:
+            worker.log_event(LOSS_TOPIC, {"records": [
+                {"run": latest["run"], "loss": latest["loss"],
+                 "loss_step": latest.get("loss_step")}]})
 
 
 def publish(client: Client, *records: dict[str, Any]) -> None:

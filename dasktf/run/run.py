@@ -20,7 +20,7 @@ from dasktf.cluster.waits import RunContext, wait_for
 from dasktf.data.sources import PlacedData, place_validation
 from dasktf.data.structure import leaves
 from dasktf.diagnostics.events import (
-    TOPIC,
+    LOSS_TOPIC,
     epoch_record,
     publish,
     run_end_record,
@@ -242,7 +242,7 @@ class Run:
         # after begin: a resumed run's learning rate is the checkpoint's
         relay = LearningRateRelay(self.model, guard.lr_factor)
         self.publish(self._run_start_record(epochs, engine))
-        self.client.subscribe_topic(TOPIC, self._on_event)
+        self.client.subscribe_topic(LOSS_TOPIC, self._on_event)
         self.model.stop_training = False
         cb.on_train_begin()
 
@@ -295,7 +295,7 @@ class Run:
                 raise lost from exc
             raise
         finally:
-            self.client.unsubscribe_topic(TOPIC)
+            self.client.unsubscribe_topic(LOSS_TOPIC)
             self.ctx.watcher.close()
             engine.close()
         self.publish(run_end_record(self.run_id))

@@ -198,7 +198,8 @@ class Replica:
         self.step_seconds: list[float] = []
         from dasktf.diagnostics.events import MetricsBuffer
 
-        self.events = MetricsBuffer(enabled=config.publish_metrics)
+        # the first replica's records carry the global loss the client relays
+        self.events = MetricsBuffer(enabled=config.publish_metrics, reports_loss=index == 0)
         self.timing = StepTimer(self.events.enabled)
         self.run_id = ""
         #: A straggler for tests and demos: after each step, sleep (factor - 1) x

@@ -251,14 +251,14 @@ def collective_epoch_task(run_id: str, epoch: int, with_weights: bool,
                           learning_rate: float | None = None) -> EpochReport:
     """Run one epoch in this worker's child (with ``learning_rate`` set first, if
     given); forward its step records meanwhile."""
-    from dasktf.diagnostics.events import TOPIC
+    from dasktf.diagnostics.events import send_records
 
     worker, child = _child(run_id)
     child.send(("epoch", epoch, with_weights, with_optimizer, start, learning_rate))
 
     def forward(records: list[dict[str, Any]]) -> None:
-        if records:
-            worker.log_event(TOPIC, {"records": records})
+        if records:  # the first replica's also carry the loss the client relays
+            send_records(worker, records, reports_loss=records[0].get("worker") == 0)
 
     out = child.wait_reply(config.get_seconds("step-timeout"), f"epoch {epoch + 1}",
                            on_event=forward)

@@ -39,6 +39,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from distributed import Future
 
 from dasktf.cluster.waits import RunContext, wait_for
 from dasktf.data.sources import (
@@ -264,9 +265,14 @@ class ElasticSyncEngine(CommEngine):
         finished = [s for s, (_, total) in sorted(self.in_flight.items())
                     if all(f.status == "finished" for f in _futures(total))]
         # 1. nothing in flight may apply from here on
-        for step, (parts, total) in self.in_flight.items():
-            client.cancel([*parts, *self.held.get(step, []), *_futures(total)], force=True)
-        self.in_flight, self.held = {}, {}
+        # (released, not cancelled: a cancel must reach only keys the client wants,
+        # and the steps' inner tasks are the scheduler's alone; unwanted, they are
+        # dropped, and a fenced replica applies nothing of what still runs)
+        for _, (parts, total) in self.in_flight.items():
+            for f in [*parts, *_futures(total)]:
+                if isinstance(f, Future):
+                    f.release()
+        self.in_flight = {}
         if not survivors:
             path = self.hooks.last_checkpoint()
             raise AllWorkersLostError(

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from dasktf import config
 from dasktf.cluster.waits import RunContext, wait_for
 from dasktf.engines.base import Capabilities, Engine
+from dasktf.engines.graph.batch import Pending, TaskBatch, resolve
 from dasktf.runtime.replica import EpochReport
 from dasktf.runtime.tasks import (
     end_epoch_task,
@@ -52,18 +53,20 @@ class SyncEngine(Engine):
         self.ctx = ctx
         self.fan_in = max(2, int(config.get("reduction-fan-in")))
         self.ahead = max(1, int(config.get("submit-ahead")))
+        #: Steps sent to the scheduler in one graph (one ``update-graph`` message);
+        #: the client waits for as many before it sends the next window.
+        self.steps_per_graph = min(self.ahead, max(1, int(config.get("submit-window"))))
+        self.batch = TaskBatch(ctx.client)
         #: Global updates applied before the current epoch (steps are numbered from it).
         self.update_base = 0
         #: Appended to task keys after a recovery, whose cancelled keys may linger.
         self.key_suffix = ""
-        #: This epoch's step futures: ``step -> (gradient parts, their sum)``; recovery
-        #: (:mod:`dasktf.engines.graph.elastic`) cancels the unfinished ones and reuses the sums.
-        self.in_flight: dict[int, tuple[list[Future], Any]] = {}
-        #: The steps' inner futures (a ring's or servers' chunk picks, a deep tree's
-        #: partial sums), held with their step: distributed's cancel, which a
-        #: recovery uses, asserts that a client wants every dependent it reaches.
-        self.held: dict[int, list[Future]] = {}
-        self._holding: list[Future] = []
+        #: This epoch's steps: ``step -> (gradient parts, their sum)``, futures once
+        #: sent. The client asks the scheduler only for what it reads: the sums
+        #: (the next window's inputs, which it waits on), and a step's parts when
+        #: one of them keeps a checkpoint's state; the rest stay :class:`Pending`
+        #: (the scheduler releases them once used, with no message to the client).
+        self.in_flight: dict[int, tuple[list[Any], Any]] = {}
         #: The last step of this epoch whose sum the client saw complete.
         self.retired: int | None = None
         #: Checkpoint after every this many steps of an epoch (set by the run's
@@ -102,24 +105,20 @@ class SyncEngine(Engine):
                 )
                 for j in range(0, len(level), self.fan_in)
             ]
-            self.hold(level)
             depth += 1
         return level[0]
 
-    def hold(self, futures: list[Future]) -> None:
-        """Keep the step being submitted's inner ``futures`` with it (see ``held``)."""
-        self._holding.extend(futures)
-
-    def _submit_sum(self, parts: list[Future], key: str) -> Future:
+    def _submit_sum(self, parts: list[Any], key: str) -> Pending:
         """One reduction task (dasktf.engines.graph.topology's engine sums encoded packets)."""
-        return self.ctx.client.submit(sum_gradients, *parts, key=key)
+        return self._task(sum_gradients, *parts, key=key)
 
     def submit_step(self, epoch: int, step: int, previous: Any) -> Any:
-        self._holding = []
         parts = self._step_parts(epoch, step, previous)
         total = self._combine(parts, epoch, step)
         self.in_flight[step] = (parts, total)
-        self.held[step] = self._holding
+        self.batch.want(total)
+        if step > 0 and self.checkpoint_due(step - 1):  # read by kept_request
+            self.batch.want(parts)
         return total
 
     def _combine(self, parts: list[Future], epoch: int, step: int) -> Any:
@@ -131,7 +130,7 @@ class SyncEngine(Engine):
     def _step_parts(self, epoch: int, step: int, previous: Any) -> list[Future]:
         """Every worker's step task of this step (their gradients, not yet summed)."""
         return [
-            self.ctx.client.submit(
+            self._task(
                 step_task,
                 self.ctx.run_id,
                 epoch,
@@ -143,8 +142,7 @@ class SyncEngine(Engine):
                 and self.checkpoint_due(step - 1),
                 key=f"dasktf-step-{self.ctx.run_id}-{epoch}-{step}-{i}{self.key_suffix}",
                 # The replica and shard live on this worker alone: never move the task.
-                workers=[w],
-                allow_other_workers=False,
+                worker=w,
                 resources=self.ctx.resources,
             )
             for i, w in enumerate(self.ctx.workers)
@@ -155,57 +153,70 @@ class SyncEngine(Engine):
     ) -> list[EpochReport]:
         """Train one epoch (from step ``start``); return every replica's report
         (metric states, weights)."""
-        window: deque[tuple[int, Future]] = deque()
-        previous: Future | None = None
-        self.in_flight, self.retired, self.held = {}, None, {}
-        for step in range(start, self.units_per_epoch):
+        window: deque[tuple[int, Any]] = deque()
+        previous: Any = None
+        self.in_flight, self.retired = {}, None
+        step, units = start, self.units_per_epoch
+        self.batch = TaskBatch(self.ctx.client)  # nothing left of an interrupted epoch
+        while step < units or window:
+            # Fill up to ``submit-ahead`` steps in flight, ``submit-window`` of them
+            # (at most) in one graph, then wait for as many of the oldest.
+            while len(window) < self.ahead and step < units and not self.stop_requested:
+                previous = self.submit_step(epoch, step, previous)
+                window.append((step, previous))
+                step += 1
             if self.stop_requested:  # the steps in flight finish; no new one starts
-                break
-            previous = self.submit_step(epoch, step, previous)
-            window.append((step, previous))
-            while len(window) > self.ahead:
+                step = units
+            previous = self._flush(window, previous)
+            keep = self.ahead - self.steps_per_graph if step < units else 0
+            while len(window) > keep:
                 self._retire(window.popleft(), epoch, on_step)
-        while window:
-            self._retire(window.popleft(), epoch, on_step)
-        stats: list[Future] = []
+        stats: list[Any] = []
         if self.average_stats:
             # Two phases, submitted at once: every replica's statistics go worker to
             # worker into every end task, which averages them itself (no round trip
             # through the client). A model without them keeps the single task.
             stats = [
-                self.ctx.client.submit(
-                    epoch_stats_task,
-                    self.ctx.run_id,
-                    previous,
-                    key=f"dasktf-epoch-stats-{self.ctx.run_id}-{epoch}-{i}"
-                        f"{self.key_suffix}",
-                    workers=[w],
-                    allow_other_workers=False,
-                    resources=self.ctx.resources,
-                )
+                self._task(epoch_stats_task, self.ctx.run_id, previous,
+                           key=f"dasktf-epoch-stats-{self.ctx.run_id}-{epoch}-{i}"
+                               f"{self.key_suffix}",
+                           worker=w, resources=self.ctx.resources)
                 for i, w in enumerate(self.ctx.workers)
             ]
             previous = None  # applied by the stats tasks
         ends = [
-            self.ctx.client.submit(
-                end_epoch_task,
-                self.ctx.run_id,
-                previous,
-                i == 0,
-                *stats,
-                key=f"dasktf-end-epoch-{self.ctx.run_id}-{epoch}-{i}{self.key_suffix}",
-                workers=[w],
-                allow_other_workers=False,
-                resources=self.ctx.resources,
-            )
+            self._task(end_epoch_task, self.ctx.run_id, previous, i == 0, *stats,
+                       key=f"dasktf-end-epoch-{self.ctx.run_id}-{epoch}-{i}{self.key_suffix}",
+                       worker=w, resources=self.ctx.resources)
             for i, w in enumerate(self.ctx.workers)
         ]
+        self.batch.want(ends)
+        ends = resolve(ends, self.batch.flush())
         wait_for(self.ctx, ends, f"the end of epoch {epoch + 1}")
         self.update_base += self.units_per_epoch
-        self.in_flight, self.retired, self.held = {}, None, {}
+        self.in_flight, self.retired = {}, None
         reports: list[EpochReport] = self.ctx.client.gather(ends)
         self.round_log = list(reports[0].rounds or [])
         return reports
+
+    def _task(self, func: Callable[..., Any], *args: Any, key: str, worker: str | None = None,
+              resources: dict[str, float] | None = None, **kwargs: Any) -> Pending:
+        """Queue one task of the window being built; ``worker``: pinned there, never
+        moved (the replica, shard or server slice it needs lives there alone)."""
+        return self.batch.add(func, *args, key=key, resources=resources,
+                              workers=None if worker is None else [worker], **kwargs)
+
+    def _flush(self, window: deque[tuple[int, Any]], previous: Any) -> Any:
+        """Send the window's tasks (one graph); from here on everything the engine
+        holds of them is a future. Returns ``previous`` resolved."""
+        futures = self.batch.flush()
+        if not futures:
+            return previous
+        for s, (parts, total) in self.in_flight.items():
+            self.in_flight[s] = (resolve(parts, futures), resolve(total, futures))
+        for i, (s, item) in enumerate(window):
+            window[i] = (s, resolve(item, futures))
+        return resolve(previous, futures)
 
     def set_learning_rate(self, lr: float) -> None:
         """Every replica's optimizer takes ``lr`` (between epochs: nothing in flight)."""
@@ -247,7 +258,6 @@ class SyncEngine(Engine):
         wait_for(self.ctx, futures, f"step {step + 1} of epoch {epoch + 1}")
         for old in [s for s in self.in_flight if s < step - 1]:
             del self.in_flight[old]  # applied everywhere: never needed again
-            self.held.pop(old, None)
         self.retired = step
         if on_step is not None:
             on_step(step)

@@ -98,13 +98,9 @@ class CommEngine(SyncEngine):
     def _submit_sum(self, parts: list[Future], key: str) -> Future:
         # all-to-one means one master: pin it (Dask would otherwise move the sum to
         # whichever worker holds most inputs, spreading the load like a tree)
-        where = (
-            {"workers": [self.ctx.workers[0]], "allow_other_workers": False}
-            if self.spec.topology == "naive" else {}
-        )
-        return self.ctx.client.submit(
+        return self._task(
             reduce_packets, self.ctx.run_id, self.spec.compression, *parts, key=key,
-            **where,
+            worker=self.ctx.workers[0] if self.spec.topology == "naive" else None,
         )
 
     def _combine(self, parts: list[Future], epoch: int, step: int) -> Any:
@@ -135,7 +131,7 @@ class CommEngine(SyncEngine):
     ) -> list[Future]:
         """Chunk c of every gradient to ``targets[c]``, reduced (ring) or applied
         (ps) there; returns the N (or K) futures the next step gathers."""
-        client, run = self.ctx.client, self.ctx.run_id
+        run = self.ctx.run_id
         n = len(self.chunks)
         out = []
         for c, target in enumerate(targets):
@@ -143,28 +139,27 @@ class CommEngine(SyncEngine):
                 inputs = parts
             else:
                 inputs = [
-                    client.submit(
+                    self._task(
                         pick, p, c,
                         key=f"dasktf-take-{run}-{epoch}-{step}-{i}-{c}{self.key_suffix}",
                         # The packets are on worker i: taking one there moves nothing.
-                        workers=[w], allow_other_workers=False,
+                        worker=w,
                     )
                     for i, (p, w) in enumerate(zip(parts, self.ctx.workers, strict=False))
                 ]
-                self.hold(inputs)
             key = f"dasktf-{what}-{run}-{epoch}-{step}-{c}{self.key_suffix}"
             if what == "ps":
-                future = client.submit(
+                future = self._task(
                     ps_apply_task, run, c, self.chunks[c], self.spec.weights_dtype,
                     *inputs, key=key, update=self.update_base + step,
                     keep=self.checkpoint_due(step), generation=self.generation,
                     # The server's master slice and optimizer state live there.
-                    workers=[target], allow_other_workers=False,
+                    worker=target,
                 )
             else:
-                future = client.submit(
+                future = self._task(
                     reduce_packets, run, self.spec.compression, *inputs, key=key,
-                    workers=[target], allow_other_workers=False,
+                    worker=target,
                 )
             out.append(future)
         return out

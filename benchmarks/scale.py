@@ -1,0 +1,462 @@
+"""How dasktf's per-step costs grow with the number of workers (issue 17).
+
+For every N in ``--workers`` a cluster is started the way users start theirs: one
+``dask scheduler`` process and ``dask worker --nworkers N --nthreads 1`` (a nanny
+and a worker process each), all on 127.0.0.1. A tiny model (16 features, 16
+hidden units, 10 classes; 16 rows per worker per step, so every worker's share of
+a step stays the same as N grows) is trained for three epochs in each mode:
+
+* ``tree``: sync, the default reduction tree (two workers: the direct exchange),
+* ``ring``: sync, reduce-scatter / all-gather in the graph,
+* ``ps2``: sync, two sharded parameter servers (``num_ps=2``),
+* ``local8``: sync rounds of ``local_steps=8`` (figures per step = per round / 8),
+* ``quorum``: ``sync_quorum = N - 1`` (the holder engine),
+* ``async`` and ``async-ps2``: the parameter holder, one or two of them.
+
+Epoch 0 warms up (TensorFlow traces). Over epoch 1 the script reads, before and
+after:
+
+* the scheduler process's CPU seconds and the bytes it read and wrote on its
+  sockets (``psutil`` on its pid: reading them costs the scheduler nothing),
+* the messages it handled (a counting wrapper on every stream and RPC handler),
+  the messages it sent (its batched streams' counters), the tasks it was given
+  (a scheduler plugin's ``update_graph``) and the metrics records that reached it,
+* the client process's CPU seconds.
+
+Over epoch 2 the same plugin notes, per task, when the scheduler got it
+(``submitted``), and from the workers' reports when it started and stopped
+computing. A step ``k`` is then:
+
+* ``ready``: the later of its submit and the end of step ``k-1`` (its inputs),
+* ``dispatch``: from ``ready`` to the last of its N step tasks started (the
+  scheduler's and the comms' share of a step: what the issue calls submit to
+  started, measured from when the step *can* start, since the client submits
+  ``submit-ahead`` steps early on purpose),
+* ``critical path``: from ``ready`` to its last task's end (its reduction's root).
+
+Usage::
+
+    python benchmarks/scale.py --workers 2 4 8 16 32 --modes tree ring ps2 local8 \
+        quorum async async-ps2 --json scale.json
+
+``--fit`` reads a JSON file (or several) and prints the cost model: per mode and
+quantity a least-squares ``a + b·N`` over all points but ``--holdout N``, its
+residuals, the held-out point's error and the predictions for 100, 256, 1000.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter, defaultdict
+from typing import Any
+
+import dask
+import numpy as np
+
+MODES = {
+    "tree": {},
+    "ring": {"topology": "ring"},
+    "ps2": {"num_ps": 2},
+    "local8": {"local_steps": 8},
+    "quorum": {"sync_quorum": -1},  # -1: N - 1
+    "async": {"mode": "async"},
+    "async-ps2": {"mode": "async", "num_ps": 2},
+    # variations of tree, for the cuts
+    "tree-fan8": {"config": {"reduction-fan-in": 8}},
+    "tree-fan16": {"config": {"reduction-fan-in": 16}},
+    "tree-window1": {"config": {"submit-window": 1}},
+    "tree-nometrics": {"config": {"metrics": False}},
+}
+ROWS_PER_WORKER = 16
+STEPS = 32
+FEATURES = 16
+KEY = re.compile(r"^dasktf-(?P<kind>[a-z-]+?)-(?P<run>[0-9a-f]{10})-(?P<rest>[0-9g-]+)$")
+
+
+# -- the scheduler side (run there with client.run_on_scheduler) ---------------------
+def install_probe(dask_scheduler: Any = None) -> int:
+    """Counters and a timing plugin on the scheduler; returns its pid."""
+    import inspect
+
+    from distributed.diagnostics.plugin import SchedulerPlugin
+
+    s = dask_scheduler
+    if getattr(s, "scale_probe", None) is not None:
+        return os.getpid()
+    probe: dict[str, Any] = {"in": Counter(), "records": 0, "tasks": 0,
+                             "timing": False, "t": defaultdict(dict)}
+
+    def wrap(op: str, fn: Any) -> Any:
+        if inspect.iscoroutinefunction(fn):
+            @functools.wraps(fn)
+            async def counted_async(*args: Any, **kwargs: Any) -> Any:
+                probe["in"][op] += 1
+                return await fn(*args, **kwargs)
+            return counted_async
+
+        @functools.wraps(fn)
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            probe["in"][op] += 1
+            if op == "log-event":
+                msg = kwargs.get("msg")
+                if isinstance(msg, dict):
+                    probe["records"] += len(msg.get("records", ()))
+            return fn(*args, **kwargs)
+        return counted
+
+    for table in (s.stream_handlers, s.handlers):
+        for op, fn in list(table.items()):
+            table[op] = wrap(op, fn)
+
+    class Timing(SchedulerPlugin):
+        name = "dasktf-scale-probe"
+
+        def update_graph(self, scheduler: Any, *, tasks: Any = (), keys: Any = (),
+                         **kwargs: Any) -> None:
+            if probe["timing"]:
+                now = time.time()
+                for k in tasks or keys:
+                    probe["t"][k].setdefault("submitted", now)
+
+        def transition(self, key: Any, start: str, finish: str, *args: Any,
+                       **kwargs: Any) -> None:
+            if start == "processing" and finish == "memory":
+                probe["tasks"] += 1  # a task computed
+            if not probe["timing"]:
+                return
+            if finish == "processing":  # the scheduler sends it to its worker now
+                probe["t"][key]["processing_at"] = time.time()
+                return
+            if finish != "memory" or start != "processing":
+                return
+            probe["t"][key]["memory_at"] = time.time()  # the scheduler knows it is done
+            for ss in kwargs.get("startstops") or ():
+                if ss.get("action") == "compute":
+                    probe["t"][key].update(start=ss["start"], stop=ss["stop"])
+
+    s.add_plugin(Timing())
+    s.scale_probe = probe
+    return os.getpid()
+
+
+def read_probe(dask_scheduler: Any = None, timing: bool | None = None) -> dict[str, Any]:
+    s = dask_scheduler
+    probe = s.scale_probe
+    out_msgs = sum(b.message_count for b in s.stream_comms.values())
+    out_msgs += sum(getattr(b, "message_count", 0) for b in s.client_comms.values())
+    snap = {"in": sum(probe["in"].values()), "in_ops": dict(probe["in"]),
+            "out": out_msgs, "records": probe["records"], "tasks": probe["tasks"]}
+    if timing is not None:
+        if not timing:
+            snap["times"] = {str(k): v for k, v in probe["t"].items()}
+        probe["t"] = defaultdict(dict)
+        probe["timing"] = timing
+    return snap
+
+
+# -- the cluster -----------------------------------------------------------------------
+class CliCluster:
+    """``dask scheduler`` + ``dask worker --nworkers N --nthreads 1`` on loopback."""
+
+    def __init__(self, n: int) -> None:
+        self.dir = tempfile.mkdtemp(prefix="dasktf-scale-")
+        self.file = os.path.join(self.dir, "scheduler.json")
+        env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "OMP_NUM_THREADS": "1"}
+        log = open(os.path.join(self.dir, "log"), "w")
+        bindir = os.path.dirname(sys.executable)
+        self.scheduler = subprocess.Popen(
+            [f"{bindir}/dask", "scheduler", "--host", "127.0.0.1", "--port", "0",
+             "--no-dashboard", "--scheduler-file", self.file],
+            env=env, stdout=log, stderr=log, start_new_session=True)
+        deadline = time.time() + 60
+        while not os.path.exists(self.file):
+            if time.time() > deadline:
+                raise TimeoutError("dask scheduler did not start")
+            time.sleep(0.2)
+        self.workers = subprocess.Popen(
+            [f"{bindir}/dask", "worker", "--scheduler-file", self.file,
+             "--nworkers", str(n), "--nthreads", "1", "--host", "127.0.0.1",
+             "--no-dashboard", "--memory-limit", "0", "--death-timeout", "60"],
+            env=env, stdout=log, stderr=log, start_new_session=True)
+
+    def close(self) -> None:
+        for p in (self.workers, self.scheduler):
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        for p in (self.workers, self.scheduler):
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+
+
+# -- one run ------------------------------------------------------------------------
+def tiny_model() -> Any:
+    import keras
+
+    return keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(16, activation="relu"),
+                             keras.layers.Dense(10, activation="softmax")])
+
+
+def measure(client: Any, n: int, mode: str, sched_pid: int) -> dict[str, Any]:
+    import keras
+    import psutil
+
+    import dasktf
+
+    rng = np.random.default_rng(0)
+    rows = n * ROWS_PER_WORKER * STEPS
+    x = rng.normal(size=(rows, FEATURES)).astype("float32")
+    y = rng.integers(0, 10, size=rows)
+    sched = psutil.Process(sched_pid)
+    marks: dict[int, dict[str, Any]] = {}
+
+    def mark(timing: bool | None) -> dict[str, Any]:
+        io = sched.io_counters()
+        cpu = sched.cpu_times()
+        me = os.times()
+        snap = client.run_on_scheduler(read_probe, timing=timing)
+        return {**snap, "wall": time.perf_counter(), "sched_cpu": cpu.user + cpu.system,
+                "rbytes": io.read_chars, "wbytes": io.write_chars,
+                "client_cpu": me.user + me.system}
+
+    class Probe(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+            marks[epoch] = mark(True if epoch == 2 else None)
+
+        def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+            marks[100 + epoch] = mark(False if epoch == 2 else None)
+
+    options = dict(MODES[mode])
+    settings = {f"dasktf.{k}": v for k, v in options.pop("config", {}).items()}
+    if options.get("sync_quorum") == -1:
+        options["sync_quorum"] = max(1, n - 1)
+    keras.utils.set_random_seed(0)
+    pids = client.run(os.getpid)
+    workers = sorted(pids)[:n]
+    procs = {w: psutil.Process(pids[w]) for w in workers}
+    holder_cpu: dict[str, float] = {}
+
+    class HolderProbe(keras.callbacks.Callback):
+        # every worker process's CPU over epoch 1: the holder's worker (workers[0],
+        # and workers[1] with num_ps=2) against the median of the others
+        def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+            if epoch == 1:
+                holder_cpu.update({w: -sum(p.cpu_times()[:2]) for w, p in procs.items()})
+
+        def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+            if epoch == 1:
+                for w, p in procs.items():
+                    holder_cpu[w] += sum(p.cpu_times()[:2])
+
+    with dask.config.set(settings):
+        history = dasktf.fit(tiny_model(), x, y, client=client, n_workers=n, epochs=3,
+                             batch_size=ROWS_PER_WORKER * n, optimizer="sgd",
+                             loss="sparse_categorical_crossentropy", verbose=0,
+                             callbacks=[Probe(), HolderProbe()], **options)
+    a, b = marks[1], marks[101]
+    # sync: steps (a round of local steps counts its steps); holder engines: updates
+    updates = getattr(history, "updates", None)
+    updates = 0 if updates is None else int((updates["epoch"] == 1).sum())
+    units = updates or STEPS
+    per = options.get("local_steps", 1)
+    units_name = "update" if updates else "step"
+    out = {
+        "n": n, "mode": mode, "unit": units_name, "units": units,
+        "wall_ms": (b["wall"] - a["wall"]) * 1e3 / units,
+        "sched_cpu_ms": (b["sched_cpu"] - a["sched_cpu"]) * 1e3 / units,
+        "client_cpu_ms": (b["client_cpu"] - a["client_cpu"]) * 1e3 / units,
+        "sched_tasks": (b["tasks"] - a["tasks"]) / units,
+        "sched_msgs_in": (b["in"] - a["in"]) / units,
+        "sched_msgs_out": (b["out"] - a["out"]) / units,
+        "sched_kb": (b["rbytes"] - a["rbytes"] + b["wbytes"] - a["wbytes"]) / 1e3 / units,
+        "records": (b["records"] - a["records"]) / units,
+        "ops": {k: (v - a["in_ops"].get(k, 0)) / units for k, v in b["in_ops"].items()
+                if v - a["in_ops"].get(k, 0)},
+        "per": per,
+        "epoch_loss": float(history.history["loss"][-1]),
+    }
+    if options.get("mode") == "async":
+        k = options.get("num_ps", 1)
+        cpu = [holder_cpu[w] for w in history.workers]  # the holders: the first k
+        others = float(np.median(cpu[k:])) if n > k else 0.0
+        out["holder_cpu_ms"] = sum(c - others for c in cpu[:k]) * 1e3 / units
+        out["updates_per_s"] = 1e3 / out["wall_ms"]
+    out.update(step_times(marks[102].get("times", {}), units_name))
+    return out
+
+
+def step_times(times: dict[str, dict[str, float]], unit: str) -> dict[str, Any]:
+    """Dispatch and critical path per step (sync), dispatch per task (async)."""
+    steps: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for key, t in times.items():
+        m = KEY.match(key)
+        if m is None or "start" not in t:
+            continue
+        kind, rest = m["kind"], m["rest"].split("-")
+        if kind == "async-step":
+            step = len(steps)
+        elif kind in ("step", "sum", "take", "ring", "ps"):
+            step = int(rest[1])
+        else:
+            continue
+        s = steps[step]
+        s["submitted"].append(t.get("submitted", t["start"]))
+        s["stop"].append(t["stop"])
+        s["memory_at"].append(t.get("memory_at", t["stop"]))
+        if kind in ("step", "async-step"):
+            s["started"].append(t["start"])
+            s["processing_at"].append(t.get("processing_at", t["start"]))
+    if not steps:
+        return {}
+    if unit == "update":
+        waits = [s["started"][0] - s["submitted"][0] for s in steps.values()]
+        return {"submit_to_started_ms": float(np.median(waits) * 1e3)}
+    dispatch, critical, raw, scheduled = [], [], [], []
+    order = sorted(steps)
+    for prev, k in itertools.pairwise(order):
+        s, p = steps[k], steps[prev]
+        if not s["started"]:
+            continue
+        ready = max(min(s["submitted"]), max(p["stop"]))
+        dispatch.append(max(s["started"]) - ready)
+        critical.append(max(s["stop"]) - ready)
+        raw.append(max(s["started"]) - min(s["submitted"]))
+        # the scheduler's own share: from learning that step k-1 ended (or getting
+        # step k, if later) to sending the last of step k's tasks to its worker
+        known = max(min(s["submitted"]), max(p["memory_at"]))
+        scheduled.append(max(s["processing_at"]) - known)
+    return {"dispatch_ms": float(np.median(dispatch) * 1e3),
+            "dispatch_p90_ms": float(np.percentile(dispatch, 90) * 1e3),
+            "critical_ms": float(np.median(critical) * 1e3),
+            "submit_to_started_ms": float(np.median(raw) * 1e3),
+            "scheduler_dispatch_ms": float(np.median(scheduled) * 1e3)}
+
+
+def worker_rss(client: Any) -> float:
+    """Mean resident memory of a worker process with TensorFlow and a replica, GB."""
+    def rss() -> int:
+        import psutil
+
+        return psutil.Process().memory_info().rss
+    sizes = list(client.run(rss).values())
+    return float(np.mean(sizes) / 1e9)
+
+
+def run_all(ns: list[int], modes: list[str], out_path: str | None) -> list[dict[str, Any]]:
+    from distributed import Client
+
+    results: list[dict[str, Any]] = []
+    for n in ns:
+        cluster = CliCluster(n)
+        try:
+            client = Client(scheduler_file=cluster.file, timeout="60s")
+            client.wait_for_workers(n, timeout=300)
+            pid = client.run_on_scheduler(install_probe)
+            for mode in modes:
+                if (mode.endswith("ps2") and n < 3) or (mode == "quorum" and n < 3):
+                    continue
+                if mode == "ring" and n > 16:  # N^2 + N tasks a step: minutes a run
+                    continue
+                t0 = time.perf_counter()
+                r = measure(client, n, mode, pid)
+                r["rss_gb"] = worker_rss(client)
+                r["run_s"] = time.perf_counter() - t0
+                results.append(r)
+                print(format_row(r), flush=True)
+                if out_path:
+                    with open(out_path, "w") as f:
+                        json.dump(results, f, indent=1)
+            client.close()
+        finally:
+            cluster.close()
+    return results
+
+
+COLUMNS = [("n", "N", "{:d}"), ("mode", "mode", "{}"), ("wall_ms", "wall ms", "{:.1f}"),
+           ("sched_cpu_ms", "sched CPU ms", "{:.2f}"),
+           ("sched_cpu_per_worker", "per worker", "{:.3f}"),
+           ("client_cpu_ms", "client CPU ms", "{:.2f}"), ("sched_tasks", "tasks", "{:.1f}"),
+           ("sched_msgs_in", "msgs in", "{:.1f}"), ("sched_msgs_out", "msgs out", "{:.1f}"),
+           ("sched_kb", "sched kB", "{:.1f}"), ("records", "records", "{:.2f}"),
+           ("dispatch_ms", "dispatch ms", "{:.1f}"), ("critical_ms", "critical ms", "{:.1f}"),
+           ("submit_to_started_ms", "submit→started ms", "{:.1f}"),
+           ("scheduler_dispatch_ms", "sched. dispatch ms", "{:.2f}"),
+           ("holder_cpu_ms", "holder CPU ms", "{:.2f}")]
+
+
+def format_row(r: dict[str, Any]) -> str:
+    r = {**r, "sched_cpu_per_worker": r["sched_cpu_ms"] / r["n"]}
+    cells = []
+    for key, _, fmt in COLUMNS:
+        v = r.get(key)
+        cells.append("-" if v is None else fmt.format(v))
+    return "| " + " | ".join(cells) + " |"
+
+
+def header() -> str:
+    names = [name for _, name, _ in COLUMNS]
+    return "| " + " | ".join(names) + " |\n|" + "---|" * len(names)
+
+
+# -- the cost model ------------------------------------------------------------------
+def fit_model(results: list[dict[str, Any]], holdout: int | None) -> str:
+    lines = ["| mode | quantity | a | b (per worker) | max residual | held-out N: "
+             "measured / predicted | N=100 | N=256 | N=1000 |", "|" + "---|" * 9]
+    by_mode: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in results:
+        by_mode[r["mode"]].append(r)
+    for mode, rows in by_mode.items():
+        for q in ("sched_cpu_ms", "client_cpu_ms", "dispatch_ms", "sched_msgs_in"):
+            pts = [(r["n"], r[q]) for r in rows if r.get(q) is not None]
+            train = [(n, v) for n, v in pts if n != holdout]
+            if len(train) < 2:
+                continue
+            ns, vs = np.array([p[0] for p in train], float), np.array([p[1] for p in train])
+            b, a = np.polyfit(ns, vs, 1)
+            resid = vs - (a + b * ns)
+            held = [v for n, v in pts if n == holdout]
+            check = (f"{held[0]:.2f} / {a + b * holdout:.2f}" if held else "-")
+            preds = " | ".join(f"{a + b * m:.1f}" for m in (100, 256, 1000))
+            lines.append(f"| {mode} | {q} | {a:.2f} | {b:.3f} | "
+                         f"{np.abs(resid).max():.2f} | {check} | {preds} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workers", type=int, nargs="+", default=[2, 4, 8, 16, 32])
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    p.add_argument("--json", help="write the figures here as they come")
+    p.add_argument("--fit", nargs="*", help="fit the cost model to these JSON files")
+    p.add_argument("--holdout", type=int, default=None,
+                   help="a worker count left out of the fit and predicted")
+    args = p.parse_args()
+    if args.fit:
+        results = [r for path in args.fit for r in json.load(open(path))]
+        print(header())
+        for r in results:
+            print(format_row(r))
+        print()
+        print(fit_model(results, args.holdout))
+        return
+    print(header(), flush=True)
+    results = run_all(args.workers, args.modes, args.json)
+    print()
+    print(fit_model(results, args.holdout))
+
+
+if __name__ == "__main__":
+    main()

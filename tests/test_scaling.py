@@ -1,0 +1,84 @@
+"""What keeps the scheduler's and the client's work per step small (issue 17):
+a window of sync steps reaches the scheduler as one graph, and the client hears one
+replica's loss rather than every worker's records. The scale figures themselves are
+benchmarks (benchmarks/scale.py, docs/SCALING.md); these tests stay at 3 workers.
+"""
+
+from __future__ import annotations
+
+import dask
+import keras
+import numpy as np
+from distributed.diagnostics.plugin import SchedulerPlugin
+
+import dasktf
+from dasktf.diagnostics.events import LOSS_TOPIC, TOPIC, unpack
+
+STEPS = 12  # 3 workers x 8 rows x 12 steps
+
+
+class GraphCounter(SchedulerPlugin):
+    """Counts the update-graph messages that carry a run's step tasks."""
+
+    name = "dasktf-test-graph-counter"
+
+    def __init__(self) -> None:
+        self.graphs: list[int] = []
+
+    def update_graph(self, scheduler, *, tasks=(), **kwargs) -> None:
+        steps = [k for k in tasks if isinstance(k, str) and k.startswith("dasktf-step-")]
+        if steps:
+            self.graphs.append(len(steps))
+
+
+def _graphs(dask_scheduler=None) -> list[int]:
+    plugin = dask_scheduler.plugins[GraphCounter.name]
+    out, plugin.graphs = list(plugin.graphs), []
+    return out
+
+
+def _fit(client, data, window: int) -> tuple[list[np.ndarray], list[int]]:
+    x, y = data
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10, activation="softmax")])
+    client.run_on_scheduler(_graphs)  # forget earlier runs' graphs
+    with dask.config.set({"dasktf.submit-window": window, "dasktf.submit-ahead": 6}):
+        history = dasktf.fit(model, x, y, client=client, n_workers=3, epochs=1,
+                             batch_size=24, optimizer="sgd", shuffle=False, verbose=0,
+                             loss="sparse_categorical_crossentropy")
+    return history.model.get_weights(), client.run_on_scheduler(_graphs)
+
+
+def test_a_window_of_steps_reaches_the_scheduler_as_one_graph(client, digits):
+    data = digits.x_train[: 24 * STEPS].reshape(-1, 64), digits.y_train[: 24 * STEPS]
+    client.register_plugin(GraphCounter())
+    per_step, one_each = _fit(client, data, window=1)
+    windowed, three_each = _fit(client, data, window=3)
+    # window 1: the first 6 steps at once (submit-ahead), then one step per graph
+    assert one_each == [18] + [3] * (STEPS - 6)
+    # window 3: 6 at once, then 3 steps (9 tasks) per graph as 3 retire
+    assert three_each == [18, 9, 9]
+    # the graph's shape changes nothing that trains
+    for a, b in zip(per_step, windowed, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_the_client_hears_one_replica_s_loss_not_every_worker_s_records(client, digits):
+    x, y = digits.x_train[:720].reshape(-1, 64), digits.y_train[:720]
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10, activation="softmax")])
+    with dask.config.set({"dasktf.metrics-interval": "50ms"}):
+        history = dasktf.fit(model, x, y, client=client, n_workers=3, epochs=2,
+                             batch_size=24, optimizer="sgd", verbose=0,
+                             loss="sparse_categorical_crossentropy")
+    run = history.run_id
+    steps = [r for e in client.get_events(TOPIC) for r in unpack(e)
+             if r.get("run") == run and r.get("kind") == "step"]
+    losses = [r for e in client.get_events(LOSS_TOPIC) for r in unpack(e)
+              if r.get("run") == run]
+    # the dashboard's topic still has every worker's step records...
+    assert {r["worker"] for r in steps} == {0, 1, 2}
+    # ...the client's has the newest global loss of replica 0's batches only
+    assert 0 < len(losses) < len(steps) / 3
+    first = {r["loss_step"]: r["loss"] for r in steps if r["worker"] == 0 and "loss" in r}
+    assert all(first[r["loss_step"]] == r["loss"] for r in losses)
