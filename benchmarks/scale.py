@@ -203,14 +203,23 @@ class CliCluster:
 
 
 # -- one run ------------------------------------------------------------------------
-def tiny_model() -> Any:
+def tiny_model(hidden: int = 16, layers: int = 1) -> Any:
+    """16 features, ``layers`` hidden layers of ``hidden`` units, 10 classes: 442
+    parameters by default; ``--model wide`` (2 x 1024, 1.07M parameters) makes the
+    holder's apply, not its per-message cost, what an async update pays for."""
     import keras
 
-    return keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(16, activation="relu"),
+    return keras.Sequential([keras.Input((FEATURES,)),
+                             *[keras.layers.Dense(hidden, activation="relu")
+                               for _ in range(layers)],
                              keras.layers.Dense(10, activation="softmax")])
 
 
-def measure(client: Any, n: int, mode: str, sched_pid: int) -> dict[str, Any]:
+MODELS = {"tiny": {}, "wide": {"hidden": 1024, "layers": 2}}
+
+
+def measure(client: Any, n: int, mode: str, sched_pid: int,
+            model: str = "tiny") -> dict[str, Any]:
     import keras
     import psutil
 
@@ -232,12 +241,19 @@ def measure(client: Any, n: int, mode: str, sched_pid: int) -> dict[str, Any]:
                 "rbytes": io.read_chars, "wbytes": io.write_chars,
                 "client_cpu": me.user + me.system}
 
+    submit_cpu = [0.0]
+    undo = time_submits(submit_cpu)
+
     class Probe(keras.callbacks.Callback):
         def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+            if epoch == 1:
+                submit_cpu[0] = 0.0
             marks[epoch] = mark(True if epoch == 2 else None)
 
         def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
             marks[100 + epoch] = mark(False if epoch == 2 else None)
+            if epoch == 1:
+                marks[100 + epoch]["submit_cpu"] = submit_cpu[0]
 
     options = dict(MODES[mode])
     settings = {f"dasktf.{k}": v for k, v in options.pop("config", {}).items()}
@@ -261,11 +277,14 @@ def measure(client: Any, n: int, mode: str, sched_pid: int) -> dict[str, Any]:
                 for w, p in procs.items():
                     holder_cpu[w] += sum(p.cpu_times()[:2])
 
-    with dask.config.set(settings):
-        history = dasktf.fit(tiny_model(), x, y, client=client, n_workers=n, epochs=3,
-                             batch_size=ROWS_PER_WORKER * n, optimizer="sgd",
-                             loss="sparse_categorical_crossentropy", verbose=0,
-                             callbacks=[Probe(), HolderProbe()], **options)
+    try:
+        with dask.config.set(settings):
+            history = dasktf.fit(tiny_model(**MODELS[model]), x, y, client=client,
+                                 n_workers=n, epochs=3, batch_size=ROWS_PER_WORKER * n,
+                                 optimizer="sgd", loss="sparse_categorical_crossentropy",
+                                 verbose=0, callbacks=[Probe(), HolderProbe()], **options)
+    finally:
+        undo()
     a, b = marks[1], marks[101]
     # sync: steps (a round of local steps counts its steps); holder engines: updates
     updates = getattr(history, "updates", None)
@@ -274,10 +293,12 @@ def measure(client: Any, n: int, mode: str, sched_pid: int) -> dict[str, Any]:
     per = options.get("local_steps", 1)
     units_name = "update" if updates else "step"
     out = {
-        "n": n, "mode": mode, "unit": units_name, "units": units,
+        "n": n, "mode": mode if model == "tiny" else f"{mode} ({model})",
+        "unit": units_name, "units": units,
         "wall_ms": (b["wall"] - a["wall"]) * 1e3 / units,
         "sched_cpu_ms": (b["sched_cpu"] - a["sched_cpu"]) * 1e3 / units,
         "client_cpu_ms": (b["client_cpu"] - a["client_cpu"]) * 1e3 / units,
+        "submit_cpu_ms": b.get("submit_cpu", 0.0) * 1e3 / units,
         "sched_tasks": (b["tasks"] - a["tasks"]) / units,
         "sched_msgs_in": (b["in"] - a["in"]) / units,
         "sched_msgs_out": (b["out"] - a["out"]) / units,
@@ -296,6 +317,33 @@ def measure(client: Any, n: int, mode: str, sched_pid: int) -> dict[str, Any]:
         out["updates_per_s"] = 1e3 / out["wall_ms"]
     out.update(step_times(marks[102].get("times", {}), units_name))
     return out
+
+
+def time_submits(total: list[float]) -> Any:
+    """Count the client's CPU in building and sending task graphs (the submit):
+    wraps the engines' submit methods for the benchmark; returns the undo."""
+    from dasktf.engines.graph.batch import TaskBatch
+    from dasktf.engines.graph.steps import SyncEngine
+    from dasktf.engines.holder.engine import AsyncEngine
+
+    undo = []
+    for cls, name in ((SyncEngine, "submit_step"), (TaskBatch, "flush"),
+                      (AsyncEngine, "submit")):  # (SyncEngine also sends its epoch end)
+        original = getattr(cls, name)
+
+        def timed(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            t0 = time.thread_time()
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                total[0] += time.thread_time() - t0
+        setattr(cls, name, timed)
+        undo.append((cls, name, original))
+
+    def restore() -> None:
+        for cls, name, original in undo:
+            setattr(cls, name, original)
+    return restore
 
 
 def step_times(times: dict[str, dict[str, float]], unit: str) -> dict[str, Any]:
@@ -345,6 +393,37 @@ def step_times(times: dict[str, dict[str, float]], unit: str) -> dict[str, Any]:
             "scheduler_dispatch_ms": float(np.median(scheduled) * 1e3)}
 
 
+def _noop(i: int) -> int:
+    return i
+
+
+def calibrate(client: Any, sched_pid: int, n_tasks: int = 2000) -> float:
+    """The scheduler's CPU ms per independent no-op task on this machine (what Dask's
+    documentation puts at 200 us to 1 ms): the unit that makes this machine's
+    figures comparable with another's."""
+    import psutil
+    from distributed import wait
+
+    sched = psutil.Process(sched_pid)
+    client.gather(client.map(_noop, range(50), pure=False))  # warm
+    c0 = sum(sched.cpu_times()[:2])
+    futures = client.map(_noop, range(n_tasks), pure=False)
+    wait(futures)
+    del futures
+    time.sleep(0.5)  # the releases
+    return (sum(sched.cpu_times()[:2]) - c0) * 1e3 / n_tasks
+
+
+def idle_rate(sched_pid: int, seconds: float = 6.0) -> float:
+    """The scheduler's CPU seconds per second with its workers connected and idle."""
+    import psutil
+
+    sched = psutil.Process(sched_pid)
+    c0 = sum(sched.cpu_times()[:2])
+    time.sleep(seconds)
+    return (sum(sched.cpu_times()[:2]) - c0) / seconds
+
+
 def worker_rss(client: Any) -> float:
     """Mean resident memory of a worker process with TensorFlow and a replica, GB."""
     def rss() -> int:
@@ -355,7 +434,27 @@ def worker_rss(client: Any) -> float:
     return float(np.mean(sizes) / 1e9)
 
 
-def run_all(ns: list[int], modes: list[str], out_path: str | None) -> list[dict[str, Any]]:
+def cli_run(n: int) -> str:
+    """``dasktf fit --scheduler ADDRESS --workers N`` against a cluster started with
+    ``dask scheduler`` / ``dask worker --nworkers N``: the user's path, end to end."""
+    cluster = CliCluster(n)
+    try:
+        address = json.load(open(cluster.file))["address"]
+        bindir = os.path.dirname(sys.executable)
+        t0 = time.perf_counter()
+        out = subprocess.run(
+            [f"{bindir}/dasktf", "fit", "--scheduler", address, "--workers", str(n),
+             "--epochs", "2"], capture_output=True, text=True, timeout=600)
+        took = time.perf_counter() - t0
+        tail = "\n".join((out.stdout + out.stderr).strip().splitlines()[-6:])
+        return f"dasktf fit --scheduler {address} --workers {n}: exit {out.returncode} " \
+               f"in {took:.1f} s\n{tail}"
+    finally:
+        cluster.close()
+
+
+def run_all(ns: list[int], modes: list[str], out_path: str | None,
+            model: str = "tiny") -> list[dict[str, Any]]:
     from distributed import Client
 
     results: list[dict[str, Any]] = []
@@ -365,14 +464,24 @@ def run_all(ns: list[int], modes: list[str], out_path: str | None) -> list[dict[
             client = Client(scheduler_file=cluster.file, timeout="60s")
             client.wait_for_workers(n, timeout=300)
             pid = client.run_on_scheduler(install_probe)
+            noop = calibrate(client, pid)
+            idle = idle_rate(pid)
+            print(f"N={n}: a no-op task costs the scheduler {noop:.3f} ms of CPU; idle, "
+                  f"it spends {idle * 1e3:.1f} ms a second (heartbeats)", flush=True)
             for mode in modes:
                 if (mode.endswith("ps2") and n < 3) or (mode == "quorum" and n < 3):
                     continue
                 if mode == "ring" and n > 16:  # N^2 + N tasks a step: minutes a run
                     continue
                 t0 = time.perf_counter()
-                r = measure(client, n, mode, pid)
+                r = measure(client, n, mode, pid, model)
                 r["rss_gb"] = worker_rss(client)
+                r["noop_task_ms"] = noop
+                # what the scheduler spends per second whatever runs (heartbeats),
+                # taken out: on 2 cores a step's wall time grows with N, and so
+                # would a per-second cost counted per step
+                r["sched_net_ms"] = r["sched_cpu_ms"] - idle * r["wall_ms"]
+                r["sched_net_per_worker"] = r["sched_net_ms"] / r["n"]
                 r["run_s"] = time.perf_counter() - t0
                 results.append(r)
                 print(format_row(r), flush=True)
@@ -388,7 +497,9 @@ def run_all(ns: list[int], modes: list[str], out_path: str | None) -> list[dict[
 COLUMNS = [("n", "N", "{:d}"), ("mode", "mode", "{}"), ("wall_ms", "wall ms", "{:.1f}"),
            ("sched_cpu_ms", "sched CPU ms", "{:.2f}"),
            ("sched_cpu_per_worker", "per worker", "{:.3f}"),
-           ("client_cpu_ms", "client CPU ms", "{:.2f}"), ("sched_tasks", "tasks", "{:.1f}"),
+           ("sched_net_per_worker", "net of idle, per worker", "{:.3f}"),
+           ("client_cpu_ms", "client CPU ms", "{:.2f}"),
+           ("submit_cpu_ms", "of it submit", "{:.2f}"), ("sched_tasks", "tasks", "{:.1f}"),
            ("sched_msgs_in", "msgs in", "{:.1f}"), ("sched_msgs_out", "msgs out", "{:.1f}"),
            ("sched_kb", "sched kB", "{:.1f}"), ("records", "records", "{:.2f}"),
            ("dispatch_ms", "dispatch ms", "{:.1f}"), ("critical_ms", "critical ms", "{:.1f}"),
@@ -412,26 +523,39 @@ def header() -> str:
 
 
 # -- the cost model ------------------------------------------------------------------
-def fit_model(results: list[dict[str, Any]], holdout: int | None) -> str:
-    lines = ["| mode | quantity | a | b (per worker) | max residual | held-out N: "
-             "measured / predicted | N=100 | N=256 | N=1000 |", "|" + "---|" * 9]
+QUANTITIES = ("sched_cpu_ms", "client_cpu_ms", "scheduler_dispatch_ms", "dispatch_ms",
+              "sched_msgs_in")
+
+
+def fit_model(results: list[dict[str, Any]], holdout: int | None = None) -> str:
+    """Per mode and quantity: least squares ``a + b·N`` (``+ c·N²`` for the ring,
+    whose tasks grow with N²). The check: fitted without the largest N measured
+    (or ``holdout``), then that point predicted. The predictions for 100, 256 and
+    1,000 workers come from the fit on every point; its largest residual is shown."""
+    lines = ["| mode | quantity | fit on all points | max residual | held-out N: measured"
+             " / predicted | N=100 | N=256 | N=1000 |", "|" + "---|" * 8]
     by_mode: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in results:
         by_mode[r["mode"]].append(r)
     for mode, rows in by_mode.items():
-        for q in ("sched_cpu_ms", "client_cpu_ms", "dispatch_ms", "sched_msgs_in"):
-            pts = [(r["n"], r[q]) for r in rows if r.get(q) is not None]
-            train = [(n, v) for n, v in pts if n != holdout]
-            if len(train) < 2:
+        degree = 2 if mode == "ring" else 1
+        for q in QUANTITIES:
+            pts = sorted((r["n"], r[q]) for r in rows if r.get(q) is not None)
+            if len(pts) < degree + 2:
                 continue
-            ns, vs = np.array([p[0] for p in train], float), np.array([p[1] for p in train])
-            b, a = np.polyfit(ns, vs, 1)
-            resid = vs - (a + b * ns)
-            held = [v for n, v in pts if n == holdout]
-            check = (f"{held[0]:.2f} / {a + b * holdout:.2f}" if held else "-")
-            preds = " | ".join(f"{a + b * m:.1f}" for m in (100, 256, 1000))
-            lines.append(f"| {mode} | {q} | {a:.2f} | {b:.3f} | "
-                         f"{np.abs(resid).max():.2f} | {check} | {preds} |")
+            ns = np.array([n for n, _ in pts], float)
+            vs = np.array([v for _, v in pts], float)
+            held = holdout if holdout in ns else ns.max()
+            train = ns != held
+            coef = np.polyfit(ns[train], vs[train], degree)
+            check = f"{vs[~train][0]:.2f} / {np.polyval(coef, held):.2f} (N={held:.0f})"
+            coef = np.polyfit(ns, vs, degree)
+            resid = np.abs(vs - np.polyval(coef, ns)).max()
+            terms = [f"{coef[-1]:.3g}", f"{coef[-2]:.3g}·N"] + (
+                [f"{coef[0]:.3g}·N²"] if degree == 2 else [])
+            preds = " | ".join(f"{np.polyval(coef, m):.4g}" for m in (100, 256, 1000))
+            lines.append(f"| {mode} | {q} | {' + '.join(terms)} | {resid:.2f} | {check} "
+                         f"| {preds} |")
     return "\n".join(lines)
 
 
@@ -440,10 +564,16 @@ def main() -> None:
     p.add_argument("--workers", type=int, nargs="+", default=[2, 4, 8, 16, 32])
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     p.add_argument("--json", help="write the figures here as they come")
+    p.add_argument("--model", choices=list(MODELS), default="tiny")
+    p.add_argument("--cli", type=int, metavar="N",
+                   help="run `dasktf fit --scheduler` on a CLI-started cluster of N workers")
     p.add_argument("--fit", nargs="*", help="fit the cost model to these JSON files")
     p.add_argument("--holdout", type=int, default=None,
                    help="a worker count left out of the fit and predicted")
     args = p.parse_args()
+    if args.cli:
+        print(cli_run(args.cli))
+        return
     if args.fit:
         results = [r for path in args.fit for r in json.load(open(path))]
         print(header())
@@ -453,7 +583,7 @@ def main() -> None:
         print(fit_model(results, args.holdout))
         return
     print(header(), flush=True)
-    results = run_all(args.workers, args.modes, args.json)
+    results = run_all(args.workers, args.modes, args.json, args.model)
     print()
     print(fit_model(results, args.holdout))
 

@@ -12,7 +12,7 @@ import numpy as np
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 import dasktf
-from dasktf.diagnostics.events import LOSS_TOPIC, TOPIC, unpack
+from dasktf.diagnostics.events import LOSS_TOPIC, TOPIC, MetricsBuffer, unpack
 
 STEPS = 12  # 3 workers x 8 rows x 12 steps
 
@@ -82,3 +82,12 @@ def test_the_client_hears_one_replica_s_loss_not_every_worker_s_records(client, 
     assert 0 < len(losses) < len(steps) / 3
     first = {r["loss_step"]: r["loss"] for r in steps if r["worker"] == 0 and "loss" in r}
     assert all(first[r["loss_step"]] == r["loss"] for r in losses)
+
+
+def test_many_workers_send_the_scheduler_fewer_metric_messages_each():
+    with dask.config.set({"dasktf.metrics-interval": "0.5s", "dasktf.metrics-rate": 16}):
+        assert MetricsBuffer(n_workers=3).interval == 0.5
+        # 64 workers: every 4 s each, 16 messages a second in all
+        assert MetricsBuffer(n_workers=64).interval == 4.0
+        # replica 0's records carry the global loss: they keep the interval
+        assert MetricsBuffer(n_workers=64, reports_loss=True).interval == 0.5

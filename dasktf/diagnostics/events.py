@@ -121,8 +121,15 @@ class MetricsBuffer:
     """
 
     def __init__(self, interval: float | None = None, enabled: bool | None = None,
-                 topic: str = TOPIC, reports_loss: bool = False) -> None:
+                 topic: str = TOPIC, reports_loss: bool = False,
+                 n_workers: int = 1) -> None:
         self.interval = config.get_seconds("metrics-interval", interval)
+        if not reports_loss:
+            # The scheduler takes every message: with many workers, each sends less
+            # often (more records a message), so a run sends at most ``metrics-rate``
+            # of them a second whatever its size. Replica 0, whose records carry the
+            # global loss the client and the loss plot read, keeps the interval.
+            self.interval = max(self.interval, n_workers / float(config.get("metrics-rate")))
         self.enabled = bool(config.get("metrics", enabled))
         self.topic = topic
         #: also send the newest global loss of each batch on :data:`LOSS_TOPIC`

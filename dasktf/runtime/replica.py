@@ -199,7 +199,8 @@ class Replica:
         from dasktf.diagnostics.events import MetricsBuffer
 
         # the first replica's records carry the global loss the client relays
-        self.events = MetricsBuffer(enabled=config.publish_metrics, reports_loss=index == 0)
+        self.events = MetricsBuffer(enabled=config.publish_metrics, reports_loss=index == 0,
+                                    n_workers=getattr(config.comm, "n_workers", 1))
         self.timing = StepTimer(self.events.enabled)
         self.run_id = ""
         #: A straggler for tests and demos: after each step, sleep (factor - 1) x
