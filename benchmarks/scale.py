@@ -152,10 +152,11 @@ def install_probe(dask_scheduler: Any = None) -> int:
 def read_probe(dask_scheduler: Any = None, timing: bool | None = None) -> dict[str, Any]:
     s = dask_scheduler
     probe = s.scale_probe
-    out_msgs = sum(b.message_count for b in s.stream_comms.values())
-    out_msgs += sum(getattr(b, "message_count", 0) for b in s.client_comms.values())
+    streams = [*s.stream_comms.values(), *s.client_comms.values()]
+    out_msgs = sum(getattr(b, "message_count", 0) for b in streams)
+    out_bytes = sum(getattr(b, "byte_count", 0) for b in streams)
     snap = {"in": sum(probe["in"].values()), "in_ops": dict(probe["in"]),
-            "out": out_msgs, "records": probe["records"], "tasks": probe["tasks"]}
+            "out": out_msgs, "out_bytes": out_bytes, "records": probe["records"], "tasks": probe["tasks"]}
     if timing is not None:
         if not timing:
             snap["times"] = {str(k): v for k, v in probe["t"].items()}
@@ -233,12 +234,10 @@ def measure(client: Any, n: int, mode: str, sched_pid: int,
     marks: dict[int, dict[str, Any]] = {}
 
     def mark(timing: bool | None) -> dict[str, Any]:
-        io = sched.io_counters()
         cpu = sched.cpu_times()
         me = os.times()
         snap = client.run_on_scheduler(read_probe, timing=timing)
         return {**snap, "wall": time.perf_counter(), "sched_cpu": cpu.user + cpu.system,
-                "rbytes": io.read_chars, "wbytes": io.write_chars,
                 "client_cpu": me.user + me.system}
 
     submit_cpu = [0.0]
@@ -302,7 +301,8 @@ def measure(client: Any, n: int, mode: str, sched_pid: int,
         "sched_tasks": (b["tasks"] - a["tasks"]) / units,
         "sched_msgs_in": (b["in"] - a["in"]) / units,
         "sched_msgs_out": (b["out"] - a["out"]) / units,
-        "sched_kb": (b["rbytes"] - a["rbytes"] + b["wbytes"] - a["wbytes"]) / 1e3 / units,
+        # what the scheduler sends on its batched streams (to workers and clients)
+        "sched_kb": (b["out_bytes"] - a["out_bytes"]) / 1e3 / units,
         "records": (b["records"] - a["records"]) / units,
         "ops": {k: (v - a["in_ops"].get(k, 0)) / units for k, v in b["in_ops"].items()
                 if v - a["in_ops"].get(k, 0)},
@@ -314,6 +314,11 @@ def measure(client: Any, n: int, mode: str, sched_pid: int,
         cpu = [holder_cpu[w] for w in history.workers]  # the holders: the first k
         others = float(np.median(cpu[k:])) if n > k else 0.0
         out["holder_cpu_ms"] = sum(c - others for c in cpu[:k]) * 1e3 / units
+        # what one worker spends on one of its own updates (gradient, push, pull):
+        # with a core each, N workers saturate holders that need holder_cpu_ms / k
+        # each per update at N* = worker_cpu_ms / (holder_cpu_ms / k): the knee
+        out["worker_cpu_ms"] = others * 1e3 / (units / n)
+        out["knee_n"] = out["worker_cpu_ms"] / max(out["holder_cpu_ms"] / k, 1e-9)
         out["updates_per_s"] = 1e3 / out["wall_ms"]
     out.update(step_times(marks[102].get("times", {}), units_name))
     return out
@@ -501,11 +506,12 @@ COLUMNS = [("n", "N", "{:d}"), ("mode", "mode", "{}"), ("wall_ms", "wall ms", "{
            ("client_cpu_ms", "client CPU ms", "{:.2f}"),
            ("submit_cpu_ms", "of it submit", "{:.2f}"), ("sched_tasks", "tasks", "{:.1f}"),
            ("sched_msgs_in", "msgs in", "{:.1f}"), ("sched_msgs_out", "msgs out", "{:.1f}"),
-           ("sched_kb", "sched kB", "{:.1f}"), ("records", "records", "{:.2f}"),
+           ("sched_kb", "sched. sends kB", "{:.1f}"), ("records", "records", "{:.2f}"),
            ("dispatch_ms", "dispatch ms", "{:.1f}"), ("critical_ms", "critical ms", "{:.1f}"),
            ("submit_to_started_ms", "submit→started ms", "{:.1f}"),
            ("scheduler_dispatch_ms", "sched. dispatch ms", "{:.2f}"),
-           ("holder_cpu_ms", "holder CPU ms", "{:.2f}")]
+           ("holder_cpu_ms", "holder CPU ms", "{:.2f}"),
+           ("worker_cpu_ms", "worker CPU ms", "{:.2f}"), ("knee_n", "knee N*", "{:.1f}")]
 
 
 def format_row(r: dict[str, Any]) -> str:
@@ -523,8 +529,17 @@ def header() -> str:
 
 
 # -- the cost model ------------------------------------------------------------------
-QUANTITIES = ("sched_cpu_ms", "client_cpu_ms", "scheduler_dispatch_ms", "dispatch_ms",
+QUANTITIES = ("sched_cpu_ms", "sched_net_ms", "client_cpu_ms", "scheduler_dispatch_ms", "dispatch_ms",
               "sched_msgs_in")
+
+
+def _polyfit(ns: np.ndarray, vs: np.ndarray, degree: int) -> np.ndarray:
+    """The polynomial fit, or the mean where the data fall with N (a cost that does
+    not grow: a negative slope would only extrapolate noise below zero)."""
+    coef = np.polyfit(ns, vs, degree)
+    if coef[0] <= 0:
+        return np.array([vs.mean()])
+    return coef
 
 
 def fit_model(results: list[dict[str, Any]], holdout: int | None = None) -> str:
@@ -547,12 +562,15 @@ def fit_model(results: list[dict[str, Any]], holdout: int | None = None) -> str:
             vs = np.array([v for _, v in pts], float)
             held = holdout if holdout in ns else ns.max()
             train = ns != held
-            coef = np.polyfit(ns[train], vs[train], degree)
+            coef = _polyfit(ns[train], vs[train], degree)
             check = f"{vs[~train][0]:.2f} / {np.polyval(coef, held):.2f} (N={held:.0f})"
-            coef = np.polyfit(ns, vs, degree)
+            coef = _polyfit(ns, vs, degree)
             resid = np.abs(vs - np.polyval(coef, ns)).max()
-            terms = [f"{coef[-1]:.3g}", f"{coef[-2]:.3g}·N"] + (
-                [f"{coef[0]:.3g}·N²"] if degree == 2 else [])
+            terms = [f"{coef[-1]:.3g}"] + [
+                f"{c:.3g}·N{'²' if p == 2 else ''}"
+                for p, c in zip(range(len(coef) - 1, 0, -1), coef[:-1], strict=True)]
+            if len(coef) == 1:
+                terms[0] += " (flat)"
             preds = " | ".join(f"{np.polyval(coef, m):.4g}" for m in (100, 256, 1000))
             lines.append(f"| {mode} | {q} | {' + '.join(terms)} | {resid:.2f} | {check} "
                          f"| {preds} |")

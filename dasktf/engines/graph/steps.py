@@ -12,8 +12,9 @@ one flat buffer). ``sum`` is a tree of ``dasktf.reduction-fan-in``-ary additions
 step costs two dependent task hops and two buffer moves (workers → sum → workers);
 with one worker the sum is skipped and a step is one hop, and so it is with two
 (lossless): each step sums the pair itself (a direct exchange, dasktf.engines.graph.topology).
-Gradients go worker to worker, never through the client, and the client submits
-``dasktf.submit-ahead`` steps before it waits for the oldest.
+Gradients go worker to worker, never through the client, and the client keeps
+``dasktf.submit-ahead`` steps in flight, sending ``dasktf.submit-window`` of them to
+the scheduler as one graph (:mod:`dasktf.engines.graph.batch`).
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ class SyncEngine(Engine):
         """The updates of an epoch: its steps, or its rounds (``local_steps``)."""
         return self.units(self.ctx.steps_per_epoch)
 
-    def _reduce(self, parts: list[Future], epoch: int, step: int) -> Future:
+    def _reduce(self, parts: list[Any], epoch: int, step: int) -> Pending:
         level, depth = parts, 0
         while len(level) > 1:
             level = [
@@ -121,13 +122,13 @@ class SyncEngine(Engine):
             self.batch.want(parts)
         return total
 
-    def _combine(self, parts: list[Future], epoch: int, step: int) -> Any:
+    def _combine(self, parts: list[Pending], epoch: int, step: int) -> Any:
         """What the next step receives: the summed gradient (a future), or several
         futures for a ring or sharded step or a direct exchange
         (:class:`dasktf.engines.graph.topology.CommEngine`)."""
         return self._reduce(parts, epoch, step)
 
-    def _step_parts(self, epoch: int, step: int, previous: Any) -> list[Future]:
+    def _step_parts(self, epoch: int, step: int, previous: Any) -> list[Pending]:
         """Every worker's step task of this step (their gradients, not yet summed)."""
         return [
             self._task(

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dasktf.cluster.waits import RunContext
+from dasktf.engines.graph.batch import Pending
 from dasktf.engines.graph.steps import SyncEngine
 from dasktf.runtime.servers import ps_apply_task, server_workers
 from dasktf.wire.packets import (
@@ -49,8 +50,6 @@ from dasktf.wire.packets import (
 
 if TYPE_CHECKING:
     from collections.abc import Callable
-
-    from distributed import Future
 
     from dasktf.runtime.replica import EpochReport
 
@@ -95,7 +94,7 @@ class CommEngine(SyncEngine):
         self.servers = server_workers(self.ctx.workers, self.spec.num_ps)
 
     # -- the graph --------------------------------------------------------------
-    def _submit_sum(self, parts: list[Future], key: str) -> Future:
+    def _submit_sum(self, parts: list[Any], key: str) -> Pending:
         # all-to-one means one master: pin it (Dask would otherwise move the sum to
         # whichever worker holds most inputs, spreading the load like a tree)
         return self._task(
@@ -103,7 +102,7 @@ class CommEngine(SyncEngine):
             worker=self.ctx.workers[0] if self.spec.topology == "naive" else None,
         )
 
-    def _combine(self, parts: list[Future], epoch: int, step: int) -> Any:
+    def _combine(self, parts: list[Pending], epoch: int, step: int) -> Any:
         if self.spec.placement == "ps":
             return self._scatter(parts, epoch, step, self.servers, "ps")
         if self.spec.n_chunks > 1:
@@ -127,10 +126,10 @@ class CommEngine(SyncEngine):
         )
 
     def _scatter(
-        self, parts: list[Future], epoch: int, step: int, targets: list[str], what: str
-    ) -> list[Future]:
+        self, parts: list[Pending], epoch: int, step: int, targets: list[str], what: str
+    ) -> list[Pending]:
         """Chunk c of every gradient to ``targets[c]``, reduced (ring) or applied
-        (ps) there; returns the N (or K) futures the next step gathers."""
+        (ps) there; returns the N (or K) tasks the next step gathers."""
         run = self.ctx.run_id
         n = len(self.chunks)
         out = []
