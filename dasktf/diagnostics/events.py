@@ -129,7 +129,11 @@ class MetricsBuffer:
             # often (more records a message), so a run sends at most ``metrics-rate``
             # of them a second whatever its size. Replica 0, whose records carry the
             # global loss the client and the loss plot read, keeps the interval.
-            self.interval = max(self.interval, n_workers / float(config.get("metrics-rate")))
+            rate = float(config.get("metrics-rate"))
+            if rate <= 0:
+                raise ValueError(f"dasktf.metrics-rate must be a positive number of "
+                                 f"messages a second, not {rate:g}.")
+            self.interval = max(self.interval, n_workers / rate)
         self.enabled = bool(config.get("metrics", enabled))
         self.topic = topic
         #: also send the newest global loss of each batch on :data:`LOSS_TOPIC`

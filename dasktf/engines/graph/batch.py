@@ -48,9 +48,6 @@ class TaskBatch:
         self._keys: list[str] = []
         self._wanted: list[str] = []
 
-    def __len__(self) -> int:
-        return len(self._keys)
-
     def want(self, obj: Any) -> None:
         """The client will read these tasks (a :class:`Pending`, or a list of them):
         they get futures at :meth:`flush`."""
@@ -107,13 +104,11 @@ class TaskBatch:
 
 def resolve(obj: Any, futures: dict[str, Future]) -> Any:
     """``obj`` with every :class:`Pending` of a flushed batch replaced by its
-    future (lists and tuples of them too); anything else as it is."""
+    future (lists of them too); anything else as it is."""
     if isinstance(obj, Pending):
         return futures.get(obj.key, obj)
     if isinstance(obj, list):
         return [resolve(o, futures) for o in obj]
-    if isinstance(obj, tuple):
-        return tuple(resolve(o, futures) for o in obj)
     return obj
 
 
