@@ -27,6 +27,7 @@ from dasktf.cluster.local import (
     cluster_client,
     default_tf_threads,
 )
+from dasktf.cluster.tfbuild import require_tensorflow
 from dasktf.data.sources import (
     make_source,
     split_validation,
@@ -260,6 +261,7 @@ class Trainer:
     ) -> None:
         if client is not None and scheduler is not None:
             raise ValueError("Give either client or scheduler, not both.")
+        require_tensorflow()
         self.options = TrainOptions(
             model, mode=mode, n_workers=n_workers, optimizer=optimizer,
             learning_rate=learning_rate, loss=loss, loss_weights=loss_weights,

@@ -119,6 +119,63 @@ def test_cli_more_workers_than_gpus_exits_2():
     assert "one worker per GPU" in result.output
 
 
+# -- a CUDA machine whose TensorFlow cannot use its GPUs --------------------------
+@pytest.fixture
+def nvidia_smi_path(tmp_path):
+    """PATH with an ``nvidia-smi`` that lists two H100s, as on a CUDA machine whose
+    TensorFlow (the installed one, really imported) has no CUDA."""
+    if _tf_sees_gpu():
+        pytest.skip("this TensorFlow sees GPUs: nothing to refuse")
+    exe = tmp_path / "nvidia-smi"
+    exe.write_text("#!/bin/sh\n" + "".join(
+        f"echo '{i}, NVIDIA H100 80GB HBM3, 81559, GPU-{i}'\n" for i in range(2)))
+    exe.chmod(0o755)
+    return f"{tmp_path}{os.pathsep}{os.environ['PATH']}"
+
+
+def test_install_fix_commands():
+    from dasktf.cluster.tfbuild import gpu_fix_command, gpu_problem
+
+    assert gpu_fix_command(("tensorflow-cpu", "2.21.0")) == (
+        'pip uninstall -y tensorflow-cpu && pip install "tensorflow[and-cuda]==2.21.0"')
+    assert gpu_fix_command(("tensorflow", "2.21.0")) == (
+        'pip install "tensorflow[and-cuda]==2.21.0"')
+    assert gpu_fix_command(None) == 'pip install "dasktf[gpu]"'
+    assert gpu_problem(2, ("tensorflow", "2.21.0"), tf_gpus=2) is None
+    assert gpu_problem(0, ("tensorflow-cpu", "2.21.0")) is None
+    assert "CUDA libraries are missing" in gpu_problem(1, ("tensorflow", "2.21.0"), 0)
+
+
+@pytest.mark.timeout(60)
+def test_cli_gpus_refused_when_tensorflow_sees_none(nvidia_smi_path):
+    from dasktf.cluster.tfbuild import gpu_fix_command, installed_build
+
+    with dask.config.set({"dasktf.gpu.simulate": None}):
+        result = CliRunner().invoke(main, ["fit", "--gpus", "all"],
+                                    env={"PATH": nvidia_smi_path})
+    assert result.exit_code == 2, result.output
+    assert "nvidia-smi lists 2 GPU(s) but TensorFlow" in result.output
+    assert f"Fix: {gpu_fix_command(installed_build())}" in result.output
+
+
+def test_auto_gpus_train_on_cpu_workers_and_say_why(nvidia_smi_path, monkeypatch, caplog):
+    monkeypatch.setenv("PATH", nvidia_smi_path)
+    with dask.config.set({"dasktf.gpu.simulate": None}):
+        assert select_gpus(None) == []
+    assert "sees none" in caplog.text and "Fix: pip" in caplog.text
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_info_says_when_tensorflow_cannot_use_the_gpus(nvidia_smi_path):
+    with dask.config.set({"dasktf.gpu.simulate": None}):
+        result = CliRunner().invoke(main, ["info", "--workers", "1", "--no-tensorflow"],
+                                    env={"PATH": nvidia_smi_path})
+    assert result.exit_code == 0, result.output
+    warning = [line for line in result.output.splitlines() if line.startswith("Warning:")]
+    assert len(warning) == 1 and "Fix: pip" in warning[0], result.output
+
+
 # -- pinning inside real worker processes ---------------------------------------
 @pytest.mark.timeout(120)
 def test_each_worker_is_pinned_to_its_gpu():

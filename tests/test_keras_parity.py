@@ -25,7 +25,7 @@ import pytest
 
 import dasktf
 from tests.conftest import relative_error
-from tests.test_quiet import _startup_lines
+from tests.test_quiet import _startup_lines, bare_import_lines
 
 
 def _data(n: int = 230, seed: int = 0) -> dict[str, np.ndarray]:
@@ -354,8 +354,10 @@ def test_models_and_objects_defined_in_the_users_script(tmp_path):
     assert results["custom_layer"][0] > 0.85
     assert "Skipping variable loading" not in done.stderr
     # Only the client's own import (before dasktf could set anything) may print
-    # TensorFlow's start-up lines: 2 on this kind of machine, none from the 2 workers.
-    assert len(_startup_lines(done.stdout + done.stderr)) <= 2, done.stderr[-3000:]
+    # TensorFlow's start-up lines, as a bare import does on this CPU (0, 2 or 4);
+    # none come from the 2 workers.
+    printed = _startup_lines(done.stdout + done.stderr)
+    assert len(printed) <= len(bare_import_lines()), done.stderr[-3000:]
 
 
 def test_embedding_text_model_with_integer_inputs_matches_keras(client):

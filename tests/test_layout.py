@@ -111,3 +111,13 @@ def test_fit_trainer_and_the_options_declare_the_same_names():
     assert construction - connection == set(TrainOptions.names())
     faults = {f for f in FaultOptions.__dataclass_fields__}
     assert faults <= per_call
+
+
+def test_readme_opens_with_the_commands_and_stays_short():
+    """The README is the first minute: its two commands first, the rest in docs/."""
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    assert len(readme) <= 12_000, f"README.md has {len(readme):,} characters"
+    first_block = readme.split("```")[1]
+    assert 'pip install -e ".[cpu]" && dasktf fit --workers 3' in first_block
+    assert 'pip install -e ".[gpu]"' in first_block
+    assert "bash .ci/run" in first_block

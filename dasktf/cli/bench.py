@@ -321,9 +321,11 @@ def run_benchmark(models: str, workers: str, runners: str, data: str, train_size
                            train_size=train_size, test_size=test_size,
                            batch_size=batch_size, epochs=epochs, lr=lr, target=target,
                            out=out)
+    from dasktf.cluster import quiet
     from dasktf.cluster.local import QUIET_TF_LOG_LEVEL
 
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", QUIET_TF_LOG_LEVEL)
+    quiet.install()
 
     from distributed import Client
 

@@ -47,6 +47,13 @@ def run_or_exit(fn: Any) -> None:
         fn()
     except click.ClickException:
         raise
+    except ModuleNotFoundError as exc:
+        if exc.name != "tensorflow":
+            raise
+        from dasktf.cluster.tfbuild import INSTALL_HINT
+
+        click.echo(f"Error: TensorFlow is not installed: {INSTALL_HINT}.", err=True)
+        sys.exit(1)
     except (ValueError, TypeError) as exc:
         raise BadArgument(first_line(exc)) from exc
     except (DasktfError, FileNotFoundError, OSError, TimeoutError) as exc:
@@ -79,10 +86,13 @@ def configure_logging(verbose: bool = False) -> None:
     """
     import os
 
+    from dasktf.cluster import quiet
     from dasktf.cluster.local import QUIET_TF_LOG_LEVEL
 
-    # Before anything imports TensorFlow: it reads the level once, at import.
+    # Before anything imports TensorFlow: it reads the level once, at import, and
+    # the lines it prints before its logging is up are held to the level here.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "0" if verbose else QUIET_TF_LOG_LEVEL)
+    quiet.install()
     # distributed configures its loggers (INFO) when first imported; with the lazy
     # public API that can happen after this function, so import it first.
     import distributed  # noqa: F401

@@ -40,7 +40,9 @@ def info(n_workers: int | None, scheduler: str | None, gpus: str | None,
 def _info(n_workers: int | None, scheduler: str | None, gpus: Any, with_tf: bool) -> None:
     from dasktf.cluster.devices import (
         cluster_info,
+        discover_gpus,
         format_worker_table,
+        local_gpu_problem,
         split_gpu_workers,
     )
     from dasktf.cluster.local import choose_workers, cluster_client
@@ -59,3 +61,8 @@ def _info(n_workers: int | None, scheduler: str | None, gpus: Any, with_tf: bool
         if with_gpu and without:
             click.echo(f"workers without a GPU resource (left out of GPU runs): "
                        f"{', '.join(without)}")
+        problems = {p for p in (r.gpu_problem() for r in rows) if p}
+        if scheduler is None:  # this machine's GPUs, which the local workers share
+            problems.add(local_gpu_problem(discover_gpus()) or "")
+        for problem in sorted(p for p in problems if p):
+            click.echo(f"Warning: {problem}")

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dasktf import config
+from dasktf.cluster.tfbuild import gpu_problem, installed_build
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +71,14 @@ def discover_gpus() -> list[GPU]:
         if wanted is not None:
             gpus = [g for g in gpus if g.index in wanted]
     return gpus
+
+
+def local_gpu_problem(found: list[GPU]) -> str | None:
+    """Why this machine's GPUs (``found`` by :func:`discover_gpus`) cannot be used
+    by its TensorFlow, or ``None``; simulated GPUs have no problem."""
+    if not found or config.get("gpu.simulate") is not None:
+        return None
+    return gpu_problem(len(found), installed_build())
 
 
 def simulated_gpus(spec: int | str | Sequence[str]) -> list[GPU]:
@@ -166,6 +175,9 @@ def select_gpus(
     ValueError
         GPUs were asked for that this machine does not have, or ``n_workers`` does
         not fit the GPUs; the message lists the GPUs found and what to pass instead.
+        GPUs that ``nvidia-smi`` lists but the installed TensorFlow cannot use
+        (:func:`dasktf.cluster.tfbuild.gpu_problem`): refused with the command that fixes
+        the install when asked for, a warning and CPU workers when ``gpus=None``.
     """
     if gpus in ("none", 0):
         return []
@@ -177,6 +189,13 @@ def select_gpus(
             f"got {gpus!r}."
         )
     found = (discover or discover_gpus)()
+    if discover is None:
+        problem = local_gpu_problem(found)
+        if problem is not None:  # GPU workers would compute on their CPU
+            if gpus is not None:
+                raise ValueError(problem)
+            logger.warning("%s. Training on CPU workers.", problem)
+            return []
     listing = "; ".join(map(str, found)) or "none"
     if gpus is None:
         if not found:
@@ -266,6 +285,7 @@ def probe_worker(with_tensorflow: bool = True) -> dict[str, Any]:
         ],
         "tf_devices": None,
         "tf_error": None,
+        "tf_build": installed_build(),
     }
     if with_tensorflow:
         try:
@@ -338,6 +358,14 @@ class WorkerInfo:
     gpus: list[dict[str, Any]]
     tf_devices: list[str] | None
     tf_error: str | None = None
+    tf_build: tuple[str, str] | None = None
+
+    def gpu_problem(self) -> str | None:
+        """Why this worker's GPUs go unused by its TensorFlow, if they do."""
+        if self.tf_devices is None and self.tf_build is not None:
+            return None  # TensorFlow not asked (--no-tensorflow)
+        seen = sum(":GPU:" in d for d in self.tf_devices or [])
+        return gpu_problem(len(self.gpus), self.tf_build, seen)
 
 
 def cluster_info(client: Any, with_tensorflow: bool = True) -> list[WorkerInfo]:
@@ -368,6 +396,7 @@ def cluster_info(client: Any, with_tensorflow: bool = True) -> list[WorkerInfo]:
             gpus=p["gpus"],
             tf_devices=p["tf_devices"],
             tf_error=p["tf_error"],
+            tf_build=tuple(p["tf_build"]) if p.get("tf_build") else None,
         ))
     return rows
 

@@ -25,6 +25,7 @@ from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.system import MEMORY_LIMIT
 
 from dasktf import config
+from dasktf.cluster import quiet
 from dasktf.cluster.devices import (
     GPU,
     GpusArg,
@@ -50,21 +51,25 @@ def tf_log_level() -> str:
 
 @contextmanager
 def quiet_tf_at_spawn() -> Iterator[None]:
-    """Give the worker processes started inside this context the TensorFlow log level
-    from their first instruction on.
+    """Start the worker processes spawned inside this context quiet from their first
+    instruction on (:mod:`dasktf.cluster.quiet`).
 
     A Nanny applies its ``env=`` only once the spawned process is running, after
     ``multiprocessing`` re-imported the user's ``__main__``; a script that imports
     keras at its top (as every Keras script does) has loaded TensorFlow by then, and
     TensorFlow reads the level at import. distributed's ``pre-spawn-environ`` is set
     in the environment the process is spawned with (and on every restart of the
-    Nanny). Like every entry there it lands in this process's environment too, where
-    it only takes effect if TensorFlow was not imported yet. A variable the user set
-    in the environment takes precedence (distributed reads the environment first).
+    Nanny), so the level, and the ``sitecustomize`` on ``PYTHONPATH`` that holds the
+    import's lines to it, are there before ``__main__`` runs. Like every entry
+    there they land in this process's environment too (distributed sets them
+    there; a variable already in the environment wins over the config, so
+    ``PYTHONPATH`` is extended here, ahead of what it held). A level the user set
+    wins.
     """
     key = "distributed.nanny.pre-spawn-environ"
-    environ = {**(dask.config.get(key, None) or {}), "TF_CPP_MIN_LOG_LEVEL": tf_log_level()}
-    with dask.config.set({key: environ}):
+    spawn = quiet.spawn_env(tf_log_level())
+    os.environ["PYTHONPATH"] = spawn["PYTHONPATH"]
+    with dask.config.set({key: {**(dask.config.get(key, None) or {}), **spawn}}):
         yield
 
 
@@ -349,6 +354,7 @@ class TensorFlowSetup(WorkerPlugin):
 
     def setup(self, worker: Any) -> None:
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", QUIET_TF_LOG_LEVEL)
+        quiet.install()  # a worker of the user's that has not imported TensorFlow yet
         import tensorflow as tf
 
         try:

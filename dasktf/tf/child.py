@@ -29,6 +29,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
+from dasktf.cluster import quiet
 from dasktf.cluster.deadline import Deadline
 from dasktf.exceptions import DasktfError
 
@@ -52,6 +53,8 @@ class ChildProcess:
         env = dict(os.environ)
         env.pop("TF_CONFIG", None)
         env.update(extra_env or {})
+        # The child's own TensorFlow import held to its level from its first line.
+        env.update(quiet.spawn_env(env.get(quiet.LEVEL_ENV, "1")))
         if tf_config is not None:
             env["TF_CONFIG"] = json.dumps(tf_config)
         token = secrets.token_hex(16)

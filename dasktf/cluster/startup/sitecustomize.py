@@ -1,0 +1,35 @@
+"""Run at interpreter start in the processes dasktf spawns (dasktf/cluster/quiet.py).
+
+``dasktf.cluster.quiet.spawn_env`` puts this directory first on their ``PYTHONPATH``, so
+Python's ``site`` imports this module before the process runs anything else: before
+``multiprocessing`` re-imports a user script that imports keras at its top. It
+installs the filter of TensorFlow's start-up lines (loading ``quiet.py`` by path:
+no dasktf, no dask), then hands over to the ``sitecustomize`` it shadows, if any.
+Nothing here may fail a process: the variable may reach other Pythons.
+"""
+
+import os
+import sys
+
+_here = os.path.dirname(os.path.abspath(__file__))
+
+if os.environ.get("DASKTF_QUIET_TF_IMPORT") == "1":
+    try:
+        import importlib.util
+
+        _spec = importlib.util.spec_from_file_location(
+            "_dasktf_tf_quiet", os.path.join(os.path.dirname(_here), "quiet.py"))
+        _quiet = importlib.util.module_from_spec(_spec)
+        _spec.loader.exec_module(_quiet)
+        _quiet.install()
+    except Exception:  # noqa: BLE001 - never fail a process over quiet logs
+        pass
+
+# This directory served its purpose; the next sitecustomize on the path (a
+# distribution's own, a user's) runs as it would have.
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _here]
+_self = sys.modules.pop("sitecustomize")
+try:
+    import sitecustomize  # noqa: F401
+except ImportError:
+    sys.modules["sitecustomize"] = _self  # site's import of this module completes
