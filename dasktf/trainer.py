@@ -407,8 +407,11 @@ class Trainer:
             ``epochs`` epochs in all.
         on_worker_loss
             ``"recover"`` (default): go on with the surviving workers, the lost shard
-            taken over by one of them (:mod:`dasktf.engines.graph.elastic`); ``"raise"``: stop
-            with :class:`~dasktf.exceptions.WorkerLostError`.
+            taken over by one of them (:mod:`dasktf.engines.graph.elastic`), or
+            before the first step the set-up done again on them
+            (:mod:`dasktf.run.setup`); ``"raise"``: stop with
+            :class:`~dasktf.exceptions.WorkerLostError`, naming the worker and
+            the phase.
         scale_lr
             When the worker count changes, rescale the global batch and the learning
             rate by the linear scaling rule, with a short warm-up (logged as an event).

@@ -199,8 +199,8 @@ def test_async_run_recovers_the_holders_worker_lost_at_the_first_step(small_digi
 
 
 @pytest.mark.parametrize("phase, mode", [
-    ("registering plugins", "sync"), ("placing data", "sync"),
-    ("building replicas", "sync"), ("starting the engine", "async"),
+    ("registering plugins", "sync"), ("building replicas", "sync"),
+    ("starting the engine", "async"),
     ("the first step", "sync"), ("the first step", "async"),
 ])
 def test_a_run_that_raises_on_a_loss_names_the_worker_and_the_phase(
@@ -218,11 +218,34 @@ def test_a_run_that_raises_on_a_loss_names_the_worker_and_the_phase(
     print(f"\n{mode} {phase}: WorkerLostError {seconds:.2f}s after the kill")
 
 
+def test_quorum_run_recovers_its_holders_worker_lost_while_setting_up(client3,
+                                                                    small_digits):
+    """sync_quorum=2 of 3: the holder's worker dies as the holder is built; the two
+    survivors still make the quorum, and every step applies two gradients."""
+    x, y = small_digits
+    with hooked(KillAt(client3, "starting the engine", index=0)) as killer:
+        history = dasktf.fit("mnist-mlp", x, y, client=client3, sync_quorum=2,
+                             epochs=1, batch_size=48, verbose=0)
+    _bounded(_setup_record(history, "starting the engine", killer.victims, 2), killer)
+    updates = history.updates
+    assert sorted(set(updates["update"])) == list(range(1, -(-len(x) // 48) + 1))
+    assert (updates.groupby("update").size() == 2).all()
+
+
 def test_a_quorum_the_survivors_cannot_make_is_refused_by_name(client3, small_digits):
     x, y = small_digits
     killer = KillAt(client3, "placing data", replace=False)
     with hooked(killer), pytest.raises(dasktf.WorkerLostError, match="sync_quorum=3"):
         dasktf.fit("mnist-mlp", x, y, client=client3, sync_quorum=3, epochs=1,
+                   batch_size=48, verbose=0)
+    assert killer.since_kill(time.time()) < LIMIT
+
+
+def test_losing_the_only_worker_while_setting_up_says_none_is_left(client3, small_digits):
+    x, y = small_digits
+    killer = KillAt(client3, "building replicas", index=0, replace=False)
+    with hooked(killer), pytest.raises(dasktf.AllWorkersLostError, match="no worker"):
+        dasktf.fit("mnist-mlp", x, y, client=client3, n_workers=1, epochs=1,
                    batch_size=48, verbose=0)
     assert killer.since_kill(time.time()) < LIMIT
 

@@ -169,7 +169,8 @@ class WatchedClient:
     :func:`call_watched`, ``gather`` first waits with :func:`wait_for` (a task
     pinned to a worker that left is never run, so a plain gather of it never
     returns); either raises :class:`WorkerLostError` naming the worker and
-    ``what``. Every other attribute is the client's own.
+    ``what``; a task that failed raises its own error, as with the client. Every
+    other attribute is the client's own.
     """
 
     def __init__(self, ctx: RunContext, what: str) -> None:
@@ -182,7 +183,10 @@ class WatchedClient:
             self.ctx, lambda: client.scatter(data, asynchronous=True, **kwargs), self.what)
 
     def gather(self, futures: Any, **kwargs: Any) -> Any:
-        wait_for(self.ctx, list(futures), self.what)
+        try:
+            wait_for(self.ctx, list(futures), self.what)
+        except ReplicaError:
+            pass  # a task failed (not for a lost worker): gather raises its own error
         return self.ctx.client.gather(futures, **kwargs)
 
     def __getattr__(self, name: str) -> Any:

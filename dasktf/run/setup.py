@@ -20,7 +20,9 @@ the scheduler's notice, never a raw ``CommClosedError`` or a wait on a dead peer
 
 A loss at the first step is the engine's (:mod:`dasktf.engines.graph.elastic`,
 :mod:`dasktf.engines.holder.recovery`; the collective engine cannot re-form a ring
-in a running process and raises); the run labels it ``"the first step"``.
+in a running process and raises); the run labels it ``"the first step"`` until the
+client has seen a step (the collective engine's steps reach it at each epoch end:
+there, that is the first epoch).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ phase_hooks: list[Callable[[str, list[str]], None]] = []
 
 
 def enter_phase(phase: str, workers: list[str]) -> None:
+    """Call the test hooks: ``phase`` begins, on ``workers``."""
     for hook in list(phase_hooks):
         hook(phase, list(workers))
 
