@@ -318,10 +318,15 @@ class KillWhilePluginsRegister(KillAt):
     the TensorFlow set-up plugin, that is while it sends it to every worker (each
     then imports TensorFlow on its event loop, for seconds): the reported moment."""
 
+    outside = False  # True: kill workers of the cluster the run does not use
+
     def __call__(self, phase, workers):
         if phase != self.phase or self.victims:
             return
-        self.victims = workers[self.index:self.index + self.count]
+        if self.outside:
+            self.victims = sorted(self._alive() - set(workers))[:self.count]
+        else:
+            self.victims = workers[self.index:self.index + self.count]
         # now, while they answer: the importing workers answer nobody
         pids = [worker_pids(self.client, w)[0] for w in self.victims]
         threading.Thread(target=self._kill, args=(pids,), daemon=True).start()
@@ -368,3 +373,20 @@ def test_two_of_four_cli_workers_killed_while_plugins_register(small_digits):
         assert relative_error(got, expected) < 1e-5
     assert np.isfinite(history.history["loss"]).all()
     assert time.monotonic() - start < 240
+
+
+@pytest.mark.slow
+def test_a_worker_outside_the_run_killed_while_plugins_register_costs_nothing(
+        small_digits):
+    """The plugin goes to every worker of the cluster: one the run does not use dying
+    meanwhile fails the registration (a ``CommClosedError``), which is made again
+    for the others; the run is not affected."""
+    x, y = small_digits
+    with own_cluster(3) as (_cluster, client):
+        killer = KillWhilePluginsRegister(client, "registering plugins", restart=False)
+        killer.outside = True
+        with hooked(killer):
+            history = dasktf.fit("mnist-mlp", x, y, client=client, n_workers=2,
+                                 epochs=1, batch_size=48, verbose=0)
+        assert killer.killed_at is not None and killer.victims[0] not in history.workers
+    assert history.recoveries == [] and len(history.workers) == 2
