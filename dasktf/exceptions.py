@@ -17,11 +17,19 @@ class SchedulerUnreachableError(DasktfError, OSError):
 
 
 class WorkerLostError(DasktfError):
-    """A worker that held a replica left the cluster during a run."""
+    """A worker that held a replica left the cluster during a run.
 
-    def __init__(self, message: str, workers: list[str] | None = None) -> None:
+    ``workers`` are the lost workers' addresses; ``phase`` says when: one of the
+    set-up's phases (``"connecting"``, ``"registering plugins"``, ``"placing data"``,
+    ``"building replicas"``, ``"starting the engine"``), ``"the first step"``, or
+    ``None`` once training was under way.
+    """
+
+    def __init__(self, message: str, workers: list[str] | None = None,
+                 phase: str | None = None) -> None:
         super().__init__(message)
         self.workers = list(workers or [])
+        self.phase = phase
 
 
 class AllWorkersLostError(WorkerLostError):

@@ -409,8 +409,11 @@ class Trainer:
             ``epochs`` epochs in all.
         on_worker_loss
             ``"recover"`` (default): go on with the surviving workers, the lost shard
-            taken over by one of them (:mod:`dasktf.engines.graph.elastic`); ``"raise"``: stop
-            with :class:`~dasktf.exceptions.WorkerLostError`.
+            taken over by one of them (:mod:`dasktf.engines.graph.elastic`), or
+            before the first step the set-up done again on them
+            (:mod:`dasktf.run.setup`); ``"raise"``: stop with
+            :class:`~dasktf.exceptions.WorkerLostError`, naming the worker and
+            the phase.
         scale_lr
             When the worker count changes, rescale the global batch and the learning
             rate by the linear scaling rule, with a short warm-up (logged as an event).
@@ -454,19 +457,19 @@ class Trainer:
             o.mode, o.max_staleness, o.staleness_lr, o.sync_quorum, o.slow_workers,
             len(workers),
         )
+        plugin = None
         if o.threads_per_worker is not None or not getattr(self, "_owned", False):
-            threads = o.threads_per_worker or default_tf_threads(len(workers))
-            client.register_plugin(TensorFlowSetup(threads))
-        placed = source.place(client, workers, batch_size)
-        run = Run(self, client, workers, placed, batch_size, shuffle, resources)
-        run.source, run.validation_data, run.verbose = source, validation_data, verbose
+            plugin = TensorFlowSetup(o.threads_per_worker or default_tf_threads(len(workers)))
+        run = Run(self, client, workers, source, batch_size, shuffle, resources)
+        run.validation_data, run.verbose = validation_data, verbose
         run.fault = options
         run.eval_batch_size = validation_batch_size or run.eval_batch_size
         try:
-            run.build(validation_data)
+            # a worker lost while setting up: recovered, or named with the phase
+            run.set_up(epochs, plugin)
             history = run.train(epochs, callbacks, verbose, initial_epoch)
         finally:
-            run.release()
+            run.close()
         history.wall_seconds = time.perf_counter() - started
         self.history = history
         return history

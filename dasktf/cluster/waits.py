@@ -2,16 +2,22 @@
 
 Every client-side wait on a run's futures goes through :func:`wait_for`: it polls
 the membership and the futures, names a lost worker within
-``dasktf.poll-interval`` and gives up after ``dasktf.step-timeout``. Every other
-loop that polls (a holder call, a TensorFlow child, a starting cluster) keeps its
-time limit in a :class:`Deadline`, and simple ones wait with :func:`poll_until`.
+``dasktf.poll-interval`` and gives up after ``dasktf.step-timeout``. A client call
+that reaches workers itself (a scatter, a worker plugin's registration) is awaited
+the same way by :func:`call_watched`; :class:`WatchedClient` gives a run's set-up
+both, behind the client's own ``scatter`` and ``gather``. Every other loop that
+polls (a holder call, a TensorFlow child, a starting cluster) keeps its time limit
+in a :class:`Deadline`, and simple ones wait with :func:`poll_until`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from distributed import wait
 
@@ -22,6 +28,8 @@ from dasktf.exceptions import ReplicaError, StepTimeoutError, WorkerLostError
 
 if TYPE_CHECKING:
     from distributed import Client, Future
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -86,20 +94,103 @@ def _await_removal(ctx: RunContext, seconds: float) -> None:
         poll_until(lambda: bool(watcher.removed(ctx.workers)), seconds, 0.02)
 
 
-def check_alive(ctx: RunContext, what: str) -> None:
+def lost_workers(ctx: RunContext, wait: float = 0.0) -> list[str]:
+    """The run's workers that left the cluster: those the membership watcher heard
+    of, else those the scheduler no longer lists. ``wait``: first give the
+    scheduler's notice that long to arrive (a failed call is often the first sign)."""
+    if wait > 0:
+        _await_removal(ctx, wait)
     if ctx.watcher is not None:
         lost = sorted({c.worker for c in ctx.watcher.removed(ctx.workers)})
-    else:
-        lost = []
-    if not lost:
-        alive = set(alive_workers(ctx.client))
-        lost = [w for w in ctx.workers if w not in alive]
+        if lost:
+            return lost
+    alive = set(alive_workers(ctx.client))
+    return [w for w in ctx.workers if w not in alive]
+
+
+def check_alive(ctx: RunContext, what: str) -> None:
+    lost = lost_workers(ctx)
     if lost:
         raise WorkerLostError(
             f"Worker(s) {lost} left the cluster during {what}. The surviving replicas "
             "are intact; restart the worker(s) or train with fewer workers.",
             lost,
         )
+
+
+def call_watched(ctx: RunContext, make: Callable[[], Awaitable[T]], what: str) -> T:
+    """Await the client coroutine ``make()`` on the client's event loop, checking
+    the run's workers every ``dasktf.poll-interval``.
+
+    A call that reaches workers waits on a dead one for as long as distributed
+    retries its connection (``distributed.comm.timeouts.connect``), and a scatter
+    to a worker the scheduler dropped waits that long for it to come back: here a
+    lost worker of the run ends the wait at the next poll, the call cancelled, with
+    a :class:`WorkerLostError` naming it; so does a call that failed because of it
+    (a ``CommClosedError``). After ``dasktf.step-timeout``: :class:`StepTimeoutError`.
+    """
+    async def call() -> T:
+        return await make()
+
+    poll = config.get_seconds("poll-interval")
+    deadline = Deadline(config.get_seconds("step-timeout"))
+    pending = asyncio.run_coroutine_threadsafe(call(), ctx.client.loop.asyncio_loop)
+    try:
+        while True:
+            concurrent.futures.wait([pending], timeout=poll)
+            if pending.done():
+                try:
+                    return pending.result()
+                except (OSError, TimeoutError) as exc:  # CommClosedError is an OSError
+                    lost = lost_workers(ctx, wait=poll * 4)
+                    if lost:
+                        raise WorkerLostError(
+                            f"Worker(s) {lost} left the cluster during {what} "
+                            f"({type(exc).__name__}: {exc}).", lost) from exc
+                    raise
+            check_alive(ctx, what)
+            if deadline.passed():
+                raise StepTimeoutError(
+                    f"{what} did not finish within dasktf.step-timeout "
+                    f"({config.get_seconds('step-timeout'):g}s); workers {ctx.workers} "
+                    "were alive. Check their logs, or raise the timeout with "
+                    "DASK_DASKTF__STEP_TIMEOUT."
+                )
+    finally:
+        if not pending.done():
+            pending.cancel()
+
+
+class WatchedClient:
+    """A run's client whose ``scatter`` and ``gather`` never wait on a lost worker.
+
+    What a run's set-up hands to code written against a ``Client`` (placing the
+    data: :mod:`dasktf.data.sources`): ``scatter`` goes through
+    :func:`call_watched`, ``gather`` first waits with :func:`wait_for` (a task
+    pinned to a worker that left is never run, so a plain gather of it never
+    returns); either raises :class:`WorkerLostError` naming the worker and
+    ``what``; a task that failed raises its own error, as with the client. Every
+    other attribute is the client's own.
+    """
+
+    def __init__(self, ctx: RunContext, what: str) -> None:
+        self.ctx = ctx
+        self.what = what
+
+    def scatter(self, data: Any, **kwargs: Any) -> Any:
+        client = self.ctx.client
+        return call_watched(
+            self.ctx, lambda: client.scatter(data, asynchronous=True, **kwargs), self.what)
+
+    def gather(self, futures: Any, **kwargs: Any) -> Any:
+        try:
+            wait_for(self.ctx, list(futures), self.what)
+        except ReplicaError:
+            pass  # a task failed (not for a lost worker): gather raises its own error
+        return self.ctx.client.gather(futures, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.ctx.client, name)
 
 
 def raise_task_error(future: Future, what: str) -> None:

@@ -152,6 +152,11 @@ class Engine:
     def keep_restore_point(self, state: dict[str, Any] | None = None) -> None:
         """Keep ``state`` (read now if not given) to rewind to after a loss."""
 
+    def prepare(self) -> None:
+        """The last of the run's set-up, after a resume loaded its state: what must
+        be in place before the first update (async: the state a lost holder is
+        rebuilt from). A worker lost here is a set-up loss: the run sets up again."""
+
     def reform(self, schedule: np.ndarray) -> None:
         """Go on over the run's workers as they are now, the data re-placed with
         ``schedule`` (``reforms``); the caller loads the state."""

@@ -98,7 +98,7 @@ def make_engine(run: Run, epochs: int) -> Engine:
         options = run.fault
         shapes = [tuple(v.shape) for v in run.model.trainable_variables]
         warn_collective_hint(collective_hint(
-            t.engine, t.mode, t.sync_quorum, t.slow_workers,
+            t.engine, t.mode, t.sync_quorum, run.slow_workers,
             sum(int(np.prod(s)) for s in shapes), len(run.workers),
             epochs * run.ctx.steps_per_epoch, bool(run.ctx.resources),
             bool(options.checkpoint_dir or options.resume or options.scale_lr)))
@@ -106,13 +106,13 @@ def make_engine(run: Run, epochs: int) -> Engine:
         return ElasticSyncEngine(run.ctx, spec, shapes, run.placed.schedule, hooks,
                                  average_stats=bool(non_trainable_floats(run.model)),
                                  ps_layout=run.ps_layout, local=t.local)
-    holder = choose_holder(run.workers, t.slow_workers)
+    holder = choose_holder(run.workers, run.slow_workers)
     args = (run.ctx, run.workers[holder], cfg, weights, run.placed.shards[holder], val,
             run.placed.schedule)
     if t.mode == "async":
         # num_ps=K: K holders, one slice each (K=1: the one holder above)
         holders, plan = plan_holders(
-            run.workers, t.slow_workers,
+            run.workers, run.slow_workers,
             [tuple(v.shape) for v in run.model.trainable_variables], t.comm.num_ps,
         )
         return AsyncEngine(*args, max_staleness=t.max_staleness,

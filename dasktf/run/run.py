@@ -16,7 +16,8 @@ from dasktf.callbacks import History, LearningRateRelay, ProgressBar
 from dasktf.cluster.local import (
     alive_workers,
 )
-from dasktf.cluster.waits import RunContext, wait_for
+from dasktf.cluster.membership import MembershipWatcher
+from dasktf.cluster.waits import RunContext, WatchedClient, wait_for
 from dasktf.data.sources import PlacedData, place_validation
 from dasktf.data.structure import leaves
 from dasktf.diagnostics.events import (
@@ -29,6 +30,7 @@ from dasktf.diagnostics.events import (
 )
 from dasktf.diagnostics.metrics import ensure_store
 from dasktf.engines.base import Engine
+from dasktf.exceptions import WorkerLostError
 from dasktf.models import (
     BUILTIN_MODELS,
     ModelSpec,
@@ -45,6 +47,7 @@ from dasktf.run.compiling import (
 from dasktf.run.engine import make_engine
 from dasktf.run.guard import RunGuard
 from dasktf.run.options import FaultOptions
+from dasktf.run.setup import SetupGuard, enter_phase, register_worker_plugin
 from dasktf.runtime.keras_step import build_metrics, merge_metric_states
 from dasktf.runtime.replica import ReplicaConfig
 from dasktf.runtime.tasks import create_replica_task, release_replicas
@@ -64,7 +67,7 @@ class Run:
         trainer: Trainer,
         client: Client,
         workers: list[str],
-        placed: PlacedData,
+        source: Any,
         batch_size: int,
         shuffle: bool,
         resources: dict[str, float] | None = None,
@@ -72,23 +75,31 @@ class Run:
         self.trainer = trainer
         self.client = client
         self.workers = workers
-        self.placed = placed
+        #: where the shards come from (dasktf.data.sources); placed by set_up
+        self.source = source
+        self.placed: PlacedData | None = None
         self.batch_size = batch_size
         self.shuffle = shuffle
         self.run_id = uuid.uuid4().hex[:10]
-        self.ctx = RunContext(
-            client, self.run_id, workers, placed.steps_per_epoch, resources
-        )
+        self.ctx = RunContext(client, self.run_id, workers, 0, resources)
+        #: ``{worker index: factor}``: the trainer's ``slow_workers``, re-indexed
+        #: when a worker is lost during the set-up
+        self.slow_workers = dict(trainer.options.slow_workers)
         self.replica_info: list[dict[str, Any]] = []
         self._latest_loss: float | None = None
         self._futures: list[Any] = []
-        # fault tolerance (dasktf.run.guard); Trainer.fit sets them
-        self.source: Any = None
+        # fault tolerance (dasktf.run.guard, dasktf.run.setup); Trainer.fit sets them
         self.validation_data: tuple[Any, Any] | None = None
         self.verbose = 0
         self.fault = FaultOptions()
         self.eval_batch_size = 256
         self._generation = 0
+        self._cfg: ReplicaConfig | None = None
+        self.engine: Engine | None = None
+        self.guard: RunGuard | None = None
+        self.setup: SetupGuard | None = None
+        #: (epoch, step) the first epoch starts at: RunGuard.begin's, after a resume
+        self.begin_at = (0, 0)
 
     # -- set-up -------------------------------------------------------------------
     def _reference_model(self) -> tuple[Any, ModelSpec, Any]:
@@ -125,7 +136,70 @@ class Run:
             check_rebuilds(spec, model, probe_x)
         return model, spec, y_pred
 
-    def build(self, validation_data: tuple[Any, Any, Any] | None) -> None:
+    def set_up(self, epochs: int, plugin: Any = None) -> None:
+        """Connect to the workers, register ``plugin`` (a worker plugin, if any) on
+        them, place the data, build the replicas and start the engine: the phases of
+        :data:`dasktf.run.setup.PHASES`. A worker lost in any of them is recovered by
+        doing the set-up again on the survivors, or raised naming it and the phase
+        (:class:`~dasktf.run.setup.SetupGuard`)."""
+        setup = self.setup = SetupGuard(self)
+        while True:
+            try:
+                with setup.phase("connecting"):
+                    if self.ctx.watcher is None:  # hears of losses as they happen
+                        self.ctx.watcher = MembershipWatcher(self.client)
+                if plugin is not None:
+                    with setup.phase("registering plugins"):
+                        register_worker_plugin(self, plugin, "registering plugins")
+                    plugin = None  # stored by the scheduler for every worker
+                with setup.phase("placing data"):
+                    self._place()
+                with setup.phase("building replicas"):
+                    if self._cfg is None:
+                        self._prepare(self.validation_data)
+                    self._create_replicas()
+                with setup.phase("starting the engine"):
+                    self.guard = RunGuard(self, self.fault, epochs)
+                    self.engine = make_engine(self, epochs)
+                    self.begin_at = self.guard.begin(self.engine)
+                    self.engine.prepare()
+            except WorkerLostError as exc:
+                if exc.phase is None:
+                    raise
+                self._start_over(setup.recover(exc))
+                continue
+            setup.done()
+            return
+
+    def _start_over(self, survivors: list[str]) -> None:
+        """Drop what the set-up built so far and go on with ``survivors`` under a
+        new run id (keys and worker-side state of the first attempt may linger)."""
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+        self.release(wait=config.get_seconds("poll-interval"))  # under the old id
+        index = {w: i for i, w in enumerate(self.workers)}
+        self.slow_workers = {new: self.slow_workers[index[w]]
+                             for new, w in enumerate(survivors)
+                             if index[w] in self.slow_workers}
+        self.run_id = self.ctx.run_id = uuid.uuid4().hex[:10]
+        self._use_workers(survivors)
+
+    def _use_workers(self, workers: list[str]) -> None:
+        self.workers = list(workers)
+        self.ctx.workers = list(workers)
+        if self._cfg is not None:  # a ring's chunks are cut for the worker count
+            self._cfg = dataclasses.replace(self._cfg, comm=dataclasses.replace(
+                self._cfg.comm, n_workers=len(workers)))
+
+    def _place(self) -> None:
+        """Place the shards over the run's workers (never waiting on a lost one)."""
+        self.placed = self.source.place(WatchedClient(self.ctx, "placing data"),
+                                        self.workers, self.batch_size)
+        self.ctx.steps_per_epoch = self.placed.steps_per_epoch
+
+    def _prepare(self, validation_data: tuple[Any, Any, Any] | None) -> None:
+        """The client's model, its compile recipe and the replicas' config (once)."""
         t, o = self.trainer, self.trainer.options
         model, spec, y_pred = self._reference_model()
         stats = self.placed.stats[0]
@@ -170,19 +244,19 @@ class Run:
                 optimizer_layout(recipe.optimizer, model.trainable_variables),
                 [positions[id(v)] for v in model.trainable_variables],
             )
-        self._create_replicas()
 
     def _create_replicas(self) -> None:
         """One replica per worker of ``self.workers`` from ``self.model``'s weights."""
-        o, cfg, validation_data = self.trainer.options, self._cfg, self._validation
+        cfg, validation_data = self._cfg, self._validation
+        client = WatchedClient(self.ctx, "building the replicas")
         val = (
-            place_validation(self.client, validation_data, self.workers)
+            place_validation(client, validation_data, self.workers)
             if validation_data is not None
             else [None] * len(self.workers)
         )
         # hash=False: a content-hashed key is shared with an earlier fit of the same
         # model, whose release can then race this scatter ("lost dependencies").
-        weights = self.client.scatter(
+        weights = client.scatter(
             [np.asarray(w) for w in self.model.get_weights()], broadcast=True, hash=False
         )
         futures = [
@@ -197,7 +271,7 @@ class Run:
                 weights,
                 val[i],
                 self.shuffle,
-                o.slow_workers.get(i, 1.0),
+                self.slow_workers.get(i, 1.0),
                 key=f"dasktf-replica-{self.run_id}-{i}"
                 + (f"-g{self._generation}" if self._generation else ""),
                 workers=[w],
@@ -217,6 +291,8 @@ class Run:
               initial_epoch: int = 0) -> History:
         import keras
 
+        engine, guard, setup = self.engine, self.guard, self.setup
+        assert engine and guard and setup, "Run.set_up() comes first"
         history = History()
         history.run_id, history.workers = self.run_id, list(self.workers)
         history.replica_info = self.replica_info
@@ -227,26 +303,27 @@ class Run:
             [*cbs, history], add_history=False, add_progbar=False, model=self.model,
             epochs=epochs, steps=self.ctx.steps_per_epoch, verbose=verbose,
         )
-        from dasktf.cluster.membership import MembershipWatcher
-
-        self.ctx.watcher = MembershipWatcher(self.client)
-        guard = self.guard = RunGuard(self, self.fault, epochs)
-        engine = make_engine(self, epochs)
         history.engine = engine.engine
         # Which engine ran, where Keras callbacks (and users) read a run's settings.
         cb.set_params({**cb.params, "mode": engine.mode, "engine": engine.engine})
-        first_epoch, first_step = guard.begin(engine)
+        first_epoch, first_step = self.begin_at
         if initial_epoch > first_epoch:  # Keras' initial_epoch; a resume may be later
             first_epoch, first_step = initial_epoch, 0
             engine.start_at(initial_epoch * engine.units(self.ctx.steps_per_epoch))
         # after begin: a resumed run's learning rate is the checkpoint's
         relay = LearningRateRelay(self.model, guard.lr_factor)
         self.publish(self._run_start_record(epochs, engine))
+        for record in setup.records:  # workers lost while setting up
+            self.publish(record)
         self.client.subscribe_topic(LOSS_TOPIC, self._on_event)
         self.model.stop_training = False
         cb.on_train_begin()
+        #: the engine's losses before the first step completed (its recoveries)
+        first: list[int] = []
 
         def on_step(unit: int) -> None:
+            if not first:
+                first.append(len(engine.losses))
             # The global loss of a step arrives with the next one: until the first
             # has arrived there is none, and callbacks only ever see real numbers.
             # (A unit is a round with local_steps: callbacks count its last step.)
@@ -258,6 +335,7 @@ class Run:
             guard.after_step(engine, epoch, unit)
 
         try:
+            enter_phase("the first step", self.ctx.workers)
             for epoch in range(first_epoch, epochs):
                 cb.on_epoch_begin(epoch)
                 relay.relay(engine)  # LearningRateScheduler, ReduceLROnPlateau, ...
@@ -284,11 +362,17 @@ class Run:
                 history.dropped = outcome.dropped
                 history.gradient_tasks = outcome.gradient_tasks
                 history.holder_traffic = outcome.holder_traffic
-            history.recoveries = list(engine.losses)
+            settled = first[0] if first else len(engine.losses)
+            history.recoveries = [*setup.losses, *(
+                {**r, "phase": "the first step" if i < settled else "training"}
+                for i, r in enumerate(engine.losses))]
             history.workers = list(self.ctx.workers)  # after any loss or growth
             history.applied_updates = engine.applied_logs()
             guard.finish(self.model, engine)
         except BaseException as exc:
+            if isinstance(exc, WorkerLostError) and exc.phase is None and not first:
+                exc.phase = "the first step"  # before the engine finished a step
+                exc.args = (f"{exc.args[0]} (phase: the first step)", *exc.args[1:])
             self.publish(run_end_record(self.run_id, exc))
             lost = guard.scheduler_lost(exc)
             if lost is not None:
@@ -296,8 +380,6 @@ class Run:
             raise
         finally:
             self.client.unsubscribe_topic(LOSS_TOPIC)
-            self.ctx.watcher.close()
-            engine.close()
         self.publish(run_end_record(self.run_id))
         cb.on_train_end()
         history.set_model(self.model)
@@ -344,30 +426,39 @@ class Run:
         """Rebuild the run on ``workers`` at an epoch boundary: data re-placed,
         replicas rebuilt (their state is then loaded by :class:`RunGuard`)."""
         self.release()
-        self.workers = list(workers)
+        self._use_workers(workers)
         self.batch_size = batch_size
-        self.placed = self.source.place(self.client, self.workers, batch_size)
-        self.ctx.workers = list(workers)
-        self.ctx.steps_per_epoch = self.placed.steps_per_epoch
         self._generation += 1
-        # a ring's chunks are cut for the worker count
-        self._cfg = dataclasses.replace(
-            self._cfg, comm=dataclasses.replace(self._cfg.comm, n_workers=len(workers)))
+        self._place()
         self._create_replicas()
 
-    def release(self) -> None:
-        """Free the replicas and shards on the workers, whatever happened."""
+    def release(self, wait: float | None = None) -> None:
+        """Free the replicas and shards on the workers, whatever happened. ``wait``:
+        give up waiting after that long (the workers still get the message: one
+        busy with a set-up, importing TensorFlow, frees them when it gets to it)."""
         try:
             # Only the live ones: a dead worker's address costs a 30 s connect timeout.
             alive = set(alive_workers(self.client))
             workers = [w for w in self.ctx.workers if w in alive]
             if workers:
                 self.client.run(release_replicas, self.run_id, workers=workers,
-                                on_error="ignore")
+                                on_error="ignore", callback_timeout=wait)
         except Exception:
             logger.debug("releasing replicas of %s failed", self.run_id, exc_info=True)
         self._futures = []
-        self.placed.shards = []
+        if self.placed is not None:
+            self.placed.shards = []
+
+    def close(self) -> None:
+        """The end of the run, whatever happened: the engine closed, the replicas
+        and shards released, the membership no longer listened to."""
+        try:
+            if self.engine is not None:
+                self.engine.close()
+        finally:
+            self.release(wait=config.get_seconds("poll-interval"))
+            if self.ctx.watcher is not None:
+                self.ctx.watcher.close()
 
 
 class _LinePrinter(ProgressBar):

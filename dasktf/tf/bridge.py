@@ -21,7 +21,12 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from dasktf import config
-from dasktf.exceptions import DasktfError, SecurityWarning, StepTimeoutError
+from dasktf.exceptions import (
+    DasktfError,
+    SecurityWarning,
+    StepTimeoutError,
+    WorkerLostError,
+)
 from dasktf.tf.child import ChildProcess, call_and_reply
 
 if TYPE_CHECKING:
@@ -89,6 +94,7 @@ def tf_config(
     """
     from distributed import wait
 
+    from dasktf.cluster.deadline import Deadline
     from dasktf.cluster.local import alive_workers
 
     seconds = config.get_seconds("tf-cluster-timeout", timeout)
@@ -114,14 +120,28 @@ def tf_config(
                       key=f"dasktf-tf-port-{i}-{time.monotonic_ns()}")
         for i, w in enumerate(workers)
     ]
-    _done, pending = wait(futures, timeout=seconds)
-    if pending:
-        late = [w for w, f in zip(workers, futures, strict=False) if f in pending]
-        client.cancel(list(pending))
-        raise StepTimeoutError(
-            f"Worker(s) {late} did not answer tf_config within {seconds:g}s: they "
-            "are busy or unreachable. Free them or leave them out (workers=...)."
-        )
+    # A poll at a time: a worker that leaves never runs its pinned task.
+    deadline = Deadline(seconds)
+    while True:
+        try:
+            wait(futures, timeout=min(config.get_seconds("poll-interval"),
+                                      max(deadline.left(), 0.01)))
+            break
+        except TimeoutError:
+            pass
+        gone = [w for w in workers if w not in set(alive_workers(client))]
+        late = [w for w, f in zip(workers, futures, strict=True) if f.status == "pending"]
+        if gone or deadline.passed():
+            client.cancel(futures)
+        if gone:
+            raise WorkerLostError(
+                f"Worker(s) {gone} left the cluster while tf_config waited for their "
+                "ports.", gone)
+        if deadline.passed():
+            raise StepTimeoutError(
+                f"Worker(s) {late} did not answer tf_config within {seconds:g}s: they "
+                "are busy or unreachable. Free them or leave them out (workers=...)."
+            )
     answers = client.gather(futures)
     cluster: dict[str, list[str]] = {}
     tasks = []

@@ -159,7 +159,7 @@ class CollectiveEngine(Engine):
                     check_alive(self.ctx, what)
                     time.sleep(config.get_seconds("poll-interval") / 2)
             except WorkerLostError as exc:
-                raise self._lost(exc) from exc
+                raise self._lost(exc, what) from exc
             raise
         reports: list[EpochReport] = client.gather(futures)
         if on_step is not None:
@@ -178,7 +178,7 @@ class CollectiveEngine(Engine):
             self.on_epoch_end(first.weights or [], optimizer, epoch)
         return reports
 
-    def _lost(self, exc: WorkerLostError) -> WorkerLostError:
+    def _lost(self, exc: WorkerLostError, what: str) -> WorkerLostError:
         """The lost worker(s) and what to do: resume from the last checkpoint."""
         path = self.last_checkpoint()
         advice = (f"Nothing new was saved; the last checkpoint is {path}: restart or "
@@ -187,8 +187,9 @@ class CollectiveEngine(Engine):
                   "No checkpoint was written; pass checkpoint_dir= (--checkpoint-dir) "
                   "to be able to resume a collective run.")
         return WorkerLostError(
-            f"Worker(s) {exc.workers} left the cluster during a collective run; its "
-            f"ring all-reduce cannot go on without them, so every child was stopped. "
+            f"Worker(s) {exc.workers} left the cluster during {what}; the ring "
+            "all-reduce cannot go on without them (TensorFlow cannot re-form it in a "
+            f"running process), so every child was stopped. "
             f"{advice}", exc.workers,
         )
 

@@ -432,8 +432,7 @@ class AsyncEngine(Engine):
         """Train until every shard has been consumed once more; evaluate."""
         if not self._started:  # epoch 0, or the first epoch of a resumed run
             self._started = True
-            self.take_restore_point(source="the start of the run")
-            for i in range(len(self.cursors)):
+            for i in range(len(self.cursors)):  # from prepare()'s restore point
                 self.submit(i)
         self.current_epoch = epoch
         what = f"epoch {epoch + 1}"
@@ -451,6 +450,11 @@ class AsyncEngine(Engine):
                 except HolderLostError:  # rebuilt from its restore point: go on
                     self._wait_and_recover(what)
         return [self._end_epoch(epoch)]
+
+    def prepare(self) -> None:
+        """The first restore point (the run's start, or the resumed cut), taken while
+        setting up: a holder lost from then on is rebuilt from it."""
+        self.take_restore_point(source="the start of the run")
 
     def _epoch_done(self, epoch: int) -> bool:
         return min(c.completed_passes for c in self.cursors
