@@ -74,6 +74,13 @@ class PSShard:
         opt = replica.model.optimizer
         self.optimizer = opt.__class__.from_config(opt.get_config())
         self.optimizer.build([self.variable])
+        if int(opt.iterations.numpy()) and not hasattr(opt, "inner_optimizer"):
+            # a trained model's optimizer goes on: this slice of its state
+            layout = optimizer_layout(keras.optimizers.serialize(opt), replica.variables)
+            slots = set(layout.slots())
+            flat = layout.to_flat([np.asarray(v.numpy()) for v in opt.variables])
+            self.load(initial, [gather_ranges(v, ranges) if j in slots else v
+                                for j, v in enumerate(flat)])
         self._apply_fn = tf.function(
             self._apply,
             input_signature=[tf.TensorSpec((initial.size,), tf.float32),
