@@ -37,6 +37,7 @@ from dasktf.runtime.keras_step import (
     batch_args,
     batch_signature,
     build_metrics,
+    keras_ready,
     weigh_output_losses,
 )
 from dasktf.runtime.rounds import LocalSpec, Rounds
@@ -434,7 +435,7 @@ class Replica:
         if self.val_shard is None or len(self.val_shard) == 0:
             return None
         self.model.evaluate(
-            self.val_shard.x,
+            keras_ready(self.val_shard.x),
             self.val_shard.y,
             sample_weight=self.val_shard.w,
             batch_size=self.eval_batch_size,
