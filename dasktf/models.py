@@ -14,6 +14,7 @@ metrics every replica compiles with, taken from the call or from the model's own
 
 from __future__ import annotations
 
+import copy
 import importlib
 import inspect
 from collections.abc import Callable
@@ -200,8 +201,9 @@ class CompileRecipe:
         import keras
 
         model.compile(
+            # Keras' deserializer consumes the config it is given: a copy
             optimizer=optimizer if optimizer is not None
-            else keras.optimizers.deserialize(self.optimizer),
+            else keras.optimizers.deserialize(copy.deepcopy(self.optimizer)),
             loss=self.loss,
             loss_weights=self.loss_weights,
             metrics=live_metrics(self.metrics),

@@ -177,9 +177,10 @@ class ModelPackage:
             for layer in model._flatten_layers(include_self=True, recursive=True):
                 layer.dtype_policy = policy
         if recipe is not None:
+            continued = self.optimizer is not None and self.optimizer == recipe.optimizer
             recipe.compile(model)
             model.optimizer.build(model.trainable_variables)
-            if self.optimizer is not None and self.optimizer == recipe.optimizer:
+            if continued:
                 self._restore_optimizer(model.optimizer)
         return model
 

@@ -3,6 +3,9 @@ user handed over, as Keras' own saving keeps it (issue 27)."""
 
 from __future__ import annotations
 
+import pickle
+
+import cloudpickle
 import keras
 import numpy as np
 import pytest
@@ -67,8 +70,11 @@ def test_the_optimizer_state_goes_on_where_the_run_continues_it():
     x, y = np.ones((8, 3), "float32"), np.zeros((8, 2), "float32")
     model.fit(x, y, epochs=3, batch_size=4, verbose=0)
     config = keras.optimizers.serialize(model.optimizer)
-    recipe = CompileRecipe(config, "mse", continues=True)
-    built = ModelPackage.pack(model, optimizer=config).build(recipe)
+    # as they travel: pickled apart (Keras' deserializer once changed the recipe's
+    # config in place, and a package's then no longer matched it)
+    recipe = pickle.loads(cloudpickle.dumps(CompileRecipe(config, "mse", continues=True)))
+    package = pickle.loads(cloudpickle.dumps(ModelPackage.pack(model, optimizer=config)))
+    built = package.build(recipe)
     assert int(built.optimizer.iterations.numpy()) == 6
     for got, want in zip(built.optimizer.variables, model.optimizer.variables, strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
