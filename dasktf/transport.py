@@ -177,7 +177,7 @@ class ModelPackage:
             for layer in model._flatten_layers(include_self=True, recursive=True):
                 layer.dtype_policy = policy
         if recipe is not None:
-            continued = self.optimizer is not None and self.optimizer == recipe.optimizer
+            continued = _same_optimizer(self.optimizer, recipe.optimizer)
             recipe.compile(model)
             model.optimizer.build(model.trainable_variables)
             if continued:
@@ -205,6 +205,15 @@ class ModelPackage:
         if key is not None:
             return ModelRef(key, self.description)
         return ModelRef(self.key, self.description, self)
+
+
+def _same_optimizer(packed: dict[str, Any] | None, compiled: dict[str, Any]) -> bool:
+    """Whether the packed optimizer state belongs to the optimizer compiled now
+    (Keras' deserializer lower-cases a config's class name in place)."""
+    def canonical(config: dict[str, Any]) -> dict[str, Any]:
+        return {**config, "class_name": str(config.get("class_name", "")).lower()}
+
+    return packed is not None and canonical(packed) == canonical(compiled)
 
 
 def _rebuilds(package: ModelPackage, model: Any) -> str | None:

@@ -427,7 +427,8 @@ def weather_model(dataset_train) -> keras.Model:
     return model
 
 
-@pytest.mark.filterwarnings("ignore:x is a tf.data.Dataset", "ignore:validation_data is a")
+@pytest.mark.filterwarnings("ignore:x is a tf.data.Dataset", "ignore:validation_data is a",
+                            "ignore:`shuffle=True` was passed")  # Keras' own fit, as written
 def test_timeseries_forecasting_with_datasets_for_training_and_validation(client, tmp_path):
     dataset_train, dataset_val = _weather_datasets()
     path_checkpoint = str(tmp_path / "model_checkpoint.weights.h5")

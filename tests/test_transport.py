@@ -124,3 +124,24 @@ def test_a_shared_package_reaches_a_worker_that_was_not_given_a_copy(client):
             workers[1]: True}
     finally:
         shared.release()
+
+
+@pytest.mark.parametrize("options", [{"mode": "async"}, {"placement": "ps", "num_ps": 2}],
+                         ids=["async-holder", "ps-servers"])
+def test_a_trained_models_optimizer_goes_on_in_holders_and_servers(client, options):
+    """``model.fit`` on a trained model goes on with its optimizer (Adam's moments,
+    ``iterations``: a schedule's position); so do the parameter holder and the
+    parameter servers, which keep the optimizer state there."""
+    import dasktf
+
+    rng = np.random.default_rng(4)
+    x, y = rng.normal(size=(96, 4)).astype("float32"), rng.normal(size=(96, 1))
+    keras.utils.set_random_seed(4)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="tanh"),
+                              keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0)  # 12 steps
+    history = dasktf.fit(model, x, y, client=client, n_workers=2, batch_size=32, epochs=2,
+                         verbose=0, seed=0, **options)
+    steps = len(history.updates) if options.get("mode") == "async" else 2 * 3
+    assert int(model.optimizer.iterations) == 12 + steps

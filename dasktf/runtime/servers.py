@@ -27,6 +27,7 @@ resumes with any K or with the mirrored placement, and the other way round.
 
 from __future__ import annotations
 
+import copy
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -289,9 +290,10 @@ def optimizer_layout(optimizer_config: Any, variables: list[Any]) -> OptimizerLa
     """
     import keras
 
-    full = keras.optimizers.deserialize(optimizer_config)
+    # Keras' deserializer changes the config it is given: copies
+    full = keras.optimizers.deserialize(copy.deepcopy(optimizer_config))
     full.build(variables)
-    probe = keras.optimizers.deserialize(optimizer_config)
+    probe = keras.optimizers.deserialize(copy.deepcopy(optimizer_config))
     probe.build([keras.Variable(np.zeros(2, np.float32), name=SLICE_NAME)])
     prefix = SLICE_NAME + "_"
     kinds = {v.name[len(prefix):]: j for j, v in enumerate(probe.variables)
