@@ -242,10 +242,10 @@ def _class_factory(model: Any) -> Callable[[], Any]:
 class ModelRef:
     """What a task graph carries for a model: the key of its package.
 
-    On a worker, :meth:`package` finds the package in the worker's memory (where
-    :func:`share_model` put it), or fetches it once from a peer (a worker that
-    joined later). ``inline``: the package itself, for a process that is no Dask
-    worker (the collective engine's TensorFlow child).
+    On a worker, :meth:`package` finds the package (see there); :meth:`build`
+    makes a fresh model of it, :meth:`model` the process's cached one. ``inline``:
+    the package itself, for a process that is no Dask worker (the collective
+    engine's TensorFlow child).
     """
 
     key: str

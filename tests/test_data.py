@@ -117,3 +117,23 @@ def test_datasets_and_py_datasets_are_read_with_their_batch_size_and_generators_
     with dask.config.set({"dasktf.data.materialize-limit": "100B"}), \
             pytest.raises(ValueError, match=r"PyDataset, larger than .*x=dataset_fn"):
         make_source(Batches())
+
+
+def test_dask_columns_of_strings_and_categories_are_string_inputs():
+    import dask.dataframe as dd
+    import pandas as pd
+
+    from dasktf.data.partitions import check_numeric, convert
+
+    part = pd.DataFrame({"kind": pd.Categorical(["a", "b", "a"]), "n": [1, 2, 3],
+                         "f": [0.5, 1.5, 2.5], "when": pd.to_datetime(["2020-01-01"] * 3)})
+    kind = convert(part["kind"], "features", "x['kind']")
+    assert kind.shape == (3, 1) and kind.dtype == object and list(kind[:, 0]) == ["a", "b", "a"]
+    assert convert(part["n"], "features").dtype == np.int64  # ints stay ints, as in Keras
+    assert convert(part["f"], "features").dtype == np.float32
+    frame = dd.from_pandas(part, npartitions=1)
+    check_numeric({"x": {"kind": frame["kind"], "n": frame["n"]}, "y": frame["n"]})
+    with pytest.raises(ValueError, match=r"x\['when'\] is not numeric"):
+        check_numeric({"x": {"when": frame["when"]}})
+    with pytest.raises(ValueError, match=r"y is not numeric.*Labels and sample weights"):
+        check_numeric({"y": frame["kind"]})
