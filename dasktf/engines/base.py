@@ -23,13 +23,14 @@ A new engine
 3. Checkpoints: an engine that can read its training state in one piece
    (``checkpoints="steps"`` or ``"epochs"``) implements :meth:`Engine.state` and
    :meth:`Engine.load_state` (and :meth:`Engine.start_at`); the defaults of
-   :meth:`Engine.checkpoint`, :meth:`Engine.resume` and :meth:`Engine.final_state`
-   then write, read and hand back the sync format, which any such engine resumes.
-   An engine whose state lives elsewhere (``"updates"``: a parameter holder's cut)
-   overrides those three, keeping its own progress in the manifest fields it
-   returns; an engine that cannot (``"final"``) leaves them. When what holds the
-   state was lost but the engine rebuilds it, :meth:`Engine.checkpoint` raises
-   :class:`StateLostError` and the run skips that checkpoint.
+   :meth:`Engine.checkpoint` and :meth:`Engine.resume` then write and read the sync
+   format, which every such engine resumes, and :meth:`Engine.final_state` returns
+   :meth:`Engine.state` for the client's model. An engine whose state lives
+   elsewhere (``"updates"``: a parameter holder's cut) overrides those three,
+   keeping its own progress in the manifest fields it returns; an engine that
+   cannot (``"final"``) leaves them. When what holds the state was lost but the
+   engine rebuilds it, :meth:`Engine.checkpoint` raises :class:`StateLostError` and
+   the run skips that checkpoint.
 4. Optionally: ``reforms=True`` with :meth:`Engine.reform` and
    :meth:`Engine.ramp_learning_rate`, :meth:`Engine.finish` returning a
    :class:`RunOutcome` when the final weights live away from the replicas, and

@@ -113,7 +113,9 @@ class AsyncState:
         self.in_flight: dict[tuple[int, int, int], str] = {}
         #: per shard, the batches applied to the weights that survive
         self.applied_batches: dict[int, set[Batch]] = {}
-        self._full: dict[int, int] = {}  # per shard, its first passes applied in full
+        #: per shard, how many batches of each pass were applied
+        self._per_pass: dict[int, dict[int, int]] = {}
+        self._full: dict[int, int] = {}  # ... and its first passes applied in full
         self.stopped = False
         self.current_epoch = 0
         #: the newest holder state to rebuild a lost holder from: a snapshot taken
@@ -297,7 +299,7 @@ class AsyncState:
         for i, cursor in enumerate(self.cursors):
             cursor.restore(set(done.get(i, [])))
         self.tally.applied = version
-        self.applied_batches, self._full = {s: set(b) for s, b in done.items()}, {}
+        self._reset_applied({s: set(b) for s, b in done.items()})
         return [RestoreHolder(weights, optimizer, version, done, self.learning_rate)]
 
     def drained(self, counters: dict[str, Any]) -> None:
@@ -332,12 +334,19 @@ class AsyncState:
     def _passes_applied(self, owner: int) -> int:
         """How many of the first passes over ``owner``'s shard are applied in full."""
         shard = self.shard_index.get(owner, owner)
-        batches, steps = self.applied_batches.get(shard, set()), self.cursors[owner].steps
+        per_pass, n = self._per_pass.get(shard, {}), len(self.cursors[owner].steps)
         full = self._full.get(shard, 0)
-        while steps and all((full, s) in batches for s in steps):
+        while n and per_pass.get(full, 0) == n:  # a batch is applied once: all of them
             full += 1
         self._full[shard] = full
         return full
+
+    def _reset_applied(self, batches: dict[int, set[Batch]]) -> None:
+        self.applied_batches, self._per_pass, self._full = batches, {}, {}
+        for shard, applied in batches.items():
+            per_pass = self._per_pass[shard] = {}
+            for shard_pass, _ in applied:
+                per_pass[shard_pass] = per_pass.get(shard_pass, 0) + 1
 
     def _least_loaded(self, survivors: list[str]) -> str:
         """The survivor with the fewest active identities (the first of them)."""
@@ -390,6 +399,8 @@ class AsyncState:
                 "an earlier update had applied; this is a dasktf bug."
             )
         batches.add(batch)
+        per_pass = self._per_pass.setdefault(shard, {})
+        per_pass[batch[0]] = per_pass.get(batch[0], 0) + 1
 
     def _rebuild(self, survivors: list[str]) -> list[Instruction]:
         """New holders on survivors from the restore point: the cut's state and its
@@ -410,7 +421,7 @@ class AsyncState:
         for identity, shard_pass, step in point["items"]:
             by_shard.setdefault(self.shard_index.get(identity, identity), set()).add(
                 (int(shard_pass), int(step)))
-        self.applied_batches, self._full = by_shard, {}
+        self._reset_applied(by_shard)
         done = {owners[s]: sorted(batches) for s, batches in by_shard.items() if s in owners}
         redone = self.tally.forget_after(version, point.get("records", []),
                                          self.current_epoch)
