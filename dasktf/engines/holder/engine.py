@@ -88,10 +88,7 @@ from dasktf.engines.holder.rpc import (
 from dasktf.engines.holder.sharded import ShardedHolders, byte_logs
 from dasktf.engines.holder.state import AsyncState
 from dasktf.engines.holder.tasks import async_step_task, flush_events
-from dasktf.exceptions import (
-    DasktfError,
-    StepTimeoutError,
-)
+from dasktf.exceptions import DasktfError, StepTimeoutError
 from dasktf.runtime.replica import (
     EpochReport,
     ReplicaConfig,
