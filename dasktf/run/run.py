@@ -41,7 +41,7 @@ from dasktf.run.compiling import (
     factory_input_shape,
     num_outputs,
 )
-from dasktf.run.engine import make_engine
+from dasktf.run.engine import make_engine, plan_engine
 from dasktf.run.guard import RunGuard
 from dasktf.run.options import FaultOptions
 from dasktf.run.setup import SetupGuard, enter_phase, register_worker_plugin
@@ -220,6 +220,12 @@ class Run:
         t.model = model
         self.spec_description = (o.model if isinstance(o.model, str) else
                                  getattr(model, "name", ""))
+        if o.comm.num_ps > 1:  # refuse a num_ps the parameters cannot be split over
+            from dasktf.wire.packets import shard_plan
+
+            shapes = [tuple(v.shape) for v in model.trainable_variables]
+            shard_plan(shapes, o.comm.num_ps)
+        self.engine_plan = plan_engine(o, model, recipe)  # refused here, before any work
         # The model travels whole, once per worker (dasktf.transport): the optimizer's
         # state too where the run continues it and it has one.
         package = ModelPackage.pack(
@@ -236,22 +242,6 @@ class Run:
             local=o.local,
         )
         self._validation = validation_data
-        if o.comm.num_ps > 1:  # refuse a num_ps the parameters cannot be split over
-            from dasktf.wire.packets import shard_plan
-
-            shapes = [tuple(v.shape) for v in model.trainable_variables]
-            shard_plan(shapes, o.comm.num_ps)
-        self.ps_layout = None
-        if o.comm.placement == "ps" and o.mode == "sync" and o.sync_quorum is None:
-            from dasktf.runtime.servers import optimizer_layout
-
-            # Checkpoints, restore points and re-forms merge the servers' optimizer
-            # slices into the model optimizer's layout: refuse one that has none.
-            positions = {id(w): i for i, w in enumerate(model.weights)}
-            self.ps_layout = (
-                optimizer_layout(recipe.optimizer, model.trainable_variables),
-                [positions[id(v)] for v in model.trainable_variables],
-            )
 
     def _create_replicas(self) -> None:
         """One replica per worker of ``self.workers`` from ``self.model``'s weights."""
