@@ -293,3 +293,32 @@ def test_lost_worker_during_prediction_is_retried_with_the_same_result():
         got = np.concatenate(client.gather(futures))
     assert pending > 0
     np.testing.assert_allclose(got, want, atol=ATOL)
+
+
+def test_cli_predict_writes_a_partition_per_input_partition(cluster, tmp_path):
+    from click.testing import CliRunner
+
+    from dasktf.cli import main
+
+    model, x = _mlp(seed=10), _rows(500, seed=10)
+    path = tmp_path / "model.keras"
+    model.save(path)
+    frame = pd.DataFrame(x, columns=[f"f{i}" for i in range(8)],
+                         index=pd.Index(np.arange(500) + 1000, name="id"))
+    dd.from_pandas(frame.assign(label="ignored"), npartitions=4).to_parquet(tmp_path / "in")
+    out = tmp_path / "out"
+    args = ["predict", "-m", str(path), "-d", str(tmp_path / "in"), "-o", str(out),
+            "--columns", ",".join(frame.columns), "--scheduler", cluster.scheduler_address]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert "Wrote 500 predictions in 4 partition(s)" in result.output
+    assert sorted(os.listdir(out)) == [f"part.{i}.parquet" for i in range(4)]
+    got = pd.read_parquet(out)
+    assert got.index.equals(frame.index)
+    np.testing.assert_allclose(got.to_numpy(), model.predict(x, verbose=0), atol=ATOL)
+    # An output directory holding files is not overwritten by accident.
+    again = CliRunner().invoke(main, args)
+    assert again.exit_code == 2 and "--overwrite" in again.output
+    bad = CliRunner().invoke(main, [*args[:7], "--columns", "f0,nope", "--overwrite",
+                                    "--scheduler", cluster.scheduler_address])
+    assert bad.exit_code == 2 and "['nope'] are not in" in bad.output
