@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 from sklearn.base import BaseEstimator, ClassifierMixin, RegressorMixin
 from sklearn.utils.multiclass import check_classification_targets
-from sklearn.utils.validation import check_is_fitted, validate_data
+from sklearn.utils.validation import check_is_fitted, column_or_1d, validate_data
 
 from dasktf.data.partitions import is_dask_frame
 from dasktf.inference.predict import predict as dask_predict
@@ -130,7 +130,7 @@ class _KerasEstimator(BaseEstimator):
                                  y_numeric=self._numeric_y)
             X, y = np.asarray(X, dtype=np.float32), np.asarray(y)
             if sample_weight is not None:
-                sample_weight = np.asarray(sample_weight, dtype=np.float32)
+                sample_weight = _row_weights(sample_weight, len(X))
         targets, outputs = self._targets(y)
         model = self._build(X, outputs)
         options = dict(self.fit_options or {})
@@ -252,22 +252,20 @@ class KerasClassifier(ClassifierMixin, _KerasEstimator):
     def _targets(self, y: Any) -> tuple[Any, int]:
         if _is_dask(y):
             self.classes_ = _dask_classes(y)
-            index = functools.partial(_encode, self.classes_)
             if is_dask_frame(y):
-                encoded = y.map_partitions(index, meta=(y.name, np.int32))
+                encoded = y.map_partitions(_encode_series, self.classes_,
+                                           meta=(y.name, np.int32))
             else:
-                encoded = y.map_blocks(index, dtype=np.int32)
+                encoded = y.map_blocks(functools.partial(_encode, self.classes_),
+                                       dtype=np.int32)
         else:
             check_classification_targets(y)
-            if y.ndim > 1 and y.shape[1] == 1:
-                y = y.ravel()
-            if y.ndim != 1:
-                raise ValueError(f"y must hold one class label per row; got shape {y.shape}.")
+            y = column_or_1d(y, warn=True)  # a column vector, with scikit-learn's warning
             self.classes_ = np.unique(y)
             encoded = _encode(self.classes_, y)
         if len(self.classes_) < 2:
-            raise ValueError(f"The classifier needs at least 2 classes in y; got "
-                             f"{len(self.classes_)} ({list(self.classes_)}).")
+            raise ValueError(f"The classifier needs at least 2 classes in y; got one class "
+                             f"({list(self.classes_)}).")
         return encoded, len(self.classes_)
 
     def _default_loss(self, model: Any) -> str:
@@ -329,6 +327,11 @@ class KerasRegressor(RegressorMixin, _KerasEstimator):
     def _default_loss(self, model: Any) -> str:
         return "mse"
 
+    def __sklearn_tags__(self) -> Any:
+        tags = super().__sklearn_tags__()
+        tags.target_tags.multi_output = True  # y of shape (n, k): k outputs
+        return tags
+
     def predict(self, X: Any) -> Any:
         """Predicted targets (a lazy Dask array for Dask ``X``)."""
         out = self._outputs(X)
@@ -359,7 +362,7 @@ class KerasRegressor(RegressorMixin, _KerasEstimator):
 # -- helpers ----------------------------------------------------------------------------
 def _n_features(X: Any) -> int:
     if is_dask_frame(X):
-        return int(len(X.columns)) if X.ndim == 2 else 1
+        return len(X.columns) if X.ndim == 2 else 1
     return int(X.shape[1]) if X.ndim > 1 else 1
 
 
@@ -369,10 +372,30 @@ def _row_shape(X: Any) -> tuple[int, ...]:
     return tuple(int(n) for n in X.shape[1:]) or (1,)
 
 
+def _row_weights(sample_weight: Any, n: int) -> np.ndarray:
+    """One float32 weight per row, else a ValueError saying what came."""
+    weights = np.asarray(sample_weight, dtype=np.float32)
+    if weights.ndim == 0:
+        return np.full(n, weights, dtype=np.float32)
+    if weights.shape != (n,):
+        raise ValueError(f"sample_weight must hold one weight per row of X: shape ({n},); "
+                         f"got shape {weights.shape}.")
+    if n and not weights.any():
+        raise ValueError("sample_weight is zero for every row: there is nothing to train on.")
+    return weights
+
+
 def _encode(classes: np.ndarray, y: Any) -> np.ndarray:
     """Labels as their index in the sorted ``classes``."""
     values = np.asarray(y)
     return np.searchsorted(classes, values).astype(np.int32)
+
+
+def _encode_series(part: Any, classes: np.ndarray) -> Any:
+    """A partition of a label Series as class indices, on its index."""
+    import pandas as pd
+
+    return pd.Series(_encode(classes, part), index=part.index, name=part.name)
 
 
 def _dask_classes(y: Any) -> np.ndarray:
