@@ -99,13 +99,17 @@ class _KerasEstimator(BaseEstimator):
         self.fit_options = fit_options
 
     # -- what the subclasses decide ------------------------------------------------
+    #: The default model's last activation.
+    _output_activation: str | None = None
+    #: Targets must be numbers (a regressor's), or any labels (a classifier's).
+    _numeric_y = True
+
     def _targets(self, y: Any) -> tuple[Any, int]:  # pragma: no cover - abstract
+        """``y`` as the model trains on it, and the model's output width."""
         raise NotImplementedError
 
     def _default_loss(self, model: Any) -> str:  # pragma: no cover - abstract
         raise NotImplementedError
-
-    _output_activation: str | None = None
 
     # -- fit -------------------------------------------------------------------------
     def fit(self, X: Any, y: Any, sample_weight: Any = None) -> Any:
@@ -151,8 +155,6 @@ class _KerasEstimator(BaseEstimator):
         self.model_ = history.model
         self.history_ = dict(history.history)
         return self
-
-    _numeric_y = True
 
     def _build(self, X: Any, outputs: int) -> Any:
         """The model ``self.model`` builds for ``X``'s rows and ``outputs`` units."""
@@ -334,7 +336,8 @@ class KerasRegressor(RegressorMixin, _KerasEstimator):
 
     def predict(self, X: Any) -> Any:
         """Predicted targets (a lazy Dask array for Dask ``X``)."""
-        out = self._outputs(X)
+        # scikit-learn's regressors predict float64 (its checks say so)
+        out = self._outputs(X).astype(np.float64)
         return out[:, 0] if getattr(self, "_ravel", False) and out.ndim == 2 else out
 
     def score(self, X: Any, y: Any, sample_weight: Any = None) -> float:

@@ -164,7 +164,9 @@ def test_scikit_learn_estimator_checks(client, estimator):
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        results = check_estimator(estimator(seed=0), on_fail=None,
+        # One worker: the checks fit ~100 times on tiny data, and the replicas'
+        # set-up, not the steps, is what each fit costs.
+        results = check_estimator(estimator(seed=0, n_workers=1), on_fail=None,
                                   expected_failed_checks=EXPECTED_FAILURES)
     failed = {r["check_name"]: repr(r["exception"])[:300] for r in results
               if r["status"] == "failed"}

@@ -186,7 +186,7 @@ def test_mismatched_inputs_fail_before_any_task(client):
         dasktf.predict(model, {"a": x3, "b": da.zeros((41, 2))}, client=client)
     with pytest.raises(ValueError, match="batch_size must be a positive integer"):
         dasktf.predict(model, {"a": x3, "b": x2}, batch_size=0, client=client)
-    with pytest.raises(TypeError, match="model must be a keras.Model"):
+    with pytest.raises(TypeError, match=r"model must be a keras\.Model"):
         dasktf.predict(42, x3, client=client)
     assert _scheduler_tasks(client) == before
 
@@ -219,6 +219,27 @@ def test_models_are_built_once_per_worker(client):
     held = client.run(cached_models)
     assert sum(keys.count(key) for keys in held.values()) >= 1
     assert all(keys.count(key) <= 1 for keys in held.values())
+
+
+def test_inference_cache_keeps_the_last_few_models():
+    """The worker-side LRU, in this process: one model per package, the least
+    recently used dropped past dasktf.inference.cache-size."""
+    from dasktf.runtime.inference import cached_models, inference_model
+    from dasktf.transport import ModelPackage
+
+    packages = [ModelPackage.pack(_mlp(seed=s)) for s in (11, 12, 13)]
+    with dask.config.set({"dasktf.inference.cache-size": 2}):
+        first = inference_model(packages[0])
+        assert inference_model(packages[0]) is first
+        inference_model(packages[1])
+        inference_model(packages[0])  # used again: now the most recent
+        inference_model(packages[2])
+        held = cached_models()
+    assert packages[1].key not in held
+    assert held[-2:] == [packages[0].key, packages[2].key]
+    x = _rows(50)
+    np.testing.assert_allclose(first.predict(x, batch_size=16),
+                               first.model.predict(x, verbose=0), atol=ATOL)
 
 
 def test_evaluate_equals_keras(client):

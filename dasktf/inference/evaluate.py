@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dasktf.data.partitions import is_dask_frame
+from dasktf.data.partitions import label_columns
 from dasktf.inference.inputs import plan_inputs, probe_outputs
 from dasktf.inference.predict import client_of, load_model, positive_batch_size
 from dasktf.models import CompileRecipe, compiled_args, portable_metrics
@@ -74,7 +74,7 @@ def evaluate(model: Any, x: Any, y: Any = None, *, batch_size: int | None = None
                          "with it (as Keras' evaluate does).")
     batch_size = positive_batch_size(batch_size)
     client = client_of(client)
-    x, y, sample_weight = _columns_of(x, y, sample_weight)
+    x, y, sample_weight = label_columns(x, y, sample_weight)
     plan = plan_inputs(model, x, y, sample_weight)
     probe_outputs(model, plan)
     recipe = evaluation_recipe(model)
@@ -107,28 +107,6 @@ def evaluation_recipe(model: Any) -> CompileRecipe:
         keras.optimizers.serialize(keras.optimizers.SGD()), given.get("loss"),
         given.get("loss_weights"), portable_metrics(given.get("metrics")),
         portable_metrics(given.get("weighted_metrics")))
-
-
-def _columns_of(x: Any, y: Any, sample_weight: Any) -> tuple[Any, Any, Any]:
-    """``y`` or ``sample_weight`` given as column names of a DataFrame ``x``
-    become those columns, taken out of ``x`` (as :func:`dasktf.fit` takes them)."""
-    def names(v: Any) -> bool:
-        return isinstance(v, str) or (isinstance(v, list) and bool(v)
-                                      and all(isinstance(c, str) for c in v))
-
-    named = [v for v in (y, sample_weight) if names(v)]
-    if not named:
-        return x, y, sample_weight
-    if not is_dask_frame(x) or x.ndim != 2:
-        raise ValueError("y or sample_weight names columns, so x must be one Dask "
-                         "DataFrame holding them.")
-    columns = [c for v in named for c in ([v] if isinstance(v, str) else v)]
-    missing = [c for c in columns if c not in x.columns]
-    if missing:
-        raise ValueError(f"Columns {missing} are not in x (its columns: {list(x.columns)}).")
-    y = x[y] if names(y) else y
-    sample_weight = x[sample_weight] if names(sample_weight) else sample_weight
-    return x.drop(columns=columns), y, sample_weight
 
 
 def _states(plan: Any, package: Any, recipe: CompileRecipe, batch_size: int) -> Any:

@@ -272,12 +272,12 @@ def _match_one(spec: Any, x: Nest, found: dict[str, tuple[int, Any, Any]]) -> Fe
     x_paths = [p for p in paths if p == "x" or p.startswith("x[")]
     if len(x_paths) != 1:
         raise ValueError(
-            f"The model takes one input {spec.name!r} of shape "
-            f"{_shape(spec)}; x holds {len(x_paths)} arrays ({', '.join(x_paths)}).")
+            f"The model takes one input (rows of shape {_shape(spec)}); x holds "
+            f"{len(x_paths)} arrays ({', '.join(x_paths)}).")
     path = x_paths[0]
     if isinstance(x, dict) and str(next(iter(x))) != str(spec.name):
-        raise ValueError(f"x's key {next(iter(x))!r} is not the model's input "
-                         f"{spec.name!r}.")
+        raise ValueError(f"x's key {next(iter(x))!r} is not the name of "
+                         f"{_called(str(spec.name))}.")
     return _feed(found[path], spec, path, str(spec.name))
 
 
@@ -323,12 +323,12 @@ def _check_kinds(dtypes: list[Any], text_input: bool, path: str, name: str | Non
     texts = [_is_text(d) for d in dtypes]
     if text_input and not all(texts):
         raise ValueError(
-            f"{path} holds numbers ({', '.join(str(d) for d in dtypes)}), but the model's "
-            f"input {name!r} takes strings (dtype string).")
+            f"{path} holds numbers ({', '.join(str(d) for d in dtypes)}), but "
+            f"{_called(name)} takes strings (dtype string).")
     if not text_input and any(texts):
         said = ", ".join(str(d) for d, t in zip(dtypes, texts, strict=True) if t)
         raise ValueError(
-            f"{path} holds text ({said}), but the model's input {name!r} takes numbers: "
+            f"{path} holds text ({said}), but {_called(name)} takes numbers: "
             "give the model a StringLookup (keras.Input(dtype='string')) for it, or "
             "encode it first (e.g. df[col].cat.codes).")
 
@@ -341,9 +341,16 @@ def _check_shape(row: tuple[int, ...], want: tuple[Any, ...], path: str,
     if row == () and tuple(want) in ((1,), (None,)):  # a column for a (None, 1) input
         return
     raise ValueError(
-        f"{path} has rows of shape {tuple(row)}, but the model's input {name!r} takes "
-        f"rows of shape {tuple(want)}. Reshape {path}, or check which array feeds "
-        "which input.")
+        f"{path} has rows of shape {tuple(row)}, but {_called(name)} takes rows of "
+        f"shape {tuple(want)}. Reshape {path}, or check which array feeds which input.")
+
+
+def _called(name: str | None) -> str:
+    """How a message names a model input: Keras names an unnamed one
+    ``keras_tensor_<n>``, which says nothing to the user."""
+    if name is None or name.startswith("keras_tensor"):
+        return "the model's input"
+    return f"the model's input {name!r}"
 
 
 def probe_outputs(model: Any, plan: InputPlan) -> Nest:
