@@ -11,13 +11,14 @@ One run, side by side, on the same rows (issue 29):
   ``X.map_blocks(lambda b: model.predict(b))`` as users write it (the model
   pickled into every task, Keras' batch of 32 and its progress bar), plus the
   same workaround with ``batch_size=1024, verbose=0``. ``--rounds`` interleaved
-  rounds; the first includes each method's start-up (tracing, the workers'
-  model builds).
+  rounds on workers that have imported TensorFlow; the first includes each
+  method's start-up (tracing, dasktf's model builds on the workers).
 * **client memory**: this process's RSS before and after ``dasktf.predict``
   (sampled every 50 ms in between: the peak too).
 * **scheduler memory**: the scheduler's RSS and the bytes of the task specs it
   holds after a graph of 10 and of 1,000 partitions is submitted (100,000 rows,
-  results kept on the workers), for dasktf.predict and for the workaround.
+  results kept on the workers), for dasktf.predict, for the workaround, and for a
+  ``map_blocks`` with no model (what any Dask task costs the scheduler).
 
 Usage: ``python benchmarks/predict.py [--rows 2000000] [--workers 2] [--rounds 2]``.
 """
@@ -88,6 +89,15 @@ def scheduler_state(dask_scheduler) -> tuple[int, int, int]:
     return psutil.Process().memory_info().rss, len(dask_scheduler.tasks), spec
 
 
+def _import_tensorflow() -> None:
+    import tensorflow  # noqa: F401
+
+
+def plain(block: np.ndarray) -> np.ndarray:
+    """A task with no model at all: Dask's own cost per partition."""
+    return block.reshape(len(block), -1)[:, :10].astype(np.float32)
+
+
 def workaround(model, x, **kwargs):
     """The map_blocks workaround: the model goes into every task's arguments."""
     return x.map_blocks(lambda b: model.predict(b, **kwargs), dtype=np.float32,
@@ -123,6 +133,7 @@ def main() -> None:
                                                                                    np.uint8))
         x = client.persist(x)
         wait(x)
+        client.run(_import_tensorflow)  # a cluster that has run TensorFlow before
         methods = {
             "keras model.predict (this process, batch 1024)":
                 lambda: model.predict(local, batch_size=1024, verbose=0),
@@ -155,8 +166,10 @@ def main() -> None:
         small = da.zeros((100_000, 28, 28), dtype=np.uint8, chunks=(10_000, 28, 28))
         for parts in (10, 1000):
             xs = small.rechunk((100_000 // parts, 28, 28))
-            for name, make in (("dasktf.predict", lambda xs=xs: dasktf.predict(
-                    model, xs, client=client)),
+            for name, make in (
+                    ("map_blocks, no model (Dask's own cost)", lambda xs=xs: xs.map_blocks(
+                        plain, dtype=np.float32, chunks=(xs.chunks[0], (10,)), drop_axis=2)),
+                    ("dasktf.predict", lambda xs=xs: dasktf.predict(model, xs, client=client)),
                     ("map_blocks workaround", lambda xs=xs: workaround(model, xs, verbose=0))):
                 before = client.run_on_scheduler(scheduler_state)
                 held = client.persist(make())
