@@ -32,9 +32,10 @@ from dasktf.data.sources import (
     make_source,
     split_validation,
     unpack_validation,
-    validation_shard,
 )
 from dasktf.engines.holder.options import validate_mode_options
+from dasktf.inference.evaluate import evaluate
+from dasktf.inference.predict import predict
 from dasktf.models import ModelLike
 from dasktf.run.options import (
     FaultOptions,
@@ -43,7 +44,6 @@ from dasktf.run.options import (
     validate_fault_options,
 )
 from dasktf.run.run import Run
-from dasktf.runtime.keras_step import keras_ready
 
 if TYPE_CHECKING:
     from distributed import Client
@@ -490,19 +490,25 @@ class Trainer:
         self.history = history
         return history
 
-    def evaluate(
-        self, x: Any, y: Any, *, batch_size: int = 256, sample_weight: Any = None,
-        verbose: int = 0
-    ) -> dict[str, float]:
-        """Evaluate the trained model on the client; returns ``{"loss": ..., ...}``."""
+    def evaluate(self, x: Any, y: Any = None, *, batch_size: int | None = None,
+                 sample_weight: Any = None) -> dict[str, float]:
+        """The trained model's loss and metrics on ``x``, ``y``, computed on this
+        trainer's cluster where the data lives (:func:`dasktf.evaluate`): what
+        Keras' ``evaluate(return_dict=True)`` returns on the same rows."""
+        return evaluate(self._trained(), x, y, batch_size=batch_size,
+                        sample_weight=sample_weight, client=self.client)
+
+    def predict(self, x: Any, *, batch_size: int | None = None,
+                as_frame: bool = False) -> Any:
+        """The trained model's predictions on ``x`` on this trainer's cluster, as
+        lazy Dask collections (:func:`dasktf.predict`)."""
+        return predict(self._trained(), x, batch_size=batch_size, as_frame=as_frame,
+                       client=self.client)
+
+    def _trained(self) -> Any:
         if self.model is None:
-            raise RuntimeError("Call fit() before evaluate().")
-        data = validation_shard((x, y, sample_weight))
-        return self.model.evaluate(  # type: ignore[no-any-return]
-            keras_ready(data.x), data.y, sample_weight=data.w, batch_size=batch_size,
-            verbose=verbose,
-            return_dict=True,
-        )
+            raise RuntimeError("Call fit() before evaluate() or predict().")
+        return self.model
 
 
 @_explain_unknown_options

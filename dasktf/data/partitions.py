@@ -171,6 +171,14 @@ def select_columns(x: Nest, y: Any, sample_weight: Any) -> tuple[Nest, Nest, Nes
     if y is None:
         raise ValueError("y is required when x is a Dask DataFrame: give a Series, a "
                          "DataFrame, or the name(s) of x's label column(s).")
+    x, y, sample_weight = label_columns(x, y, sample_weight)
+    check_numeric({"x": x, "y": y, "sample_weight": sample_weight})
+    return x, y, sample_weight
+
+
+def label_columns(x: Nest, y: Any, sample_weight: Any) -> tuple[Nest, Nest, Nest]:
+    """``y`` and ``sample_weight`` given as column names of a DataFrame ``x`` become
+    those columns, taken out of ``x``; anything else is returned as it is."""
     named = [v for v in (y, sample_weight) if _names_columns(v)]
     if named:
         if not is_dask_frame(x) or x.ndim != 2:
@@ -184,7 +192,6 @@ def select_columns(x: Nest, y: Any, sample_weight: Any) -> tuple[Nest, Nest, Nes
         y = x[y] if _names_columns(y) else y
         sample_weight = x[sample_weight] if _names_columns(sample_weight) else sample_weight
         x = x.drop(columns=columns)
-    check_numeric({"x": x, "y": y, "sample_weight": sample_weight})
     return x, y, sample_weight
 
 
