@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 
+import dask
 import keras
 import numpy as np
 import pytest
@@ -91,8 +92,15 @@ def hooked(hook):
 
 @pytest.fixture(scope="module")
 def spare_cluster():
-    """Three workers whose nannies restart a killed one (a fresh address)."""
-    with dasktf.make_local_cluster(3, tf_threads=1) as cluster:
+    """Three workers whose nannies restart a killed one (a fresh address, the same
+    name). A LocalCluster closes a worker's nanny for good when no worker of its name
+    is back ``distributed.deploy.lost-worker-timeout`` (15 s) after a removal: with a
+    kill every few seconds, the timer of one kill can find the same name killed again
+    and still restarting, and the cluster is left a worker short (the next Client
+    starts the nanny again, whose worker may then be refused: "name taken"). Here
+    the nannies' restarts are the point, so the timer is turned off."""
+    with dask.config.set({"distributed.deploy.lost-worker-timeout": "1 hour"}), \
+            dasktf.make_local_cluster(3, tf_threads=1) as cluster:
         yield cluster
 
 
