@@ -37,6 +37,7 @@ from dasktf.engines.holder.options import validate_mode_options
 from dasktf.inference.evaluate import evaluate
 from dasktf.inference.predict import predict
 from dasktf.models import ModelLike
+from dasktf.run.inputs import DEFAULT_EVAL_BATCH_SIZE, RunInputs
 from dasktf.run.options import (
     FaultOptions,
     TrainOptions,
@@ -476,16 +477,19 @@ class Trainer:
         plugin = None
         if o.threads_per_worker is not None or not getattr(self, "_owned", False):
             plugin = TensorFlowSetup(o.threads_per_worker or default_tf_threads(len(workers)))
-        run = Run(self, client, workers, source, batch_size, shuffle, resources)
-        run.validation_data, run.verbose = validation_data, verbose
-        run.fault = options
-        run.eval_batch_size = validation_batch_size or run.eval_batch_size
+        inputs = RunInputs(
+            options=o, fault=options, source=source, batch_size=batch_size,
+            epochs=epochs, initial_epoch=initial_epoch, shuffle=shuffle,
+            validation_data=validation_data,
+            eval_batch_size=validation_batch_size or DEFAULT_EVAL_BATCH_SIZE,
+            verbose=verbose, callbacks=tuple(callbacks or ()), model=self.model,
+        )
+        run = Run(inputs, client, workers, resources)
         try:
-            # a worker lost while setting up: recovered, or named with the phase
-            run.set_up(epochs, plugin)
-            history = run.train(epochs, callbacks, verbose, initial_epoch)
+            history = run.fit(plugin)
         finally:
-            run.close()
+            if run.model is not None:  # trained in place, even by a run that failed
+                self.model = run.model
         history.wall_seconds = time.perf_counter() - started
         self.history = history
         return history

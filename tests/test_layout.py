@@ -5,6 +5,7 @@
   import cycles, function-level imports included (contracts in ``pyproject.toml``);
   grimp, with annotation-only imports counted too, that engines/, runtime/ and
   run/guard.py are in no circle and the guard imports only the engine contract;
+  an AST scan of the whole package, every import counted, that there is no circle;
 * no module takes a ``_private`` name from another dasktf module;
 * no module over 600 lines, no class over 300 unless listed here with the reason;
 * ``fit`` and ``Trainer`` take the same options; the documented import paths work.
@@ -61,6 +62,68 @@ print(json.dumps(out))
 """
 
 
+# Every import inside the package, module to module: TYPE_CHECKING and function-level
+# imports included (a circle of annotation-only imports is still two modules that
+# cannot be read, or changed, apart). Prints the edges and the circles (strongly
+# connected components); ``python tests/test_layout.py`` prints the figures.
+_GRAPH = r"""
+import ast, json, sys
+from pathlib import Path
+sys.setrecursionlimit(10000)
+root = Path(sys.argv[1]); package = root / "dasktf"
+modules = {}
+for path in sorted(package.rglob("*.py")):
+    parts = path.relative_to(root).with_suffix("").parts
+    modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+edges = set()
+for name, path in modules.items():
+    package_name = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package_name.split(".")[:len(package_name.split(".")) - node.level + 1]
+                base = ".".join(up + ([base] if base else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
+                       for a in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target and target != name and not name.startswith(target + "."):
+                edges.add((name, target))
+out = {m: sorted(b for a, b in edges if a == m) for m in modules}
+index, low, stack, on, circles = {}, {}, [], set(), []
+def visit(v):
+    index[v] = low[v] = len(index); stack.append(v); on.add(v)
+    for w in out[v]:
+        if w not in index:
+            visit(w); low[v] = min(low[v], low[w])
+        elif w in on:
+            low[v] = min(low[v], index[w])
+    if low[v] == index[v]:
+        component = []
+        while not component or component[-1] != v:
+            component.append(stack.pop()); on.discard(component[-1])
+        if len(component) > 1:
+            circles.append(sorted(component))
+for m in modules:
+    if m not in index:
+        visit(m)
+print(json.dumps({"modules": len(modules), "edges": len(edges), "circles": circles}))
+"""
+
+
+def import_graph() -> dict:
+    """The package's import figures: modules, edges, circles (see ``_GRAPH``)."""
+    result = subprocess.run([sys.executable, "-c", _GRAPH, str(ROOT)], capture_output=True,
+                            text=True, timeout=120, check=True)
+    return json.loads(result.stdout)
+
+
 def _scan() -> dict:
     result = subprocess.run([sys.executable, "-c", _SCAN, str(ROOT)], capture_output=True,
                             text=True, timeout=120, check=True)
@@ -109,6 +172,16 @@ def test_annotation_imports_keep_the_engines_and_the_guard_apart():
     engines = sorted(m for m in graph.find_modules_directly_imported_by("dasktf.run.guard")
                      if m.startswith("dasktf.engines"))
     assert engines == ["dasktf.engines.base"], engines
+
+
+def test_no_import_circle_annotation_only_imports_included():
+    """The whole package, every import counted (TYPE_CHECKING and function-level):
+    no two modules import each other, directly or around a circle. The run and
+    its Trainer used to (``run/run.py`` <-> ``trainer.py``, through annotations)."""
+    graph = import_graph()
+    assert graph["edges"] > 100, graph  # the scan found the package's imports
+    assert not graph["circles"], "import circles:\n" + "\n".join(
+        " <-> ".join(c) for c in graph["circles"])
 
 
 def test_no_private_name_crosses_a_module():
@@ -161,3 +234,7 @@ def test_readme_opens_with_the_commands_and_stays_short():
     assert 'pip install -e ".[cpu]" && dasktf fit --workers 3' in first_block
     assert 'pip install -e ".[gpu]"' in first_block
     assert "bash .ci/run" in first_block
+
+
+if __name__ == "__main__":
+    print(json.dumps(import_graph(), indent=1))

@@ -6,12 +6,12 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from dasktf import config
-from dasktf.engines.base import Engine
+from dasktf.engines.base import Engine, RunHooks
 from dasktf.engines.collective.engine import CollectiveEngine
 from dasktf.engines.graph.elastic import ElasticSyncEngine
 from dasktf.engines.holder.engine import AsyncEngine
@@ -28,22 +28,27 @@ if TYPE_CHECKING:
     from dasktf.run.options import FaultOptions, TrainOptions
 
 
-class EngineInputs(Protocol):
-    """What the factory reads of a run (:class:`dasktf.run.run.Run`), once its
-    replicas are built."""
+@dataclass(frozen=True)
+class EngineInputs:
+    """What the factory builds a run's engine from, once its replicas are built
+    (:meth:`dasktf.run.run.Run.set_up` gathers it)."""
 
+    options: TrainOptions
+    fault: FaultOptions
+    epochs: int
     ctx: RunContext
-    trainer: Any
-    guard: Any
     workers: list[str]
     #: ``{worker index: factor}``, re-indexed after a loss during the set-up
     slow_workers: dict[int, float]
     placed: PlacedData
+    #: the client's model (its variables' shapes)
     model: Any
-    fault: FaultOptions
-    #: the replica config, the initial weights (futures) and the validation shards
-    engine_inputs: tuple[Any, Any, list[Any]]
-    engine_plan: EnginePlan
+    #: the replicas' config, the initial weights (futures, ``None``: the model
+    #: package's) and the validation shards
+    config: Any
+    weights: Any
+    validation: list[Any]
+    plan: EnginePlan
 
 
 @dataclass(frozen=True)
@@ -139,38 +144,38 @@ def warn_collective_hint(hint: str | None) -> None:
         warnings.warn(hint, EngineHint, stacklevel=2)
 
 
-def make_engine(run: EngineInputs, epochs: int) -> Engine:
+def make_engine(inputs: EngineInputs, hooks: RunHooks) -> Engine:
     """The engine of one run: async or quorum around a parameter holder; sync on the
     collective engine when it is asked for by name, else on the fault-tolerant
     task-graph engine (with :func:`collective_hint`'s hint where the collective
-    engine would have been faster). The run's guard supplies the hooks."""
-    t = run.trainer.options
-    hooks = run.guard.hooks()
-    cfg, weights, val = run.engine_inputs
+    engine would have been faster). ``hooks``: what the run's guard gives it."""
+    t, epochs = inputs.options, inputs.epochs
+    cfg, weights, val = inputs.config, inputs.weights, inputs.validation
+    placed = inputs.placed
     if t.mode == "sync" and t.sync_quorum is None:
         if resolve_engine(t.engine) == "collective":
-            return CollectiveEngine(run.ctx, cfg, run.placed.shards, run.placed.schedule,
+            return CollectiveEngine(inputs.ctx, cfg, placed.shards, placed.schedule,
                                     weights, val, hooks,
-                                    keep_state=run.fault.checkpoint_dir is not None)
-        options = run.fault
-        shapes = [tuple(v.shape) for v in run.model.trainable_variables]
+                                    keep_state=inputs.fault.checkpoint_dir is not None)
+        options = inputs.fault
+        shapes = [tuple(v.shape) for v in inputs.model.trainable_variables]
         warn_collective_hint(collective_hint(
-            t.engine, t.mode, t.sync_quorum, run.slow_workers,
-            sum(int(np.prod(s)) for s in shapes), len(run.workers),
-            epochs * run.ctx.steps_per_epoch, bool(run.ctx.resources),
+            t.engine, t.mode, t.sync_quorum, inputs.slow_workers,
+            sum(int(np.prod(s)) for s in shapes), len(inputs.workers),
+            epochs * inputs.ctx.steps_per_epoch, bool(inputs.ctx.resources),
             bool(options.checkpoint_dir or options.resume or options.scale_lr)))
-        spec = dataclasses.replace(t.comm, n_workers=len(run.workers))
-        return ElasticSyncEngine(run.ctx, spec, shapes, run.placed.schedule, hooks,
-                                 average_stats=bool(non_trainable_floats(run.model)),
-                                 ps_layout=run.engine_plan.ps_layout, local=t.local)
-    holder = choose_holder(run.workers, run.slow_workers)
-    args = (run.ctx, run.workers[holder], cfg, weights, run.placed.shards[holder], val,
-            run.placed.schedule)
+        spec = dataclasses.replace(t.comm, n_workers=len(inputs.workers))
+        return ElasticSyncEngine(inputs.ctx, spec, shapes, placed.schedule, hooks,
+                                 average_stats=bool(non_trainable_floats(inputs.model)),
+                                 ps_layout=inputs.plan.ps_layout, local=t.local)
+    holder = choose_holder(inputs.workers, inputs.slow_workers)
+    args = (inputs.ctx, inputs.workers[holder], cfg, weights, placed.shards[holder], val,
+            placed.schedule)
     if t.mode == "async":
         # num_ps=K: K holders, one slice each (K=1: the one holder above)
         holders, plan = plan_holders(
-            run.workers, run.slow_workers,
-            [tuple(v.shape) for v in run.model.trainable_variables], t.comm.num_ps,
+            inputs.workers, inputs.slow_workers,
+            [tuple(v.shape) for v in inputs.model.trainable_variables], t.comm.num_ps,
         )
         return AsyncEngine(*args, max_staleness=t.max_staleness,
                            staleness_lr=t.staleness_lr, epochs=epochs, holders=holders,

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
     from dasktf.cluster.waits import RunContext
     from dasktf.data.sources import PlacedData
-    from dasktf.run.options import FaultOptions
+    from dasktf.run.inputs import RunInputs
 
 logger = logging.getLogger(__name__)
 
@@ -44,19 +44,16 @@ WARMUP_STEPS = 5
 
 
 class GuardedRun(Protocol):
-    """What the guard reads of its run (:class:`dasktf.run.run.Run`)."""
+    """What the guard reads of its run (:class:`dasktf.run.run.Run`) as it goes:
+    where it runs now and what it placed. What the fit call asked for comes once,
+    frozen (:class:`~dasktf.run.inputs.RunInputs`)."""
 
     client: Client
     ctx: RunContext
-    trainer: Any
     run_id: str
-    workers: list[str]
     placed: PlacedData
-    source: Any
-    validation_data: tuple[Any, Any] | None
     batch_size: int
-    shuffle: bool
-    verbose: int
+    #: the client's model (a resume loads the checkpoint's weights into it)
     model: Any
     spec_description: str
 
@@ -68,11 +65,12 @@ class GuardedRun(Protocol):
 class RunGuard:
     """Fault tolerance for one run (see the module docstring)."""
 
-    def __init__(self, run: GuardedRun, options: FaultOptions, epochs: int) -> None:
+    def __init__(self, run: GuardedRun, inputs: RunInputs) -> None:
         self.run = run
-        self.options = options
-        self.epochs = epochs
-        self.n0 = len(run.workers)
+        self.inputs = inputs
+        self.options = inputs.fault
+        self.epochs = inputs.epochs
+        self.n0 = len(run.ctx.workers)
         self.batch0 = run.batch_size
         self.started = time.time()
         self.last_checkpoint: Path | None = None
@@ -86,8 +84,8 @@ class RunGuard:
         return RunHooks(
             publish=run.publish, announce=self.announce, reload=self._reload,
             last_checkpoint=self._on_all_lost, holder_inputs=self._holder_inputs,
-            on_worker_loss=self.options.on_worker_loss, shuffle=run.shuffle,
-            on_epoch_end=run.trainer.options.on_epoch_end,
+            on_worker_loss=self.options.on_worker_loss, shuffle=self.inputs.shuffle,
+            on_epoch_end=self.inputs.options.on_epoch_end,
         )
 
     def scheduler_lost(self, exc: BaseException) -> Exception | None:
@@ -112,7 +110,7 @@ class RunGuard:
 
     def announce(self, line: str) -> None:
         self.lines.append(line)
-        if self.run.verbose:
+        if self.inputs.verbose:
             print(f"dasktf: {line}", flush=True)  # the CLI's one line per loss
         logger.warning("%s", line)
 
@@ -120,13 +118,14 @@ class RunGuard:
         """Shard ``index`` (and its validation piece) placed on ``worker`` again."""
         run = self.run
         n = run.placed.schedule.shape[1]
-        shard = reload_shard(run.client, run.source, index, n, worker,
+        shard = reload_shard(run.client, self.inputs.source, index, n, worker,
                              run.placed.schedule, run.batch_size)
         val = None
-        if run.validation_data is not None:
+        validation_data = self.inputs.validation_data
+        if validation_data is not None:
             from dasktf.data.sources import validation_piece, validation_shard
 
-            piece = validation_piece(validation_shard(run.validation_data), index, n)
+            piece = validation_piece(validation_shard(validation_data), index, n)
             val = run.client.scatter(piece, workers=[worker], direct=True, hash=False)
         return shard, val
 
@@ -135,11 +134,11 @@ class RunGuard:
         (to build its model) and the whole validation set, placed there."""
         run = self.run
         val = None
-        if run.validation_data is not None:
+        if self.inputs.validation_data is not None:
             from dasktf.data.sources import validation_shard
 
-            val = run.client.scatter(validation_shard(run.validation_data), workers=[worker],
-                                     direct=True, hash=False)
+            val = run.client.scatter(validation_shard(self.inputs.validation_data),
+                                     workers=[worker], direct=True, hash=False)
         probe = val if val is not None else self._reload(0, worker)[0]
         return probe, [val]
 
@@ -215,7 +214,7 @@ class RunGuard:
             return None
         run = self.run
         meta = {
-            **cut.fields, "epochs": self.epochs, "seed": run.trainer.options.seed,
+            **cut.fields, "epochs": self.epochs, "seed": self.inputs.options.seed,
             "batch_size": run.batch_size, "workers": list(run.ctx.workers),
             "mode": engine.mode, "run": run.run_id, "model": run.spec_description,
             "wall_time": time.time(),

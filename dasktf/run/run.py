@@ -6,7 +6,6 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from dasktf import config
@@ -41,9 +40,9 @@ from dasktf.run.compiling import (
     factory_input_shape,
     num_outputs,
 )
-from dasktf.run.engine import make_engine, plan_engine
+from dasktf.run.engine import EngineInputs, make_engine, plan_engine
 from dasktf.run.guard import RunGuard
-from dasktf.run.options import FaultOptions
+from dasktf.run.inputs import RunInputs
 from dasktf.run.setup import SetupGuard, enter_phase, register_worker_plugin
 from dasktf.runtime.keras_step import build_metrics, merge_metric_states
 from dasktf.runtime.replica import ReplicaConfig
@@ -53,8 +52,6 @@ from dasktf.transport import ModelPackage, SharedModel, set_seed_states, share_m
 if TYPE_CHECKING:
     from distributed import Client
 
-    from dasktf.trainer import Trainer
-
 logger = logging.getLogger(__name__)
 
 class Run:
@@ -62,35 +59,29 @@ class Run:
 
     def __init__(
         self,
-        trainer: Trainer,
+        inputs: RunInputs,
         client: Client,
         workers: list[str],
-        source: Any,
-        batch_size: int,
-        shuffle: bool,
         resources: dict[str, float] | None = None,
     ) -> None:
-        self.trainer = trainer
+        #: what the fit call asked for, frozen (dasktf.run.inputs)
+        self.inputs = inputs
+        self.options = inputs.options
         self.client = client
         self.workers = workers
-        #: where the shards come from (dasktf.data.sources); placed by set_up
-        self.source = source
         self.placed: PlacedData | None = None
-        self.batch_size = batch_size
-        self.shuffle = shuffle
+        #: the global batch now (a re-form with ``scale_lr`` changes it)
+        self.batch_size = inputs.batch_size
         self.run_id = uuid.uuid4().hex[:10]
         self.ctx = RunContext(client, self.run_id, workers, 0, resources)
-        #: ``{worker index: factor}``: the trainer's ``slow_workers``, re-indexed
+        #: ``{worker index: factor}``: the options' ``slow_workers``, re-indexed
         #: when a worker is lost during the set-up
-        self.slow_workers = dict(trainer.options.slow_workers)
+        self.slow_workers = dict(inputs.options.slow_workers)
         self.replica_info: list[dict[str, Any]] = []
+        #: the client's model, trained in place: what the run hands back
+        self.model: Any = None
         self._latest_loss: float | None = None
         self._futures: list[Any] = []
-        # fault tolerance (dasktf.run.guard, dasktf.run.setup); Trainer.fit sets them
-        self.validation_data: tuple[Any, Any] | None = None
-        self.verbose = 0
-        self.fault = FaultOptions()
-        self.eval_batch_size = 256
         self._generation = 0
         self._cfg: ReplicaConfig | None = None
         self.engine: Engine | None = None
@@ -101,16 +92,27 @@ class Run:
         self.shared: SharedModel | None = None
         self._factory: Any = None
 
+    def fit(self, plugin: Any = None) -> History:
+        """Set the run up (:meth:`set_up`, registering ``plugin`` on the workers),
+        train it (:meth:`train`) and clean up (:meth:`close`), whatever happened.
+        Returns the :class:`History`, whose ``model`` is the trained model."""
+        try:
+            # a worker lost while setting up: recovered, or named with the phase
+            self.set_up(plugin)
+            return self.train()
+        finally:
+            self.close()
+
     # -- set-up -------------------------------------------------------------------
     def _reference_model(self) -> tuple[Any, Any]:
         """Build (or take) the client-side model; check the shapes. Returns the
         model and its outputs on a probe batch."""
         import keras
 
-        t, o = self.trainer, self.trainer.options
+        o = self.options
         stats = self.placed.stats[0]
-        if t.model is not None:  # a second fit() continues from the trained weights
-            model = t.model
+        if self.inputs.model is not None:  # a second fit() continues from its weights
+            model = self.inputs.model
         elif isinstance(o.model, keras.Model):
             model = o.model
         else:
@@ -135,13 +137,13 @@ class Run:
             ) from exc
         return model, y_pred
 
-    def set_up(self, epochs: int, plugin: Any = None) -> None:
+    def set_up(self, plugin: Any = None) -> None:
         """Connect to the workers, register ``plugin`` (a worker plugin, if any) on
         them, place the data, build the replicas and start the engine: the phases of
         :data:`dasktf.run.setup.PHASES`. A worker lost in any of them is recovered by
         doing the set-up again on the survivors, or raised naming it and the phase
         (:class:`~dasktf.run.setup.SetupGuard`)."""
-        setup = self.setup = SetupGuard(self)
+        setup = self.setup = SetupGuard(self.ctx, self.inputs)
         while True:
             try:
                 with setup.phase("connecting"):
@@ -149,17 +151,17 @@ class Run:
                         self.ctx.watcher = MembershipWatcher(self.client)
                 if plugin is not None:
                     with setup.phase("registering plugins"):
-                        register_worker_plugin(self, plugin, "registering plugins")
+                        register_worker_plugin(self.ctx, plugin, "registering plugins")
                     plugin = None  # stored by the scheduler for every worker
                 with setup.phase("placing data"):
                     self._place()
                 with setup.phase("building replicas"):
                     if self._cfg is None:
-                        self._prepare(self.validation_data)
+                        self._prepare()
                     self._create_replicas()
                 with setup.phase("starting the engine"):
-                    self.guard = RunGuard(self, self.fault, epochs)
-                    self.engine = make_engine(self, epochs)
+                    self.guard = RunGuard(self, self.inputs)
+                    self.engine = make_engine(self._engine_inputs(), self.guard.hooks())
                     self.begin_at = self.guard.begin(self.engine)
                     self.engine.prepare()
             except WorkerLostError as exc:
@@ -193,13 +195,13 @@ class Run:
 
     def _place(self) -> None:
         """Place the shards over the run's workers (never waiting on a lost one)."""
-        self.placed = self.source.place(WatchedClient(self.ctx, "placing data"),
+        self.placed = self.inputs.source.place(WatchedClient(self.ctx, "placing data"),
                                         self.workers, self.batch_size)
         self.ctx.steps_per_epoch = self.placed.steps_per_epoch
 
-    def _prepare(self, validation_data: tuple[Any, Any, Any] | None) -> None:
+    def _prepare(self) -> None:
         """The client's model, its compile recipe and the replicas' config (once)."""
-        t, o = self.trainer, self.trainer.options
+        o = self.options
         model, y_pred = self._reference_model()
         stats = self.placed.stats[0]
         builtin = isinstance(o.model, str) and o.model in BUILTIN_MODELS
@@ -217,7 +219,6 @@ class Run:
                 f"name: {list(getattr(model, 'output_names', []) or [])})."
             ) from exc
         self.model = model
-        t.model = model
         self.spec_description = (o.model if isinstance(o.model, str) else
                                  getattr(model, "name", ""))
         if o.comm.num_ps > 1:  # refuse a num_ps the parameters cannot be split over
@@ -235,17 +236,16 @@ class Run:
         self.shared = share_model(WatchedClient(self.ctx, "building replicas"), package,
                                   self.workers)
         self._cfg = ReplicaConfig(
-            self.shared.ref, recipe, o.seed, eval_batch_size=self.eval_batch_size,
+            self.shared.ref, recipe, o.seed, eval_batch_size=self.inputs.eval_batch_size,
             mixed_precision=o.mixed_precision,
             publish_metrics=bool(config.get("metrics")),
             comm=dataclasses.replace(o.comm, n_workers=len(self.workers)),
             local=o.local,
         )
-        self._validation = validation_data
 
     def _create_replicas(self) -> None:
         """One replica per worker of ``self.workers`` from ``self.model``'s weights."""
-        cfg, validation_data = self._cfg, self._validation
+        cfg, validation_data = self._cfg, self.inputs.validation_data
         client = WatchedClient(self.ctx, "building the replicas")
         val = (
             place_validation(client, validation_data, self.workers)
@@ -262,7 +262,7 @@ class Run:
                 self.placed.shards[i],
                 self.placed.schedule[:, i],
                 val[i],
-                self.shuffle,
+                self.inputs.shuffle,
                 self.slow_workers.get(i, 1.0),
                 key=f"dasktf-replica-{self.run_id}-{i}"
                 + (f"-g{self._generation}" if self._generation else ""),
@@ -273,23 +273,34 @@ class Run:
             for i, w in enumerate(self.workers)
         ]
         self._futures = futures
-        # the engines' replicas and holders start from the package's weights (None)
-        self.engine_inputs = (cfg, None, val)
+        self._validation_shards = val
         with _config_override("step-timeout", config.get("replica-timeout")):
             wait_for(self.ctx, futures, "building the replicas")
         self.replica_info = self.client.gather(futures)
 
     # -- the epoch loop -----------------------------------------------------------------
-    def train(self, epochs: int, callbacks: Sequence[Any] | None, verbose: int,
-              initial_epoch: int = 0) -> History:
+    def _engine_inputs(self) -> EngineInputs:
+        """What the factory builds this run's engine from (replicas built)."""
+        return EngineInputs(
+            options=self.options, fault=self.inputs.fault, epochs=self.inputs.epochs,
+            ctx=self.ctx, workers=self.workers, slow_workers=self.slow_workers,
+            placed=self.placed, model=self.model, config=self._cfg,
+            # the engines' replicas and holders start from the package's weights (None)
+            weights=None, validation=self._validation_shards, plan=self.engine_plan)
+
+    def train(self) -> History:
+        """The epoch loop, on a run :meth:`set_up` set up; returns its History."""
         import keras
+
+        inputs = self.inputs
+        epochs, verbose, initial_epoch = inputs.epochs, inputs.verbose, inputs.initial_epoch
 
         engine, guard, setup = self.engine, self.guard, self.setup
         assert engine and guard and setup, "Run.set_up() comes first"
         history = History()
         history.run_id, history.workers = self.run_id, list(self.workers)
         history.replica_info = self.replica_info
-        cbs = list(callbacks or [])
+        cbs = list(inputs.callbacks)
         if verbose:
             cbs.append(ProgressBar(self.batch_size) if verbose == 1 else _LinePrinter())
         cb = keras.callbacks.CallbackList(
@@ -305,7 +316,7 @@ class Run:
             engine.start_at(initial_epoch * engine.units(self.ctx.steps_per_epoch))
         # after begin: a resumed run's learning rate is the checkpoint's
         relay = LearningRateRelay(self.model, guard.lr_factor)
-        self.publish(self._run_start_record(epochs, engine))
+        self.publish(self._run_start_record(engine))
         for record in setup.records:  # workers lost while setting up
             self.publish(record)
         self.client.subscribe_topic(LOSS_TOPIC, self._on_event)
@@ -388,8 +399,8 @@ class Run:
         logs["epoch_seconds"] = seconds
         return logs
 
-    def _run_start_record(self, epochs: int, engine: Engine) -> dict[str, Any]:
-        local = engine.local
+    def _run_start_record(self, engine: Engine) -> dict[str, Any]:
+        local, epochs = engine.local, self.inputs.epochs
         return run_start_record(
             self.run_id, mode=engine.mode, engine=engine.engine,
             model=self.spec_description, workers=self.workers,

@@ -41,7 +41,8 @@ from dasktf.cluster.waits import call_watched, lost_workers
 from dasktf.exceptions import AllWorkersLostError, DasktfError, WorkerLostError
 
 if TYPE_CHECKING:
-    from dasktf.run.run import Run
+    from dasktf.cluster.waits import RunContext
+    from dasktf.run.inputs import RunInputs
 
 logger = logging.getLogger(__name__)
 
@@ -71,10 +72,11 @@ class SetupGuard:
     """The phases of one run's set-up and what a worker lost in one of them leads to
     (see the module)."""
 
-    def __init__(self, run: Run) -> None:
-        self.run = run
-        self.ctx = run.ctx
-        self.policy = run.fault.on_worker_loss
+    def __init__(self, ctx: RunContext, inputs: RunInputs) -> None:
+        #: the run's workers and id now (a set-up done again changes both)
+        self.ctx = ctx
+        self.inputs = inputs
+        self.policy = inputs.fault.on_worker_loss
         #: the ``recovered`` records, one per loss the set-up went on without
         self.losses: list[dict[str, Any]] = []
         #: ``worker_lost`` and ``recovered`` records, published once the run is
@@ -109,19 +111,19 @@ class SetupGuard:
     def recover(self, loss: WorkerLostError) -> list[str]:
         """The workers to set the run up again on, after ``loss``; raises where the
         run cannot go on (see the module)."""
-        ctx, run = self.ctx, self.run
+        ctx = self.ctx
         detected = time.time()
         self._detected = self._detected or detected
         phase = loss.phase or "the set-up"
         lost = sorted(set(loss.workers) | set(lost_workers(ctx)))
         survivors = [w for w in ctx.workers if w not in lost]
-        where = (f"Worker(s) {', '.join(lost)} left the cluster while run {run.run_id} "
+        where = (f"Worker(s) {', '.join(lost)} left the cluster while run {ctx.run_id} "
                  f"was being set up (phase: {phase}), before its first step")
         if not survivors:
             raise AllWorkersLostError(
                 f"{where}, and no worker of the run is left. Start workers and train "
                 "again.", lost, phase=phase) from loss
-        options = run.trainer.options
+        options = self.inputs.options
         why = None
         if self.policy == "raise":
             why = ("on_worker_loss='raise' stops the run. Restart the worker(s), or "
@@ -129,17 +131,17 @@ class SetupGuard:
         elif options.sync_quorum is not None and options.sync_quorum > len(survivors):
             why = (f"sync_quorum={options.sync_quorum} needs that many workers and "
                    f"{len(survivors)} are left. Restart the worker(s) or lower sync_quorum")
-        elif options.mode == "async" and run.fault.resume:
+        elif options.mode == "async" and self.inputs.fault.resume:
             why = ("an async run resumes only on as many workers as wrote its "
                    "checkpoint. Restart the worker(s) and resume again")
         if why is not None:
             raise WorkerLostError(f"{where}; {why}.", lost, phase=phase) from loss
-        record = {"run": run.run_id, "kind": "recovered", "phase": phase,
+        record = {"run": ctx.run_id, "kind": "recovered", "phase": phase,
                   "workers": survivors, "lost": lost, "moved": [], "reformed": True,
                   "steps_lost": 0, "steps_recomputed": 0, "detected_at": detected,
                   "resume_s": None, "wall_time": time.time()}
         self.records.extend(
-            {"run": run.run_id, "kind": "worker_lost", "worker_address": w,
+            {"run": ctx.run_id, "kind": "worker_lost", "worker_address": w,
              "phase": phase, "detected_at": detected, "wall_time": time.time()}
             for w in lost)
         self.records.append(record)
@@ -152,7 +154,7 @@ class SetupGuard:
         """The set-up finished: each recovery's ``resume_s`` (its notice to now)."""
         now = time.time()
         for record in self.records:  # of the run that set up, under its last id
-            record["run"] = self.run.run_id
+            record["run"] = self.ctx.run_id
         for record in self.losses:
             if record["resume_s"] is None:
                 record["resume_s"] = now - record["detected_at"]
@@ -161,12 +163,12 @@ class SetupGuard:
                            f"{now - (self._detected or now):.2f}s after the loss")
 
     def _announce(self, line: str) -> None:
-        if self.run.verbose:
+        if self.inputs.verbose:
             print(f"dasktf: {line}", flush=True)  # the CLI's one line per loss
         logger.warning("%s", line)
 
 
-def register_worker_plugin(run: Run, plugin: Any, what: str) -> None:
+def register_worker_plugin(ctx: RunContext, plugin: Any, what: str) -> None:
     """``client.register_plugin(plugin)``, bounded by the run's workers' liveness.
 
     The scheduler stores the plugin, then sends it to every worker of the cluster
@@ -175,21 +177,21 @@ def register_worker_plugin(run: Run, plugin: Any, what: str) -> None:
     outside the run: the plugin is already stored for the others, so the call is
     made again once the scheduler has dropped that worker.
     """
-    client = run.client
+    client = ctx.client
     name = getattr(plugin, "name", type(plugin).__name__)
     idempotent = bool(getattr(plugin, "idempotent", False))
     attempts = 3
     for attempt in range(attempts):
         before = set(alive_workers(client))
         try:
-            call_watched(run.ctx, lambda: client._register_worker_plugin(
+            call_watched(ctx, lambda: client._register_worker_plugin(
                 plugin, name, idempotent), what)
             return
         except OSError:
             if attempt + 1 == attempts or not _dropped(client, before):
                 raise
             logger.info("a worker outside run %s left while %s; registering again",
-                        run.run_id, what)
+                        ctx.run_id, what)
 
 
 def _dropped(client: Any, before: set[str]) -> bool:
