@@ -14,13 +14,13 @@ import functools
 import inspect
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
 from dasktf.callbacks import History, check_callbacks
-from dasktf.cluster.devices import GpusArg, select_gpus
+from dasktf.cluster.devices import select_gpus
 from dasktf.cluster.local import (
     TensorFlowSetup,
     choose_run_workers,
@@ -39,9 +39,14 @@ from dasktf.inference.predict import predict
 from dasktf.models import ModelLike
 from dasktf.run.inputs import DEFAULT_EVAL_BATCH_SIZE, RunInputs
 from dasktf.run.options import (
+    CONSTRUCTION,
+    PER_CALL,
     FaultOptions,
     TrainOptions,
+    option_fields,
+    options_signature,
     positive_int,
+    split_options,
     validate_fault_options,
 )
 from dasktf.run.run import Run
@@ -231,58 +236,15 @@ class Trainer:
     ...     trainer.evaluate(x_test, y_test)
     """
 
-    @_explain_unknown_options
-    def __init__(
-        self,
-        model: ModelLike,
-        *,
-        client: Client | None = None,
-        scheduler: str | None = None,
-        n_workers: int | None = None,
-        mode: str = "sync",
-        optimizer: Any = None,
-        learning_rate: float | None = None,
-        loss: Any = None,
-        loss_weights: Any = None,
-        metrics: Any = None,
-        weighted_metrics: Any = None,
-        seed: int | None = None,
-        threads_per_worker: int | None = None,
-        security: Any = None,
-        gpus: GpusArg = None,
-        mixed_precision: bool = False,
-        max_staleness: int | None = None,
-        staleness_lr: str | None = None,
-        sync_quorum: int | None = None,
-        slow_workers: dict[int, float] | None = None,
-        engine: str = "auto",
-        on_epoch_end: Callable[[list[Any], list[Any], int], None] | None = None,
-        compression: str | None = None,
-        weights_dtype: str | None = None,
-        num_ps: int | None = None,
-        placement: str | None = None,
-        topology: str | None = None,
-        local_steps: int = 1,
-        outer_optimizer: Any = "average",
-        outer_learning_rate: float | None = None,
-        outer_momentum: float | None = None,
-    ) -> None:
+    def __init__(self, model: ModelLike, **options: Any) -> None:
+        connection, values = split_options(options, *CONSTRUCTION)
+        client, scheduler = connection["client"], connection["scheduler"]
+        security, gpus = connection["security"], values["gpus"]
+        n_workers, threads_per_worker = values["n_workers"], values["threads_per_worker"]
         if client is not None and scheduler is not None:
             raise ValueError("Give either client or scheduler, not both.")
         require_tensorflow()
-        self.options = TrainOptions(
-            model, mode=mode, n_workers=n_workers, optimizer=optimizer,
-            learning_rate=learning_rate, loss=loss, loss_weights=loss_weights,
-            metrics=metrics, weighted_metrics=weighted_metrics, seed=seed,
-            threads_per_worker=threads_per_worker, gpus=gpus,
-            mixed_precision=mixed_precision, max_staleness=max_staleness,
-            staleness_lr=staleness_lr, sync_quorum=sync_quorum,
-            slow_workers=slow_workers, engine=engine, on_epoch_end=on_epoch_end,
-            compression=compression, weights_dtype=weights_dtype, num_ps=num_ps,
-            placement=placement, topology=topology, local_steps=local_steps,
-            outer_optimizer=outer_optimizer, outer_learning_rate=outer_learning_rate,
-            outer_momentum=outer_momentum,
-        )
+        self.options = TrainOptions(model, **values)
         if client is None and scheduler is None:
             # Fail before any process starts: GPUs this machine lacks, too many workers.
             select_gpus(gpus, n_workers)
@@ -333,33 +295,7 @@ class Trainer:
         self.close()
 
     # -- training ---------------------------------------------------------------
-    @_explain_unknown_options
-    def fit(
-        self,
-        x: Any,
-        y: Any = None,
-        *,
-        epochs: int = 1,
-        batch_size: int | None = None,
-        validation_data: tuple[Any, ...] | None = None,
-        validation_split: float = 0.0,
-        shuffle: bool = True,
-        sample_weight: Any = None,
-        class_weight: dict[int, float] | None = None,
-        initial_epoch: int = 0,
-        validation_batch_size: int | None = None,
-        steps_per_epoch: int | None = None,
-        validation_steps: int | None = None,
-        validation_freq: int = 1,
-        stream: bool = False,
-        callbacks: Sequence[Any] | None = None,
-        verbose: int | str = 1,
-        checkpoint_dir: str | None = None,
-        checkpoint_every: int | None = None,
-        resume: bool = False,
-        on_worker_loss: str = "recover",
-        scale_lr: bool = False,
-    ) -> History:
+    def fit(self, x: Any, y: Any = None, **options: Any) -> History:
         """Train for ``epochs`` epochs; return a Keras-style :class:`History`.
 
         Parameters
@@ -441,30 +377,36 @@ class Trainer:
         dasktf.exceptions.DasktfError
             A worker was lost, a replica failed or a step timed out.
         """
+        call, fault = split_options(options, *PER_CALL)
+        epochs, batch_size, verbose = call["epochs"], call["batch_size"], call["verbose"]
+        initial_epoch, validation_data = call["initial_epoch"], call["validation_data"]
+        sample_weight, validation_batch_size = (call["sample_weight"],
+                                                call["validation_batch_size"])
         positive_int("epochs", epochs)
         positive_int("batch_size", batch_size, allow_none=True)
         if verbose == "auto":
             verbose = 1
         if verbose not in (0, 1, 2):
             raise ValueError(f"verbose must be 0, 1, 2 or 'auto'; got {verbose!r}.")
-        refuse_unsupported_fit_options(steps_per_epoch, validation_steps, validation_freq)
+        refuse_unsupported_fit_options(call["steps_per_epoch"], call["validation_steps"],
+                                       call["validation_freq"])
         if not isinstance(initial_epoch, (int, np.integer)) or not 0 <= initial_epoch < epochs:
             raise ValueError(
                 f"initial_epoch must be an integer in [0, epochs={epochs}); got "
                 f"{initial_epoch!r}.")
         positive_int("validation_batch_size", validation_batch_size, allow_none=True)
-        callbacks = check_callbacks(callbacks)
-        if validation_split and validation_data is None:
+        callbacks = check_callbacks(call["callbacks"])
+        if call["validation_split"] and validation_data is None:
             (x, y, sample_weight), validation_data = split_validation(
-                x, y, sample_weight, validation_split)
+                x, y, sample_weight, call["validation_split"])
         if validation_data is not None:
             validation_data = unpack_validation(validation_data)
-        source = make_source(x, y, sample_weight, class_weight, stream=bool(stream),
-                             seed=self.options.seed)
+        source = make_source(x, y, sample_weight, call["class_weight"],
+                             stream=bool(call["stream"]), seed=self.options.seed)
         if batch_size is None:  # a dataset's batches', as Keras takes them; else ours
             batch_size = source.batch_size_read or DEFAULT_BATCH_SIZE
-        options = FaultOptions(checkpoint_dir, checkpoint_every, bool(resume),
-                               on_worker_loss, bool(scale_lr))
+        options = FaultOptions(**{**fault, "resume": bool(fault["resume"]),
+                                  "scale_lr": bool(fault["scale_lr"])})
         validate_fault_options(self.options, options)
         started = time.perf_counter()
         client = self.client
@@ -479,7 +421,7 @@ class Trainer:
             plugin = TensorFlowSetup(o.threads_per_worker or default_tf_threads(len(workers)))
         inputs = RunInputs(
             options=o, fault=options, source=source, batch_size=batch_size,
-            epochs=epochs, initial_epoch=initial_epoch, shuffle=shuffle,
+            epochs=epochs, initial_epoch=initial_epoch, shuffle=call["shuffle"],
             validation_data=validation_data,
             eval_batch_size=validation_batch_size or DEFAULT_EVAL_BATCH_SIZE,
             verbose=verbose, callbacks=tuple(callbacks or ()), model=self.model,
@@ -515,63 +457,7 @@ class Trainer:
         return self.model
 
 
-@_explain_unknown_options
-def fit(
-    model: ModelLike,
-    x: Any,
-    y: Any = None,
-    *,
-    client: Client | None = None,
-    scheduler: str | None = None,
-    n_workers: int | None = None,
-    mode: str = "sync",
-    epochs: int = 1,
-    batch_size: int | None = None,
-    optimizer: Any = None,
-    learning_rate: float | None = None,
-    loss: Any = None,
-    loss_weights: Any = None,
-    metrics: Any = None,
-    weighted_metrics: Any = None,
-    validation_data: tuple[Any, ...] | None = None,
-    validation_split: float = 0.0,
-    shuffle: bool = True,
-    sample_weight: Any = None,
-    class_weight: dict[int, float] | None = None,
-    initial_epoch: int = 0,
-    validation_batch_size: int | None = None,
-    steps_per_epoch: int | None = None,
-    validation_steps: int | None = None,
-    validation_freq: int = 1,
-    stream: bool = False,
-    seed: int | None = None,
-    callbacks: Sequence[Any] | None = None,
-    verbose: int | str = 1,
-    threads_per_worker: int | None = None,
-    security: Any = None,
-    gpus: GpusArg = None,
-    mixed_precision: bool = False,
-    max_staleness: int | None = None,
-    staleness_lr: str | None = None,
-    sync_quorum: int | None = None,
-    slow_workers: dict[int, float] | None = None,
-    engine: str = "auto",
-    on_epoch_end: Callable[[list[Any], list[Any], int], None] | None = None,
-    checkpoint_dir: str | None = None,
-    checkpoint_every: int | None = None,
-    resume: bool = False,
-    on_worker_loss: str = "recover",
-    scale_lr: bool = False,
-    compression: str | None = None,
-    weights_dtype: str | None = None,
-    num_ps: int | None = None,
-    placement: str | None = None,
-    topology: str | None = None,
-    local_steps: int = 1,
-    outer_optimizer: Any = "average",
-    outer_learning_rate: float | None = None,
-    outer_momentum: float | None = None,
-) -> History:
+def fit(model: ModelLike, x: Any, y: Any = None, **options: Any) -> History:
     """Train ``model`` data-parallel on a Dask cluster; return its :class:`History`.
 
     The one-call form of :class:`Trainer` (see there for every parameter). The
@@ -584,12 +470,24 @@ def fit(
     ...                      optimizer="adam", metrics=["accuracy"])
     >>> history.history["loss"]  # doctest: +SKIP
     """
-    given = dict(locals())
     # Trainer takes the run's options, Trainer.fit the data and the fit call's own.
-    trainer_args = {name: given.pop(name) for name in _TRAINER_ARGS}
-    with Trainer(given.pop("model"), **trainer_args) as trainer:
-        return trainer.fit(**given)
+    construction = {k: v for k, v in options.items() if k in option_fields(*CONSTRUCTION)}
+    per_call = {k: v for k, v in options.items() if k not in construction}
+    with Trainer(model, **construction) as trainer:
+        return trainer.fit(x, y, **per_call)
 
 
-_TRAINER_ARGS = [name for name, p in inspect.signature(Trainer.__init__).parameters.items()
-                 if p.kind is inspect.Parameter.KEYWORD_ONLY]
+# The signatures users see (inspect.signature, help), built from the declaration of
+# the options (dasktf.run.options); unknown names are refused with the list.
+_DATA = [("x", "Any", inspect.Parameter.empty), ("y", "Any", None)]
+_MODEL = ("model", "ModelLike", inspect.Parameter.empty)
+_SELF = ("self", inspect.Parameter.empty, inspect.Parameter.empty)
+Trainer.__init__.__signature__ = options_signature(  # type: ignore[attr-defined]
+    [_SELF, _MODEL], CONSTRUCTION, "None")
+Trainer.fit.__signature__ = options_signature(  # type: ignore[attr-defined]
+    [_SELF, *_DATA], PER_CALL, "History")
+fit.__signature__ = options_signature(  # type: ignore[attr-defined]
+    [_MODEL, *_DATA], [*CONSTRUCTION, *PER_CALL], "History")
+Trainer.__init__ = _explain_unknown_options(Trainer.__init__)  # type: ignore[method-assign]
+Trainer.fit = _explain_unknown_options(Trainer.fit)  # type: ignore[method-assign]
+fit = _explain_unknown_options(fit)

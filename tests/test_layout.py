@@ -20,6 +20,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "dasktf"
 
@@ -224,6 +226,41 @@ def test_fit_trainer_and_the_options_declare_the_same_names():
     assert construction - connection == set(TrainOptions.names())
     faults = {f for f in FaultOptions.__dataclass_fields__}
     assert faults <= per_call
+
+
+def test_the_three_signatures_are_the_declared_options():
+    """``fit``, ``Trainer`` and ``Trainer.fit`` show every option the dataclasses of
+    dasktf.run.options declare, with its default and type, in one order, and
+    nothing else: the options are declared once."""
+    import dasktf
+    from dasktf.run.options import (
+        CONSTRUCTION,
+        FIT_ORDER,
+        PER_CALL,
+        option_fields,
+    )
+
+    def keywords(func):
+        return [(p.name, p.default, p.annotation)
+                for p in inspect.signature(func).parameters.values()
+                if p.kind is p.KEYWORD_ONLY]
+
+    def declared(classes):
+        fields = option_fields(*classes)
+        return [(name, fields[name].default, fields[name].type)
+                for name in FIT_ORDER if name in fields]
+
+    assert sorted(FIT_ORDER) == sorted(option_fields(*CONSTRUCTION, *PER_CALL))
+    assert keywords(dasktf.Trainer) == declared(CONSTRUCTION)
+    assert keywords(dasktf.Trainer.fit) == declared(PER_CALL)
+    assert keywords(dasktf.fit) == declared([*CONSTRUCTION, *PER_CALL])
+    positional = {f.__qualname__: [p.name for p in inspect.signature(f).parameters.values()
+                                   if p.kind is p.POSITIONAL_OR_KEYWORD]
+                  for f in (dasktf.fit, dasktf.Trainer, dasktf.Trainer.fit)}
+    assert positional == {"fit": ["model", "x", "y"], "Trainer": ["model"],
+                          "Trainer.fit": ["self", "x", "y"]}
+    with pytest.raises(TypeError, match="did you mean 'epochs'"):
+        dasktf.fit("mnist-mlp", None, epoch=2)
 
 
 def test_readme_opens_with_the_commands_and_stays_short():

@@ -1,8 +1,12 @@
 """Every option of a training run, declared and checked in one place.
 
 :class:`TrainOptions` holds what a :class:`~dasktf.Trainer` is built with (all but
-the cluster connection); :class:`FaultOptions` what one ``fit`` call adds for
-checkpoints and worker loss. ``Trainer``, :func:`~dasktf.fit` and ``dasktf fit``
+the cluster connection, :class:`ConnectionOptions`); :class:`CallOptions` and
+:class:`FaultOptions` what one ``fit`` call adds (the data's handling; checkpoints
+and worker loss). These dataclasses are the one declaration of the options' names,
+defaults and types: the signatures of ``Trainer``, ``Trainer.fit`` and
+:func:`~dasktf.fit` are built from them (:func:`options_signature`, in
+:data:`FIT_ORDER`). ``Trainer``, :func:`~dasktf.fit` and ``dasktf fit``
 all build them, so a bad value fails the same way, before any process starts. Each
 family's own rules (:func:`~dasktf.wire.packets.validate_comm_options`,
 :func:`~dasktf.engines.holder.options.validate_mode_options`) are called from here.
@@ -11,9 +15,10 @@ family's own rules (:func:`~dasktf.wire.packets.validate_comm_options`,
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import inspect
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -22,6 +27,9 @@ from dasktf.engines.graph.elastic import ON_WORKER_LOSS
 from dasktf.engines.holder.options import validate_mode_options
 from dasktf.runtime.rounds import LocalSpec, local_spec
 from dasktf.wire.packets import CommSpec, validate_comm_options
+
+if TYPE_CHECKING:
+    from distributed import Client
 
 MODES = ("sync", "async")
 ENGINES = ("graph", "collective", "auto")
@@ -142,8 +150,8 @@ class TrainOptions:
     """
 
     model: Any
-    mode: str = "sync"
     n_workers: int | None = None
+    mode: str = "sync"
     optimizer: Any = None
     learning_rate: float | None = None
     loss: Any = None
@@ -272,3 +280,85 @@ def validate_fault_options(train: TrainOptions, fault: FaultOptions) -> None:
             "does not change with the worker count. Use mode='sync' without "
             "sync_quorum, or leave scale_lr off (the learning rate stays as given)."
         )
+
+
+@dataclass(frozen=True)
+class ConnectionOptions:
+    """Where a :class:`~dasktf.Trainer` trains (see its docstring)."""
+
+    client: Client | None = None
+    scheduler: str | None = None
+    security: Any = None
+
+
+@dataclass(frozen=True)
+class CallOptions:
+    """What one ``fit`` call says about its data and its output, besides the data
+    itself and the fault options (see :meth:`dasktf.Trainer.fit`; checked there)."""
+
+    epochs: int = 1
+    batch_size: int | None = None
+    validation_data: tuple[Any, ...] | None = None
+    validation_split: float = 0.0
+    shuffle: bool = True
+    sample_weight: Any = None
+    class_weight: dict[int, float] | None = None
+    initial_epoch: int = 0
+    validation_batch_size: int | None = None
+    steps_per_epoch: int | None = None
+    validation_steps: int | None = None
+    validation_freq: int = 1
+    stream: bool = False
+    callbacks: Sequence[Any] | None = None
+    verbose: int | str = 1
+
+
+#: :func:`dasktf.fit`'s keyword options in the order its signature shows them
+#: (``Trainer`` and ``Trainer.fit`` show theirs in the same order); names, defaults
+#: and types are the dataclasses' above.
+FIT_ORDER = (
+    "client", "scheduler", "n_workers", "mode", "epochs", "batch_size", "optimizer",
+    "learning_rate", "loss", "loss_weights", "metrics", "weighted_metrics",
+    "validation_data", "validation_split", "shuffle", "sample_weight", "class_weight",
+    "initial_epoch", "validation_batch_size", "steps_per_epoch", "validation_steps",
+    "validation_freq", "stream", "seed", "callbacks", "verbose", "threads_per_worker",
+    "security", "gpus", "mixed_precision", "max_staleness", "staleness_lr",
+    "sync_quorum", "slow_workers", "engine", "on_epoch_end", "checkpoint_dir",
+    "checkpoint_every", "resume", "on_worker_loss", "scale_lr", "compression",
+    "weights_dtype", "num_ps", "placement", "topology", "local_steps",
+    "outer_optimizer", "outer_learning_rate", "outer_momentum",
+)
+
+#: What ``Trainer(...)`` takes, and what ``Trainer.fit`` does.
+CONSTRUCTION = (ConnectionOptions, TrainOptions)
+PER_CALL = (CallOptions, FaultOptions)
+
+
+def option_fields(*classes: type) -> dict[str, dataclasses.Field[Any]]:
+    """The options ``classes`` declare (``TrainOptions``' model and derived fields
+    left out), by name."""
+    return {f.name: f for cls in classes for f in dataclasses.fields(cls)
+            if f.init and f.name != "model"}
+
+
+def options_signature(leading: Sequence[tuple[str, str, Any]], classes: Sequence[type],
+                      returns: str) -> inspect.Signature:
+    """A signature of the ``leading`` positional-or-keyword parameters (name,
+    annotation, default: ``inspect.Parameter.empty`` for none) and then, keyword
+    only, the options ``classes`` declare, in :data:`FIT_ORDER`."""
+    fields = option_fields(*classes)
+    P = inspect.Parameter
+    return inspect.Signature(
+        [P(name, P.POSITIONAL_OR_KEYWORD, annotation=annotation, default=default)
+         for name, annotation, default in leading]
+        + [P(name, P.KEYWORD_ONLY, annotation=fields[name].type,
+             default=fields[name].default) for name in FIT_ORDER if name in fields],
+        return_annotation=returns,
+    )
+
+
+def split_options(options: dict[str, Any], *classes: type) -> list[dict[str, Any]]:
+    """``options`` (names checked against the signature already) as one dict per
+    class of ``classes``, every option it declares there: given, else its default."""
+    return [{name: options.get(name, f.default) for name, f in option_fields(cls).items()}
+            for cls in classes]
