@@ -21,7 +21,7 @@ import dask.utils
 
 from dasktf import config
 from dasktf.data.shards import Shard
-from dasktf.data.streams import part_from
+from dasktf.data.streams import dataset_elements, part_from
 from dasktf.data.structure import leaves
 
 _WORKER_FORM = (
@@ -78,9 +78,7 @@ def read_input(x: Any, what: str = "x") -> ReadInput:
         if int(x.cardinality()) == -1:  # tf.data.INFINITE_CARDINALITY
             raise ValueError(f"{what} is an infinite tf.data.Dataset: dasktf reads every "
                              f"row once per epoch. Instead, {_WORKER_FORM}.")
-        elements = (tuple(e) if isinstance(e, (tuple, list)) else e
-                    for e in x.as_numpy_iterator())
-        return _read(elements, f"{what} is a tf.data.Dataset built on the client", what)
+        return _read(dataset_elements(x), f"{what} is a tf.data.Dataset built on the client", what)
     if is_py_dataset(x):
         if x.num_batches is None:
             raise ValueError(f"{what} is an infinite keras.utils.PyDataset (num_batches "

@@ -14,6 +14,10 @@ Keras makes them. Three input kinds are accepted, each through its own adapter:
 * a per-shard loader ``load(shard_index, num_shards) -> (x, y[, sample_weight])``
   (:class:`LoaderSource`) that runs on the worker, so data can be read where it is.
 
+Every adapter is a :class:`~dasktf.data.base.Source` (``place``, ``reload``); the
+streamed ones (:class:`DaskStreamSource`, :class:`DatasetFnSource`) share
+:class:`StreamSource`, and :func:`input_kind` decides once what ``x`` is.
+
 A *batch schedule* (``steps_per_epoch x workers`` local batch sizes) says how many
 rows each worker reads at each step. Gradients are weighted by those sizes, so
 uneven shards and a short last batch are averaged correctly.
@@ -21,14 +25,15 @@ uneven shards and a short last batch are averaged correctly.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from dasktf import config
+from dasktf.data.base import PlacedData, Source
 from dasktf.data.keras_inputs import read_input, reads_on_client
 from dasktf.data.partitions import (
     compute_leaves,
@@ -69,23 +74,6 @@ if TYPE_CHECKING:
     from distributed import Client, Future
 
 ShardLoader = Callable[[int, int], tuple[Any, Any]]
-
-
-@dataclass
-class PlacedData:
-    """Shards placed on the workers: one resident ``Shard`` future per worker."""
-
-    shards: list[Future]
-    stats: list[ShardStats]
-    schedule: np.ndarray  # (steps_per_epoch, n_workers) local batch sizes
-
-    @property
-    def steps_per_epoch(self) -> int:
-        return int(self.schedule.shape[0])
-
-    @property
-    def n_samples(self) -> int:
-        return sum(s.n for s in self.stats)
 
 
 def interleaved_schedule(n: int, batch_size: int, n_workers: int) -> np.ndarray:
@@ -133,7 +121,7 @@ def check_worker_count(n_samples: int, n_workers: int, batch_size: int) -> None:
         )
 
 
-class ArraySource:
+class ArraySource(Source):
     """NumPy (or array-like) ``x``/``y``/``sample_weight`` held by the client, each
     an array or a nest of them, scattered once."""
 
@@ -159,6 +147,12 @@ class ArraySource:
         stats = [dataclasses.replace(self.stats, n=len(r)) for r in rows]
         return PlacedData(shards, stats, schedule)
 
+    def reload(self, client: Client, index: int, worker: str, schedule: np.ndarray,
+               batch_size: int) -> Future:
+        rows = interleaved_indices(schedule, batch_size)[index]
+        return client.scatter(self.data.take(rows), workers=[worker], direct=True,
+                              hash=False)
+
 
 def shard_from_parts(x_parts: list[Any], y_parts: list[Any], w_parts: list[Any] | None = None,
                      class_weight: dict[int, float] | None = None) -> Shard:
@@ -177,11 +171,12 @@ def load_shard(load: ShardLoader, index: int, n_shards: int,
     return shard
 
 
-class _WorkerSideSource:
+class WorkerSideSource(Source):
     """Sources whose shards are built on the workers; stats come back from there."""
 
+    @abc.abstractmethod
     def _build(self, client: Client, workers: list[str], batch_size: int) -> list[Future]:
-        raise NotImplementedError
+        """One shard future per worker, built there."""
 
     def place(self, client: Client, workers: list[str], batch_size: int) -> PlacedData:
         shards = self._build(client, workers, batch_size)
@@ -203,7 +198,7 @@ class _WorkerSideSource:
         return PlacedData(shards, stats, proportional_schedule([s.n for s in stats], batch_size))
 
 
-class DaskArraySource(_WorkerSideSource):
+class DaskArraySource(WorkerSideSource):
     """Dask arrays, DataFrames and Series (or nests of them): each worker's shard is
     built from partitions it mostly already holds, converted where they live."""
 
@@ -243,7 +238,8 @@ class DaskArraySource(_WorkerSideSource):
         return [self._submit(client, [parts[j] for j in chunks], w)
                 for w, chunks in zip(workers, assignment, strict=True)]
 
-    def reload(self, client: Client, index: int, n: int, worker: str) -> Future:
+    def reload(self, client: Client, index: int, worker: str, schedule: np.ndarray,
+               batch_size: int) -> Future:
         """Shard ``index`` rebuilt on ``worker``, recomputed from the Dask graph where
         a lost worker held the only copy of its partitions."""
         return self._submit(client, self._parts(client, self.assignment[index]), worker)
@@ -268,7 +264,7 @@ def assign_chunks(
     return [sorted(out[w]) for w in workers]
 
 
-class LoaderSource(_WorkerSideSource):
+class LoaderSource(WorkerSideSource):
     """A function ``load(shard_index, num_shards) -> (x, y[, sample_weight])`` run on
     each worker."""
 
@@ -285,6 +281,11 @@ class LoaderSource(_WorkerSideSource):
             for i, w in enumerate(workers)
         ]
 
+    def reload(self, client: Client, index: int, worker: str, schedule: np.ndarray,
+               batch_size: int) -> Future:
+        return client.submit(load_shard, self.load, index, schedule.shape[1],
+                             self.class_weight, workers=[worker], pure=False)
+
 
 def stats_of(shard: Shard | StreamedShard) -> ShardStats:
     """A placed shard's stats (a streamed one has them from its first read)."""
@@ -295,7 +296,31 @@ def build_stream(parts: Any, where: str) -> StreamedShard:
     return StreamedShard(parts, int(config.get("data.prefetch")), where).scan()
 
 
-class DaskStreamSource(_WorkerSideSource):
+class StreamSource(WorkerSideSource):
+    """Sources whose shards are streamed (:class:`StreamedShard`): each worker's
+    shard is the recipe of its parts (:meth:`parts_of`), read there once to check
+    and count it, then every epoch."""
+
+    #: how a shard of this source is named in its errors
+    label = "shard"
+
+    @abc.abstractmethod
+    def parts_of(self, index: int, n: int) -> Any:
+        """The parts of shard ``index`` of ``n`` (:mod:`dasktf.data.streams`)."""
+
+    def _build(self, client: Client, workers: list[str], batch_size: int) -> list[Future]:
+        n = len(workers)
+        return [client.submit(build_stream, self.parts_of(i, n), f"{self.label} {i} ({w})",
+                              workers=[w], pure=False)
+                for i, w in enumerate(workers)]
+
+    def reload(self, client: Client, index: int, worker: str, schedule: np.ndarray,
+               batch_size: int) -> Future:
+        return client.submit(build_stream, self.parts_of(index, schedule.shape[1]),
+                             f"{self.label} {index}", workers=[worker], pure=False)
+
+
+class DaskStreamSource(StreamSource):
     """Lazy Dask arrays or DataFrames (or nests of them) streamed: each worker reads
     its block of partitions one at a time, every epoch (:class:`DaskParts`)."""
 
@@ -318,20 +343,12 @@ class DaskStreamSource(_WorkerSideSource):
         return DaskParts([self.chunks[j] for j in block], self.class_weight,
                          f"partitions {block[0]}-{block[-1]}")
 
-    def _build(self, client: Client, workers: list[str], batch_size: int) -> list[Future]:
-        n = len(workers)
-        return [client.submit(build_stream, self.parts_of(i, n), f"shard {i} ({w})",
-                              workers=[w], pure=False)
-                for i, w in enumerate(workers)]
 
-    def reload(self, client: Client, index: int, n: int, worker: str) -> Future:
-        return client.submit(build_stream, self.parts_of(index, n), f"shard {index}",
-                             workers=[worker], pure=False)
-
-
-class DatasetFnSource(_WorkerSideSource):
+class DatasetFnSource(StreamSource):
     """``dataset_fn(ctx) -> tf.data.Dataset`` run on every worker, every epoch
     (:class:`DatasetParts`), as ``distribute_datasets_from_function`` runs it."""
+
+    label = "dataset_fn on shard"
 
     def __init__(self, dataset_fn: Any, seed: int,
                  class_weight: dict[int, float] | None = None) -> None:
@@ -344,19 +361,11 @@ class DatasetFnSource(_WorkerSideSource):
         return DatasetParts(self.dataset_fn, context, self.class_weight)
 
     def _build(self, client: Client, workers: list[str], batch_size: int) -> list[Future]:
-        self.batch_size = batch_size
-        n = len(workers)
-        return [client.submit(build_stream, self.parts_of(i, n),
-                              f"dataset_fn on shard {i} ({w})", workers=[w], pure=False)
-                for i, w in enumerate(workers)]
-
-    def reload(self, client: Client, index: int, n: int, worker: str) -> Future:
-        return client.submit(build_stream, self.parts_of(index, n),
-                             f"dataset_fn on shard {index}", workers=[worker], pure=False)
+        self.batch_size = batch_size  # the contexts' global batch
+        return super()._build(client, workers, batch_size)
 
 
-DataSource = (ArraySource | DaskArraySource | LoaderSource | DaskStreamSource
-              | DatasetFnSource)
+DataSource = Source
 
 
 def make_source(x: Any, y: Any = None, sample_weight: Any = None,
@@ -395,7 +404,8 @@ def _adapter(x: Any, y: Any, sample_weight: Any, class_weight: dict[int, float] 
              stream: bool, seed: int) -> DataSource:
     if class_weight is not None and not callable(x):
         check_class_weight(class_weight, y)
-    if callable(x) and not hasattr(x, "__array__") and not is_nested(x):
+    kind = input_kind(x, y, sample_weight)
+    if kind == "function":
         if y is not None or sample_weight is not None:
             raise ValueError(
                 "y and sample_weight must be None when x is a shard loader or a "
@@ -404,11 +414,8 @@ def _adapter(x: Any, y: Any, sample_weight: Any, class_weight: dict[int, float] 
         if accepts_context(x):
             return DatasetFnSource(x, seed, class_weight)
         return LoaderSource(x, class_weight)
-    dask_leaves = holds_frames(x, y, sample_weight) or any(
-        _is_dask_array(leaf) for nest in (x, y, sample_weight) if nest is not None
-        for _, leaf in leaves(nest))
     if stream:
-        if not dask_leaves:
+        if kind not in ("dask", "mixed"):
             raise ValueError(
                 "stream=True reads lazy Dask arrays or DataFrames part by part on the "
                 "workers; in-memory arrays are placed whole. Pass Dask collections (e.g. "
@@ -416,11 +423,9 @@ def _adapter(x: Any, y: Any, sample_weight: Any, class_weight: dict[int, float] 
             )
         check_lazy(x, y, sample_weight)
         return DaskStreamSource(x, y, sample_weight, class_weight)
-    kinds = {_is_dask(leaf) for nest in (x, y, sample_weight) if nest is not None
-             for _, leaf in leaves(nest) if not isinstance(leaf, str)}  # str: a column
-    if kinds == {True}:
+    if kind == "dask":
         return DaskArraySource(x, y, sample_weight, class_weight)
-    if kinds == {True, False}:
+    if kind == "mixed":
         raise TypeError(
             "Some of x, y and sample_weight are Dask arrays and some are in memory; "
             "pass them all alike (dask.array.from_array wraps in-memory ones)."
@@ -434,6 +439,17 @@ def _adapter(x: Any, y: Any, sample_weight: Any, class_weight: dict[int, float] 
             f"{type(x).__name__}" + (f" at {', '.join(bad)}." if is_nested(x) else ".")
         )
     return ArraySource(x, y, sample_weight, class_weight)
+
+
+def input_kind(x: Any, y: Any = None, sample_weight: Any = None) -> str:
+    """What the training data is, decided once: ``"function"`` (``x`` a shard
+    loader or a ``dataset_fn``), ``"dask"`` (Dask arrays, DataFrames, Series),
+    ``"mixed"`` (some of them Dask, some in memory), else ``"arrays"``."""
+    if callable(x) and not hasattr(x, "__array__") and not is_nested(x):
+        return "function"
+    dask = {_is_dask(leaf) for nest in (x, y, sample_weight) if nest is not None
+            for _, leaf in leaves(nest) if not isinstance(leaf, str)}  # str: a column
+    return "mixed" if dask == {True, False} else "dask" if dask == {True} else "arrays"
 
 
 def check_lazy(*nests: Any) -> None:
@@ -472,7 +488,7 @@ def split_validation(x: Any, y: Any, sample_weight: Any, fraction: float
             "index by position. Split it by partitions (df.partitions[:-k] and "
             "df.partitions[-k:]) or with df.random_split, and pass validation_data."
         )
-    if callable(x) and not hasattr(x, "__array__") and not is_nested(x):
+    if input_kind(x) == "function":
         raise ValueError(
             "validation_split needs x and y as arrays (it takes their last rows); a "
             "shard loader's data is only read on the workers. Pass validation_data."

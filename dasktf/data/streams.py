@@ -92,6 +92,14 @@ def part_from(out: Any, where: str, class_weight: dict[int, float] | None = None
     return with_weights(Shard(x, y, w), class_weight)
 
 
+def dataset_elements(dataset: Any) -> Iterator[Any]:
+    """A ``tf.data.Dataset``'s elements as NumPy, a tuple or list element as a
+    tuple (``(x, y[, sample_weight])``, as Keras reads it): the one conversion, for
+    a dataset read on the client and a ``dataset_fn``'s on the workers."""
+    for element in dataset.as_numpy_iterator():
+        yield tuple(element) if isinstance(element, (tuple, list)) else element
+
+
 # -- the part sources ---------------------------------------------------------------
 class DaskParts:
     """Partitions of lazy Dask collections, computed on the worker when read.
@@ -165,9 +173,8 @@ class DatasetParts:
         if not hasattr(dataset, "as_numpy_iterator"):
             raise TypeError("dataset_fn(ctx) must return a tf.data.Dataset; got "
                             f"{type(dataset).__name__}.")
-        for element in dataset.as_numpy_iterator():
-            yield part_from(tuple(element) if isinstance(element, (tuple, list)) else element,
-                            "dataset_fn(ctx)'s dataset", self.class_weight)
+        for element in dataset_elements(dataset):
+            yield part_from(element, "dataset_fn(ctx)'s dataset", self.class_weight)
 
     def describe(self, j: int) -> str:
         return f"element {j} of dataset_fn(ctx) on shard {self.context.shard_index}"

@@ -23,7 +23,7 @@ from dasktf.runtime.replica import non_trainable_floats
 
 if TYPE_CHECKING:
     from dasktf.cluster.waits import RunContext
-    from dasktf.data.sources import PlacedData
+    from dasktf.data.base import PlacedData
     from dasktf.models import CompileRecipe
     from dasktf.run.options import FaultOptions, TrainOptions
 

@@ -20,21 +20,15 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from dasktf.callbacks import adopt_learning_rate
-from dasktf.data.sources import (
-    ArraySource,
-    LoaderSource,
-    interleaved_indices,
-    load_shard,
-)
 from dasktf.engines.base import Engine, RunHooks, Saved, StateLostError
 from dasktf.run import checkpoint as ckpt
 from dasktf.runtime.replica import non_trainable_floats
 
 if TYPE_CHECKING:
-    from distributed import Client, Future
+    from distributed import Client
 
     from dasktf.cluster.waits import RunContext
-    from dasktf.data.sources import PlacedData
+    from dasktf.data.base import PlacedData
     from dasktf.run.inputs import RunInputs
 
 logger = logging.getLogger(__name__)
@@ -118,8 +112,8 @@ class RunGuard:
         """Shard ``index`` (and its validation piece) placed on ``worker`` again."""
         run = self.run
         n = run.placed.schedule.shape[1]
-        shard = reload_shard(run.client, self.inputs.source, index, n, worker,
-                             run.placed.schedule, run.batch_size)
+        shard = self.inputs.source.reload(run.client, index, worker, run.placed.schedule,
+                                          run.batch_size)
         val = None
         validation_data = self.inputs.validation_data
         if validation_data is not None:
@@ -297,24 +291,6 @@ class RunGuard:
                       "warmup_steps": WARMUP_STEPS, "wall_time": time.time()})
         self.announce(f"learning rate {old:.4g} -> {new:.4g} over {WARMUP_STEPS} "
                        f"warm-up steps (linear scaling, {n} workers, batch {batch})")
-
-
-def reload_shard(
-    client: Client, source: Any, index: int, n_shards: int, worker: str,
-    schedule: np.ndarray, batch_size: int,
-) -> Future:
-    """Rebuild shard ``index`` of ``n_shards`` on ``worker`` from where it came from."""
-    if isinstance(source, ArraySource):
-        rows = interleaved_indices(schedule, batch_size)[index]
-        return client.scatter(
-            source.data.take(rows), workers=[worker], direct=True, hash=False
-        )
-    if isinstance(source, LoaderSource):
-        return client.submit(load_shard, source.load, index, n_shards, source.class_weight,
-                             workers=[worker], pure=False)
-    if hasattr(source, "reload"):  # Dask arrays, streams, dataset_fn
-        return source.reload(client, index, n_shards, worker)
-    raise TypeError(f"cannot reload a shard from {type(source).__name__}")
 
 
 def _statistics(model: Any, weights: list[np.ndarray]) -> list[np.ndarray] | None:
