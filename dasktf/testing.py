@@ -13,6 +13,10 @@ Kill a worker at a given step, or slow one down, on a real cluster::
 
 A kill is a ``SIGKILL`` of the worker process (and, by default, of its nanny first, so
 that it is not restarted: a lost machine). Both need the worker on this host.
+
+:func:`own_cluster` starts a cluster of one's own (for a test that kills its
+workers), and :func:`wait_until` is the one bounded poll for an event that has no
+hook to wait on.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +36,8 @@ except ImportError:  # pragma: no cover
 if TYPE_CHECKING:
     from distributed import Client
 
-__all__ = ["KillWorkerAt", "delay_worker", "kill_worker", "worker_pids"]
+__all__ = ["KillWorkerAt", "delay_worker", "kill_worker", "own_cluster", "wait_until",
+           "worker_pids"]
 
 
 def _pids() -> tuple[int, int]:
@@ -135,3 +140,35 @@ def delay_worker(client: Client, address: str, factor: float) -> Iterator[None]:
             client.run(_set_delay, old, workers=[address], on_error="ignore")
         except Exception:  # noqa: BLE001 - the worker may be gone by now
             pass
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float, what: str,
+               interval: float = 0.05) -> Any:
+    """Call ``predicate`` every ``interval`` seconds until it returns something
+    true, and return that; after ``timeout`` seconds, an ``AssertionError`` naming
+    ``what`` was waited for (never a hang)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+@contextmanager
+def own_cluster(n_workers: int, *, timeout: float = 120, tf_threads: int | None = 1,
+                **kwargs: Any) -> Iterator[tuple[Any, Client]]:
+    """A local cluster of ``n_workers`` worker processes of one's own (a test that
+    kills workers must not kill the shared one) and a client on it, once all
+    ``n_workers`` are up (``timeout``); both closed at the end. ``kwargs`` go to
+    :func:`dasktf.make_local_cluster`."""
+    from distributed import Client
+
+    from dasktf.cluster.local import make_local_cluster
+
+    with make_local_cluster(n_workers, tf_threads=tf_threads, **kwargs) as cluster, \
+            Client(cluster) as client:
+        client.wait_for_workers(n_workers, timeout=timeout)
+        yield cluster, client

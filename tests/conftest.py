@@ -2,7 +2,9 @@
 
 Importing TensorFlow costs seconds per process, so tests that only need *a* cluster
 share this one (each run gets its own run id and replicas). Tests that kill workers
-start their own cluster.
+start their own cluster (:func:`dasktf.testing.own_cluster`) and are marked ``slow``
+(``pytest -m "not slow"`` leaves them out); a test waiting for an event without a
+hook polls with :func:`dasktf.testing.wait_until`, bounded and naming what it waits for.
 """
 
 from __future__ import annotations

@@ -6,10 +6,12 @@ from __future__ import annotations
 import time
 
 import keras
+import pytest
 
 import dasktf
+from dasktf.testing import own_cluster
 
-from .test_fault import ACCURACY, _options, own_cluster
+from .test_fault import ACCURACY, _options
 
 
 class _ScaleUpAtBatch(keras.callbacks.Callback):
@@ -27,6 +29,7 @@ class _ScaleUpAtBatch(keras.callbacks.Callback):
             self.client.wait_for_workers(self.n, timeout=120)
 
 
+@pytest.mark.slow
 def test_async_run_grows_from_two_to_three_workers_at_once(digits):
     start = time.monotonic()
     epochs = 4

@@ -12,11 +12,11 @@ import pytest
 import dasktf
 from dasktf.data.sources import interleaved_indices, interleaved_schedule
 from dasktf.run.checkpoint import list_checkpoints
-from dasktf.testing import KillWorkerAt
+from dasktf.testing import KillWorkerAt, own_cluster
 from dasktf.wire.packets import shard_plan
 from tests.conftest import relative_error
 from tests.test_async import _check_records, _copy, _mlp
-from tests.test_fault import _options, assert_every_batch_applied_once, own_cluster
+from tests.test_fault import _options, assert_every_batch_applied_once
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -303,6 +303,7 @@ def test_cli_async_ps_2_reports_the_bytes(client):
     assert "MB/step/worker" in result.output and "push+pull bound" in result.output
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("victim", [2, 1, 0], ids=["no-holder", "slice-holder", "coordinator"])
 def test_num_ps_2_recovers_from_losing_any_worker(digits, victim):

@@ -7,7 +7,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 
 import keras
 import numpy as np
@@ -20,6 +19,7 @@ from dasktf.run.checkpoint import (
     load_latest,
     save_checkpoint,
 )
+from dasktf.testing import wait_until
 
 from .conftest import relative_error
 
@@ -87,12 +87,9 @@ def test_killed_client_resumes_to_the_uninterrupted_weights(cluster, tmp_path):
                                  "--checkpoint-every", "5"),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline and proc.poll() is None:
-            done = [json.loads(p.read_text()) for p in list_checkpoints(ckpt)]
-            if any(m["next_epoch"] >= 1 for m in done):
-                break
-            time.sleep(0.2)
+        wait_until(lambda: proc.poll() is not None or any(
+            json.loads(p.read_text())["next_epoch"] >= 1 for p in list_checkpoints(ckpt)),
+            180, "a checkpoint after the first epoch", interval=0.2)
         assert proc.poll() is None, proc.communicate()[0][-3000:]
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)

@@ -55,6 +55,7 @@ def test_bad_arguments_exit_2_with_a_reason(args, message):
     assert message in result.output
 
 
+@pytest.mark.slow
 def test_unreachable_scheduler_exits_1_naming_it():
     start = time.monotonic()
     proc = _dasktf("fit", "--scheduler", "tcp://127.0.0.1:1", "--epochs", "1", timeout=60)

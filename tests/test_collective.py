@@ -10,7 +10,6 @@ import time
 import dask
 import numpy as np
 import pytest
-from distributed import Client
 
 import dasktf
 from dasktf.diagnostics.events import TOPIC, unpack
@@ -18,6 +17,7 @@ from dasktf.engines.collective.child import child_count
 from dasktf.exceptions import WorkerLostError
 from dasktf.run.checkpoint import list_checkpoints
 from dasktf.run.engine import resolve_engine
+from dasktf.testing import own_cluster
 
 
 @pytest.mark.timeout(240)
@@ -128,13 +128,13 @@ def test_resume_continues_to_the_uninterrupted_result_across_engines(
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_killed_worker_gives_a_clear_error_fast(digits, tmp_path):
     import keras
 
     with dask.config.set({"distributed.scheduler.allowed-failures": 0}):
-        with dasktf.make_local_cluster(2, tf_threads=1) as cluster, Client(cluster) as c:
-            c.wait_for_workers(2, timeout=60)
+        with own_cluster(2, timeout=60) as (_, c):
             victim = sorted(c.scheduler_info()["workers"])[1]
             pid = c.run(os.getpid, workers=[victim])[victim]
             killed: list[float] = []

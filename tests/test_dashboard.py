@@ -27,6 +27,7 @@ import dasktf.cli
 from dasktf.dashboard import DashboardServer, write_report
 from dasktf.diagnostics import metrics
 from dasktf.diagnostics.events import TOPIC
+from dasktf.testing import wait_until
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 DOCS = os.path.join(os.path.dirname(__file__), "..", "docs")
@@ -79,16 +80,6 @@ class Training:
         return self.history
 
 
-def _wait(predicate: Any, timeout: float, what: str, interval: float = 0.25) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
 def _source(page: Any, name: str) -> dict[str, list[Any]]:
     return page.evaluate(
         "(name) => { const s = Bokeh.documents[0].get_model_by_name(name);"
@@ -121,8 +112,8 @@ def test_live_dashboard_shows_loss_staleness_and_every_worker(client, digits, br
         known = _known_runs(client)  # earlier tests' runs: the page follows the newest
         training = Training(client, digits)
         page = _open(browser, server.url)
-        run = _wait(lambda: _updates_of_new_run(client, known, 0), 60, "the run to start")
-        _wait(lambda: run in page.inner_text(".dasktf-header")
+        run = wait_until(lambda: _updates_of_new_run(client, known, 0), 60, "the run to start")
+        wait_until(lambda: run in page.inner_text(".dasktf-header")
               and len(_source(page, "loss")["loss"]) >= 5, 60, "the first loss points")
         before = len(_source(page, "loss")["loss"])
         time.sleep(3)
@@ -133,7 +124,7 @@ def test_live_dashboard_shows_loss_staleness_and_every_worker(client, digits, br
         history = training.join()
 
         # The page follows to the end of the run.
-        _wait(lambda: "finished" in page.inner_text(".dasktf-header"), 20, "the run's end")
+        wait_until(lambda: "finished" in page.inner_text(".dasktf-header"), 20, "the run's end")
         header = page.inner_text(".dasktf-header").replace("\n", " ")
         assert re.search(r"mode\s+sync", header) and "mnist-mlp" in header, header
         assert re.search(r"engine\s+graph", header), header
@@ -156,7 +147,7 @@ def test_live_dashboard_shows_loss_staleness_and_every_worker(client, digits, br
         assert workers["address"] == history.workers
         assert workers["state"] == ["finished"] * 3
         assert all(s > 0 for s in workers["steps"])
-        _wait(lambda: "finished" in page.inner_text(".slick-viewport"), 10, "the table")
+        wait_until(lambda: "finished" in page.inner_text(".slick-viewport"), 10, "the table")
         table_text = page.inner_text(".slick-viewport")
         for address in history.workers:
             assert address in table_text, table_text
@@ -223,13 +214,14 @@ class _Lines:
         return next((x for x in self.lines if x.startswith(prefix)), None)
 
 
+@pytest.mark.slow
 def test_dashboard_started_late_shows_the_earlier_points(client, digits, browser):
     known = _known_runs(client)
     # An async run with a straggler: the page must show real, non-zero staleness.
     # (3 epochs: ~540 updates, far more than the page needs; the suite's time is shared)
     training = Training(client, digits, batch_size=24, mode="async", slow_workers={0: 3.0},
                         epochs=3)
-    run = _wait(lambda: _updates_of_new_run(client, known, 40), 90, "40 updates")
+    run = wait_until(lambda: _updates_of_new_run(client, known, 40), 90, "40 updates")
     # Empty the scheduler's event log: the page must rebuild the run from the store.
     client.run_on_scheduler(lambda dask_scheduler: dask_scheduler._broker.truncate(TOPIC))
     # (the run goes on publishing, but the first updates are gone from the log)
@@ -244,15 +236,15 @@ def test_dashboard_started_late_shows_the_earlier_points(client, digits, browser
     )
     out = _Lines(proc)
     try:
-        line = _wait(lambda: out.starting("dashboard: "), 60, "the dashboard's URL")
+        line = wait_until(lambda: out.starting("dashboard: "), 60, "the dashboard's URL")
         assert f"http://127.0.0.1:{port}/" in line and run in line, line
         page = _open(browser, f"http://127.0.0.1:{port}/")
-        _wait(lambda: len(_source(page, "loss")["update"]) >= 30, 30, "the earlier points")
+        wait_until(lambda: len(_source(page, "loss")["update"]) >= 30, 30, "the earlier points")
         # async numbers updates from 1 (update n makes weights version n)
         assert _source(page, "loss")["update"][:3] == [1, 2, 3]
         header = page.inner_text(".dasktf-header")
         assert run in header and re.search(r"mode\s+async", header), header
-        _wait(lambda: max(_source(page, "staleness")["staleness"], default=0) > 0, 30,
+        wait_until(lambda: max(_source(page, "staleness")["staleness"], default=0) > 0, 30,
               "non-zero staleness")
         assert sum(_source(page, "staleness_histogram")["count"]) > 0
         page.close()
@@ -270,9 +262,9 @@ def test_rounds_panel_shows_inner_losses_round_ends_drift_and_bytes(client, digi
     with DashboardServer(client, port=0) as server:
         history = Training(client, digits, epochs=2, local_steps=4).join()
         page = _open(browser, server.url)  # it follows the newest run: this one
-        _wait(lambda: "finished" in page.inner_text(".dasktf-header"), 30, "the run's end")
+        wait_until(lambda: "finished" in page.inner_text(".dasktf-header"), 30, "the run's end")
         steps = -(-len(digits.x_train) // 32)
-        _wait(lambda: len(_source(page, "inner_loss")["step"]) == 3 * 2 * steps, 20,
+        wait_until(lambda: len(_source(page, "inner_loss")["step"]) == 3 * 2 * steps, 20,
               "every inner step")
         inner = _source(page, "inner_loss")
         assert set(inner["worker"]) == {"0", "1", "2"}
@@ -308,6 +300,7 @@ def test_dashboard_command_reports_a_bad_run_and_scheduler(client):
     assert result.exit_code == 2 and "unknown run 'nope'" in result.output, result.output
 
 
+@pytest.mark.slow
 def test_fit_serves_the_dashboard_and_writes_the_report(tmp_path):
     report = tmp_path / "run.html"
     proc = subprocess.run(
@@ -322,6 +315,7 @@ def test_fit_serves_the_dashboard_and_writes_the_report(tmp_path):
     assert "cdn.bokeh.org" not in text and '"name":"loss"' in text.replace(" ", "")
 
 
+@pytest.mark.slow
 def test_dask_dashboard_hosts_the_page_via_the_preload(digits, browser):
     from distributed import LocalCluster
 
@@ -335,6 +329,6 @@ def test_dask_dashboard_hosts_the_page_via_the_preload(digits, browser):
                    epochs=1, batch_size=50, verbose=0)
         url = cluster.dashboard_link.replace("/status", preload.ROUTE)
         page = _open(browser, url)
-        _wait(lambda: len(_source(page, "loss")["loss"]) >= 4, 20, "the run's loss")
+        wait_until(lambda: len(_source(page, "loss")["loss"]) >= 4, 20, "the run's loss")
         assert "finished" in page.inner_text(".dasktf-header")
         page.close()

@@ -10,9 +10,9 @@ import time
 import keras
 import numpy as np
 import pytest
-from distributed import Client
 
 import dasktf
+from dasktf.testing import own_cluster
 
 
 def _fit(client, x, y, **kw):
@@ -149,13 +149,13 @@ class _KillWorkerAtEpochEnd(keras.callbacks.Callback):
             os.kill(self.pid, signal.SIGKILL)
 
 
+@pytest.mark.slow
 def test_dead_worker_is_reported_fast_and_by_name(small_digits):
     """A killed worker ends the run in seconds with its address, never a hang."""
     import dask
 
     with dask.config.set({"distributed.scheduler.allowed-failures": 0}):
-        with dasktf.make_local_cluster(2, tf_threads=1) as cluster, Client(cluster) as client:
-            client.wait_for_workers(2, timeout=60)
+        with own_cluster(2, timeout=60) as (_, client):
             victim = sorted(client.scheduler_info(n_workers=-1)["workers"])[1]
             start = time.monotonic()
             with pytest.raises(dasktf.DasktfError, match=victim) as info:

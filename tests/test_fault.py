@@ -6,25 +6,16 @@ must stay whole) and is bounded in time; the cluster is closed whatever happens.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 
 import keras
 import pytest
-from distributed import Client
 
 import dasktf
-from dasktf.testing import KillWorkerAt
+from dasktf.testing import KillWorkerAt, own_cluster
 
 ACCURACY = 0.85  # the digits target every training test in the suite uses
-
-
-@contextlib.contextmanager
-def own_cluster(n):
-    with dasktf.make_local_cluster(n, tf_threads=1) as cluster, Client(cluster) as client:
-        client.wait_for_workers(n, timeout=120)
-        yield cluster, client
 
 
 def assert_every_batch_applied_once(history, epochs, steps, successors):
@@ -46,6 +37,7 @@ def _options(**kw):
     return options
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", [{"topology": "tree"}, {"topology": "ring"},
                                     {"num_ps": 3}], ids=["tree", "ring", "ps3"])
 def test_sync_run_survives_sigkill_of_one_of_three_workers(digits, layout):
@@ -109,6 +101,7 @@ class _SchedulerOpErrors(logging.Handler):
         logging.getLogger("distributed.core").removeHandler(self)
 
 
+@pytest.mark.slow
 def test_async_run_survives_sigkill_of_one_of_three_workers(digits):
     """Async: worker 2 of 3 (not the holder's) is SIGKILLed halfway; its in-flight
     gradient is dropped, its shard goes to a survivor, the run finishes."""
@@ -133,6 +126,7 @@ def test_async_run_survives_sigkill_of_one_of_three_workers(digits):
     assert time.monotonic() - start < 240
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("checkpoint", [False, True], ids=["epoch-snapshot", "checkpoint"])
 def test_async_run_survives_sigkill_of_the_parameter_holders_worker(digits, tmp_path, checkpoint):
     """Async: the holder's own worker (index 0) is SIGKILLed halfway. The holder is
@@ -176,6 +170,7 @@ def test_async_run_survives_sigkill_of_the_parameter_holders_worker(digits, tmp_
     assert time.monotonic() - start < 240
 
 
+@pytest.mark.slow
 def test_a_rebuilt_holder_takes_the_learning_rate_set_after_its_cut(digits, tmp_path):
     """The learning rate changes at the second epoch's start, after the restore point
     (the first epoch's end); the holder's worker is then SIGKILLed. The rebuilt
@@ -209,6 +204,7 @@ def test_a_rebuilt_holder_takes_the_learning_rate_set_after_its_cut(digits, tmp_
         assert any(abs(v - 0.0025) < 1e-9 for v in scalars), scalars
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("victim", [2, 0], ids=["worker", "holder"])
 def test_quorum_run_survives_sigkill(digits, victim):
     """sync_quorum=2 of 3: losing a worker (or the holder's) mid-run leaves enough
@@ -248,6 +244,7 @@ class _ScaleUpAfterFirstEpoch(keras.callbacks.Callback):
             self.client.wait_for_workers(self.n, timeout=120)
 
 
+@pytest.mark.slow
 def test_sync_run_grows_from_two_to_three_workers_with_scaled_lr(digits):
     """A worker that joins mid-run gets a replica and a share of the data at the next
     epoch boundary; with scale_lr the global batch and learning rate follow."""
@@ -277,6 +274,7 @@ def test_sync_run_grows_from_two_to_three_workers_with_scaled_lr(digits):
     assert time.monotonic() - start < 240
 
 
+@pytest.mark.slow
 def test_losing_the_last_worker_names_the_last_checkpoint(digits, tmp_path):
     with own_cluster(1) as (_cluster, client):
         (worker,) = client.scheduler_info(n_workers=-1)["workers"]
@@ -301,6 +299,7 @@ def test_bad_fault_options_fail_before_training(client, small_digits, kw, messag
         dasktf.fit("mnist-mlp", *small_digits, client=client, verbose=0, **kw)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source", ["loader", "dask-array"])
 def test_lost_shard_is_reloaded_from_its_source(digits, source):
     """The lost worker's shard comes back from where it was read (the per-shard

@@ -177,6 +177,7 @@ def test_info_says_when_tensorflow_cannot_use_the_gpus(nvidia_smi_path):
 
 
 # -- pinning inside real worker processes ---------------------------------------
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_each_worker_is_pinned_to_its_gpu():
     """Worker i is spawned with CUDA_VISIBLE_DEVICES=i and advertises GPU=1."""
@@ -307,6 +308,7 @@ def test_info_lists_both_cpu_workers_with_devices():
         assert "CPU:0" in row and "''" in row  # TF's device list; no GPU visible
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 @requires_gpu
 @pytest.mark.timeout(240)

@@ -337,6 +337,7 @@ if __name__ == "__main__":
 '''
 
 
+@pytest.mark.slow
 def test_models_and_objects_defined_in_the_users_script(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(USER_SCRIPT))

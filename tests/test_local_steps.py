@@ -15,9 +15,9 @@ import pytest
 
 import dasktf
 from dasktf.run.checkpoint import list_checkpoints
+from dasktf.testing import own_cluster
 
 from .conftest import relative_error
-from .test_fault import own_cluster
 
 
 def _data(n: int = 240, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -207,6 +207,7 @@ def test_bad_round_options_fail_before_training(kw, message):
         dasktf.Trainer("mnist-mlp", n_workers=2, **kw)
 
 
+@pytest.mark.slow
 def test_sync_rounds_survive_sigkill_mid_round(digits):
     """Worker 2 of 3 is SIGKILLed while rounds are in flight: the survivors redo
     the unfinished round from its start, apply every round's update exactly once,

@@ -14,6 +14,7 @@ from dasktf.diagnostics import metrics
 from dasktf.diagnostics.events import TOPIC, unpack
 from dasktf.diagnostics.metrics import DecimatedSeries, MetricsStore
 from dasktf.runtime.cost import publishing_cost
+from dasktf.testing import wait_until
 
 
 def _records(n: int, workers: int = 3, run: str = "r1", mode: str = "async"):
@@ -132,12 +133,10 @@ def test_sync_run_publishes_the_full_schema(client, small_digits):
     x, y = small_digits
     history = dasktf.fit("mnist-mlp", x, y, client=client, n_workers=2, epochs=2,
                          batch_size=50, seed=0, verbose=0, metrics=["accuracy"])
-    deadline = time.monotonic() + 10
-    while True:  # the workers' last batch of records may still be on its way
-        snap = metrics.fetch(client, history.run_id)
-        if snap["header"]["updates"] == 10 or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
+    # the workers' last batch of records may still be on its way
+    wait_until(lambda: metrics.fetch(client, history.run_id)["header"]["updates"] == 10,
+               10, "the run's 10 updates in the store", interval=0.2)
+    snap = metrics.fetch(client, history.run_id)
     h = snap["header"]
     assert (h["mode"], h["status"], h["n_workers"], h["updates"]) == ("sync", "finished", 2, 10)
     assert h["total_updates"] == 10 and h["epochs"] == 2

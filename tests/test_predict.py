@@ -16,9 +16,10 @@ import dask.dataframe as dd
 import numpy as np
 import pandas as pd
 import pytest
-from distributed import Client, as_completed
+from distributed import as_completed
 
 import dasktf
+from dasktf.testing import own_cluster
 
 keras = pytest.importorskip("keras")
 
@@ -300,8 +301,7 @@ def test_lost_worker_during_prediction_is_retried_with_the_same_result():
     want = model.predict(x, verbose=0)
     # The session cluster fails a task on its first lost worker; this one retries.
     with dask.config.set({"distributed.scheduler.allowed-failures": 3}), \
-            dasktf.make_local_cluster(3, tf_threads=1) as cluster, Client(cluster) as client:
-        client.wait_for_workers(3, timeout=60)
+            own_cluster(3, timeout=60) as (_, client):
         pids = client.run(os.getpid)
         blocks = dasktf.predict(model, da.from_array(x, chunks=250), client=client)
         futures = client.compute(list(blocks.to_delayed().ravel()))

@@ -145,6 +145,7 @@ def test_an_installed_filter_holds_the_first_import_to_the_level(noisy_module, l
     assert ("oneDNN" in output) == (level == "0")
 
 
+@pytest.mark.slow
 def test_spawned_processes_start_with_the_filter_and_keep_their_own_sitecustomize(
         tmp_path):
     """What an embedded cluster's worker (or a collective child) starts with: the
@@ -177,6 +178,7 @@ def test_the_filter_is_not_installed_at_level_zero_or_twice(monkeypatch):
     assert not quiet.install("os")  # imported already: too late, nothing to do
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("verbose", [False, True])
 def test_dasktf_commands_print_tensorflows_lines_only_when_verbose(verbose):
     """``configure_logging`` (every ``dasktf`` command) then TensorFlow's import: no

@@ -39,9 +39,9 @@ from distributed import Client
 import dasktf
 from dasktf.exceptions import SecurityWarning
 from dasktf.run.setup import PHASES, phase_hooks
-from dasktf.testing import kill_worker, worker_pids
+from dasktf.testing import kill_worker, own_cluster, wait_until, worker_pids
 from tests.conftest import relative_error
-from tests.test_fault import assert_every_batch_applied_once, own_cluster
+from tests.test_fault import assert_every_batch_applied_once
 
 SETUP = PHASES[:-1]  # connecting ... starting the engine
 LIMIT = 10.0  # seconds from the kill to the error
@@ -83,10 +83,8 @@ class KillAt:
         return set(self.client.scheduler_info(n_workers=-1)["workers"])
 
     def _until(self, ready):
-        deadline = time.monotonic() + 60
-        while not ready(self._alive()):
-            assert time.monotonic() < deadline, f"cluster never settled after {self.victims}"
-            time.sleep(0.02)
+        wait_until(lambda: ready(self._alive()), 60,
+                   f"the cluster to settle after {self.victims}", interval=0.02)
 
 
 @contextlib.contextmanager
@@ -152,6 +150,7 @@ def _setup_record(history, phase, victims, survivors):
     return recovery
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("phase", PHASES)
 def test_sync_run_recovers_a_worker_lost_in_each_phase(client3, small_digits, phase):
     """Graph engine, 3 workers, one SIGKILLed as ``phase`` begins: the run trains on
@@ -189,6 +188,7 @@ def _bounded(recovery, killer):
               "after the notice")
 
 
+@pytest.mark.slow
 def test_async_run_recovers_a_worker_lost_while_setting_up(client3, small_digits):
     """Async, 3 workers; worker 0 is SIGKILLed as the engine starts, where its
     parameter holder goes (the phases before are the sync case's code). The run is
@@ -203,6 +203,7 @@ def test_async_run_recovers_a_worker_lost_while_setting_up(client3, small_digits
     assert history.updates["worker"].nunique() == 2
 
 
+@pytest.mark.slow
 def test_async_run_recovers_the_holders_worker_lost_at_the_first_step(small_digits):
     """The holder's worker dies as the first gradients are sent: the holder is
     rebuilt on the survivor from the restore point the set-up took, and the lost
@@ -238,6 +239,7 @@ def test_a_run_that_raises_on_a_loss_names_the_worker_and_the_phase(
     print(f"\n{mode} {phase}: WorkerLostError {seconds:.2f}s after the kill")
 
 
+@pytest.mark.slow
 def test_quorum_run_recovers_its_holders_worker_lost_while_setting_up(client3,
                                                                     small_digits):
     """sync_quorum=2 of 3: the holder's worker dies as the holder is built; the two
@@ -252,6 +254,7 @@ def test_quorum_run_recovers_its_holders_worker_lost_while_setting_up(client3,
     assert (updates.groupby("update").size() == 2).all()
 
 
+@pytest.mark.slow
 def test_a_quorum_the_survivors_cannot_make_is_refused_by_name(client3, small_digits):
     x, y = small_digits
     killer = KillAt(client3, "placing data", replace=False)
@@ -261,6 +264,7 @@ def test_a_quorum_the_survivors_cannot_make_is_refused_by_name(client3, small_di
     assert killer.since_kill(time.time()) < LIMIT
 
 
+@pytest.mark.slow
 def test_losing_the_only_worker_while_setting_up_says_none_is_left(client3, small_digits):
     x, y = small_digits
     killer = KillAt(client3, "building replicas", index=0, replace=False)
@@ -364,10 +368,8 @@ class KillWhilePluginsRegister(KillAt):
         def stored(dask_scheduler=None):  # local: pickled by value for the scheduler
             return "dasktf-tensorflow-setup" in dask_scheduler.worker_plugins
 
-        deadline = time.monotonic() + 60
-        while not self.client.run_on_scheduler(stored):
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_until(lambda: self.client.run_on_scheduler(stored), 60,
+                   "the plugin stored on the scheduler", interval=0.01)
         for pid in pids:
             os.kill(pid, signal.SIGKILL)
         self.killed_at = time.time()
