@@ -402,7 +402,7 @@ class Trainer:
             every ``checkpoint_every`` steps (sync: after steps k, 2k, ... of each
             epoch, holding exactly those updates; not with ``engine="collective"``,
             which checkpoints at epoch ends) or updates (async: the holder's state
-            and the batches applied, :mod:`dasktf.run.async_checkpoint`); the final model
+            and the batches applied, :mod:`dasktf.engines.holder.checkpoint`); the final model
             is also saved there as ``model.keras``.
         resume
             Continue from the newest valid checkpoint in ``checkpoint_dir`` up to

@@ -3,6 +3,8 @@
 * import-linter holds the layers (cli -> trainer -> run -> engines -> runtime -> wire),
   the independence of the engine families, the side rooms and the absence of
   import cycles, function-level imports included (contracts in ``pyproject.toml``);
+  grimp, with annotation-only imports counted too, that engines/, runtime/ and
+  run/guard.py are in no circle and the guard imports only the engine contract;
 * no module takes a ``_private`` name from another dasktf module;
 * no module over 600 lines, no class over 300 unless listed here with the reason;
 * ``fit`` and ``Trainer`` take the same options; the documented import paths work.
@@ -24,7 +26,9 @@ MAX_MODULE_LINES = 600
 MAX_CLASS_LINES = 300
 #: Classes kept whole, and why (splitting them would scatter one idea).
 LARGE_CLASSES = {
-    "AsyncEngine": "the client side of one async run: submit, gather, account, recover",
+    "AsyncEngine": "the client side of one async run: the I/O its state asks for",
+    "AsyncState": "the async run's state machine: its transitions together keep every "
+                  "batch applied once",
     "ParameterHolder": "the holder actor: its apply, gate, snapshot and restore share "
                        "one lock and one version counter",
     "Run": "one fit: the epoch loop and the set-up it needs, in order",
@@ -69,6 +73,42 @@ def test_import_contracts_hold():
     result = subprocess.run([lint, "--no-cache"], cwd=ROOT, capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+
+
+def test_annotation_imports_keep_the_engines_and_the_guard_apart():
+    """import-linter leaves ``TYPE_CHECKING`` imports out (they never run), but a
+    circle of them still means modules that cannot be read, or changed, apart. With
+    them counted: no circle through engines/, runtime/ or run/guard.py; no arrow
+    from a lower room to a higher one; and the guard knows the engines only by
+    their contract (engines/base.py), so a new engine changes nothing in run/."""
+    import grimp
+
+    graph = grimp.build_graph("dasktf", exclude_type_checking_imports=False, cache_dir=None)
+    layers = ["dasktf.cli", "dasktf.trainer", "dasktf.run", "dasktf.engines",
+              "dasktf.runtime", "dasktf.wire"]
+
+    def layer(module: str) -> int | None:
+        return next((i for i, name in enumerate(layers)
+                     if module == name or module.startswith(name + ".")), None)
+
+    scope = sorted(m for m in graph.modules
+                   if (layer(m) or 0) >= layers.index("dasktf.engines")
+                   or m == "dasktf.run.guard")
+    circles, upward = [], []
+    for module in scope:
+        for imported in sorted(graph.find_modules_directly_imported_by(module)):
+            if imported == module or module.startswith(imported + "."):  # itself, its package
+                continue
+            back = graph.find_shortest_chain(importer=imported, imported=module)
+            if back is not None:
+                circles.append(" -> ".join((module, *back)))
+            if (layer(imported) or 99) < (layer(module) or 0):
+                upward.append(f"{module} -> {imported}")
+    assert not circles, "import circles, annotation-only imports counted:\n" + "\n".join(circles)
+    assert not upward, "imports from a lower room to a higher one:\n" + "\n".join(upward)
+    engines = sorted(m for m in graph.find_modules_directly_imported_by("dasktf.run.guard")
+                     if m.startswith("dasktf.engines"))
+    assert engines == ["dasktf.engines.base"], engines
 
 
 def test_no_private_name_crosses_a_module():

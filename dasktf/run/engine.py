@@ -1,10 +1,12 @@
-"""The one place that picks a run's engine (mode, ``engine=``, ``auto``)."""
+"""The one place that picks a run's engine (mode, ``engine=``, ``auto``), and its
+checks of the model before any work is done."""
 
 from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -20,7 +22,62 @@ from dasktf.exceptions import EngineHint
 from dasktf.runtime.replica import non_trainable_floats
 
 if TYPE_CHECKING:
-    from dasktf.run.run import Run
+    from dasktf.cluster.waits import RunContext
+    from dasktf.data.sources import PlacedData
+    from dasktf.models import CompileRecipe
+    from dasktf.run.options import FaultOptions, TrainOptions
+
+
+class EngineInputs(Protocol):
+    """What the factory reads of a run (:class:`dasktf.run.run.Run`), once its
+    replicas are built."""
+
+    ctx: RunContext
+    trainer: Any
+    guard: Any
+    workers: list[str]
+    #: ``{worker index: factor}``, re-indexed after a loss during the set-up
+    slow_workers: dict[int, float]
+    placed: PlacedData
+    model: Any
+    fault: FaultOptions
+    #: the replica config, the initial weights (futures) and the validation shards
+    engine_inputs: tuple[Any, Any, list[Any]]
+    engine_plan: EnginePlan
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    """What the engine the factory will pick needs from the model, worked out (and
+    refused) by :func:`plan_engine` before any work is done."""
+
+    #: ``placement="ps"``: the model optimizer's layout over the servers' slices
+    #: and the trainable variables' positions among the model's weights
+    #: (checkpoints, restore points and re-forms merge the slices into it)
+    ps_layout: tuple[Any, list[int]] | None = None
+
+
+def plan_engine(options: TrainOptions, model: Any, recipe: CompileRecipe) -> EnginePlan:
+    """Check ``model`` (compiled with ``recipe``) against the engine ``options``
+    pick, before any work is done.
+
+    Raises
+    ------
+    ValueError
+        ``placement="ps"`` with an optimizer whose state is not one slot per
+        variable (no server slice can hold it).
+    """
+    ps_layout = None
+    if (options.comm.placement == "ps" and options.mode == "sync"
+            and options.sync_quorum is None):
+        from dasktf.runtime.servers import optimizer_layout
+
+        positions = {id(w): i for i, w in enumerate(model.weights)}
+        ps_layout = (
+            optimizer_layout(recipe.optimizer, model.trainable_variables),
+            [positions[id(v)] for v in model.trainable_variables],
+        )
+    return EnginePlan(ps_layout=ps_layout)
 
 
 # -- choosing an engine --------------------------------------------------------
@@ -82,7 +139,7 @@ def warn_collective_hint(hint: str | None) -> None:
         warnings.warn(hint, EngineHint, stacklevel=2)
 
 
-def make_engine(run: Run, epochs: int) -> Engine:
+def make_engine(run: EngineInputs, epochs: int) -> Engine:
     """The engine of one run: async or quorum around a parameter holder; sync on the
     collective engine when it is asked for by name, else on the fault-tolerant
     task-graph engine (with :func:`collective_hint`'s hint where the collective
@@ -105,7 +162,7 @@ def make_engine(run: Run, epochs: int) -> Engine:
         spec = dataclasses.replace(t.comm, n_workers=len(run.workers))
         return ElasticSyncEngine(run.ctx, spec, shapes, run.placed.schedule, hooks,
                                  average_stats=bool(non_trainable_floats(run.model)),
-                                 ps_layout=run.ps_layout, local=t.local)
+                                 ps_layout=run.engine_plan.ps_layout, local=t.local)
     holder = choose_holder(run.workers, run.slow_workers)
     args = (run.ctx, run.workers[holder], cfg, weights, run.placed.shards[holder], val,
             run.placed.schedule)

@@ -1,8 +1,10 @@
 """What a run does about faults: resume, checkpoints, worker loss, elastic growth.
 
-:class:`RunGuard` is the policy side of one ``fit`` call; the mechanisms live in
-:mod:`dasktf.engines.graph.elastic` (recovering a sync run), :mod:`dasktf.run.checkpoint` (files) and
-:mod:`dasktf.cluster.membership` (hearing of workers from the scheduler). The trainer calls
+:class:`RunGuard` is the policy side of one ``fit`` call; it talks to the engine only
+through the contract (:mod:`dasktf.engines.base`: capabilities, ``checkpoint``,
+``resume``, ``reform``), and the mechanisms live in the engines (recovering a run),
+:mod:`dasktf.run.checkpoint` (files) and :mod:`dasktf.cluster.membership` (hearing of
+workers from the scheduler). The trainer calls
 the guard at a few points: before the first epoch (resume), after every step
 (periodic checkpoints), at every epoch end (checkpoint, re-form the run on the
 workers alive now) and at the end (the final ``.keras`` model).
@@ -13,17 +15,27 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
 
 from dasktf.callbacks import adopt_learning_rate
-from dasktf.cluster.waits import wait_for
-from dasktf.engines.base import Engine, RunHooks
-from dasktf.engines.graph.elastic import reload_shard
+from dasktf.data.sources import (
+    ArraySource,
+    LoaderSource,
+    interleaved_indices,
+    load_shard,
+)
+from dasktf.engines.base import Engine, RunHooks, Saved, StateLostError
 from dasktf.run import checkpoint as ckpt
+from dasktf.runtime.replica import non_trainable_floats
 
 if TYPE_CHECKING:
+    from distributed import Client, Future
+
+    from dasktf.cluster.waits import RunContext
+    from dasktf.data.sources import PlacedData
     from dasktf.run.options import FaultOptions
-    from dasktf.run.run import Run
 
 logger = logging.getLogger(__name__)
 
@@ -31,10 +43,32 @@ logger = logging.getLogger(__name__)
 WARMUP_STEPS = 5
 
 
+class GuardedRun(Protocol):
+    """What the guard reads of its run (:class:`dasktf.run.run.Run`)."""
+
+    client: Client
+    ctx: RunContext
+    trainer: Any
+    run_id: str
+    workers: list[str]
+    placed: PlacedData
+    source: Any
+    validation_data: tuple[Any, Any] | None
+    batch_size: int
+    shuffle: bool
+    verbose: int
+    model: Any
+    spec_description: str
+
+    def publish(self, record: dict[str, Any]) -> None: ...
+
+    def reform(self, workers: list[str], batch_size: int) -> None: ...
+
+
 class RunGuard:
     """Fault tolerance for one run (see the module docstring)."""
 
-    def __init__(self, run: Run, options: FaultOptions, epochs: int) -> None:
+    def __init__(self, run: GuardedRun, options: FaultOptions, epochs: int) -> None:
         self.run = run
         self.options = options
         self.epochs = epochs
@@ -83,6 +117,7 @@ class RunGuard:
         logger.warning("%s", line)
 
     def _reload(self, index: int, worker: str) -> tuple[Any, Any]:
+        """Shard ``index`` (and its validation piece) placed on ``worker`` again."""
         run = self.run
         n = run.placed.schedule.shape[1]
         shard = reload_shard(run.client, run.source, index, n, worker,
@@ -119,13 +154,9 @@ class RunGuard:
     # -- resume -------------------------------------------------------------------
     def begin(self, engine: Engine) -> tuple[int, int]:
         """Load the newest valid checkpoint into the replicas; (epoch, step) to start at."""
-        kind = engine.capabilities.checkpoints
-        if kind == "holder":  # the holder's state and progress
-            from dasktf.run.async_checkpoint import resume_async
-
-            return resume_async(self, engine) if self.options.resume else (0, 0)
         engine.set_checkpoint_grid(self.options.checkpoint_every)
-        if self.options.checkpoint_every is not None and kind == "final":
+        if (self.options.checkpoint_every is not None
+                and engine.capabilities.checkpoints == "final"):
             raise ValueError(
                 "checkpoint_every checkpoints sync steps and async updates; a "
                 "sync_quorum run's checkpoint_dir receives the final model.keras."
@@ -144,24 +175,14 @@ class RunGuard:
             engine.keep_restore_point()
             return 0, 0
         state, manifest, path = found
-        if manifest.get("mode") == "async":
-            raise ValueError(f"{path} is an async run's checkpoint; resume it with mode='async'.")
-        local_steps = engine.local.steps if engine.local is not None else 1
-        if int(manifest.get("local_steps", 1)) != local_steps:
-            raise ValueError(
-                f"{path} was written by a run with local_steps="
-                f"{manifest.get('local_steps', 1)}; resume it with the same local_steps "
-                f"(this run has {local_steps}): its step counter counts those rounds.")
-        engine.load_state(state)
+        model = self.run.model
+        resumed = engine.resume(Saved(state, manifest, str(path), self.run.batch_size,
+                                      _statistics(model, state["weights"])))
         self.last_checkpoint = path
-        epoch, step = int(manifest["next_epoch"]), int(manifest["next_step"])
-        engine.start_at(int(manifest["epoch_base"]) if step else state["applied"] + 1)
-        self.run.model.set_weights(state["weights"])
-        adopt_learning_rate(self.run.model, state["optimizer"])
-        engine.keep_restore_point(state)
-        self.announce(f"resumed from {path} at epoch {epoch + 1}, step {step + 1} "
-                       f"(update {state['applied'] + 1})")
-        return epoch, step
+        model.set_weights(state["weights"])
+        adopt_learning_rate(model, state["optimizer"])
+        self.announce(resumed.announce)
+        return resumed.epoch, resumed.step
 
     # -- checkpoints --------------------------------------------------------------
     def after_step(self, engine: Engine, epoch: int, step: int) -> None:
@@ -175,48 +196,33 @@ class RunGuard:
             if engine.checkpoint_due(step):
                 self.checkpoint(engine, epoch)
             return
-        self._since_checkpoint += 1
+        self._since_checkpoint += 1  # "updates": every ``every`` applied updates
         if self._since_checkpoint >= every:
             self.checkpoint(engine, epoch)
 
-    def _checkpoint_async(self, engine: Any, epoch: int, epoch_end: bool) -> Path | None:
-        from dasktf.engines.holder.rpc import HolderLostError
-        from dasktf.run.async_checkpoint import save_async_checkpoint
-
-        self._since_checkpoint = 0
-        try:
-            return save_async_checkpoint(self, engine, epoch + 1 if epoch_end else epoch)
-        except HolderLostError:
-            # the holder went between two results: the engine rebuilds it from its
-            # restore point as soon as it looks again; this checkpoint is skipped
-            logger.warning("checkpoint skipped: the parameter holder was lost")
-            return None
-
     def checkpoint(self, engine: Engine, epoch: int, epoch_end: bool = False) -> Path | None:
+        """Save the engine's :meth:`~dasktf.engines.base.Engine.checkpoint` with the
+        run's fields; its path (``None``: no ``checkpoint_dir``, or skipped)."""
         if self.options.checkpoint_dir is None:
             return None
-        if engine.capabilities.checkpoints == "holder":
-            return self._checkpoint_async(engine, epoch, epoch_end)
-        state = engine.state()
-        base = engine.update_base
-        step = state["applied"] + 1 - base
-        if epoch_end or step >= engine.units(self.run.ctx.steps_per_epoch):
-            next_epoch, next_step = epoch + 1, 0
-        else:
-            next_epoch, next_step = epoch, step
-        meta = {
-            "next_epoch": next_epoch, "next_step": next_step,
-            "epoch_base": base if next_step else state["applied"] + 1,
-            "epochs": self.epochs, "seed": self.run.trainer.options.seed,
-            "batch_size": self.run.batch_size, "workers": list(self.run.ctx.workers),
-            "mode": self.run.trainer.options.mode, "run": self.run.run_id,
-            "model": self.run.spec_description, "wall_time": time.time(),
-            # a step means a round of these: a resume must train in the same rounds
-            "local_steps": engine.local.steps if engine.local is not None else 1,
-        }
-        self.last_checkpoint = ckpt.save_checkpoint(self.options.checkpoint_dir, state, meta)
-        engine.keep_restore_point(state)
         self._since_checkpoint = 0
+        try:
+            cut = engine.checkpoint(epoch, epoch_end)
+        except StateLostError as exc:
+            # what holds the state (a parameter holder) went between two results:
+            # the engine rebuilds it as soon as it looks again; this one is skipped
+            logger.warning("checkpoint skipped: %s", exc)
+            return None
+        run = self.run
+        meta = {
+            **cut.fields, "epochs": self.epochs, "seed": run.trainer.options.seed,
+            "batch_size": run.batch_size, "workers": list(run.ctx.workers),
+            "mode": engine.mode, "run": run.run_id, "model": run.spec_description,
+            "wall_time": time.time(),
+        }
+        self.last_checkpoint = ckpt.save_checkpoint(self.options.checkpoint_dir, cut.state,
+                                                    meta)
+        cut.kept(str(self.last_checkpoint))
         logger.info("checkpoint %s", self.last_checkpoint)
         return self.last_checkpoint
 
@@ -235,21 +241,7 @@ class RunGuard:
     def finish(self, model: Any, engine: Engine) -> None:
         """The trained optimizer's state into the client's model (``history.model``
         saves and resumes like a model Keras trained), then the final checkpoint."""
-        state = None
-        if engine.capabilities.checkpoints == "steps" or (
-            engine.capabilities.checkpoints == "epochs" and self.options.checkpoint_dir
-        ):  # the collective engine keeps its state only when it checkpoints
-            state = engine.state()
-        elif engine.capabilities.checkpoints == "holder" and engine.local is None:
-            # async: the holder's optimizer (with rounds it is the outer one, and
-            # the inner optimizers' states stay each worker's own)
-            from dasktf.engines.holder.checkpoint import HolderCut
-
-            try:
-                state = HolderCut(engine).state
-            except Exception:  # the weights are back; the optimizer state is a bonus
-                logger.warning("reading the parameter holder's optimizer state failed; "
-                               "history.model's optimizer starts fresh", exc_info=True)
+        state = engine.final_state()
         if state is not None:
             model.optimizer.build(model.trainable_variables)
             variables = model.optimizer.variables
@@ -291,24 +283,42 @@ class RunGuard:
         engine.load_state(state)  # the servers too, placed over the workers now
         engine.keep_restore_point(state)
         if lr_change is not None:
-            self._scale_lr(state, lr_change, n, batch)
+            self._scale_lr(engine, lr_change, n, batch)
         self.announce(f"re-formed on {n} worker(s)" + (f" (joined: {', '.join(joined)})"
                                                         if joined else "")
                        + f", global batch {batch}")
         self.started = time.time()
         return True
 
-    def _scale_lr(self, state: dict[str, Any], factor: float, n: int, batch: int) -> None:
-        from dasktf.engines.graph.elastic import ramp_lr_task
-
+    def _scale_lr(self, engine: Engine, factor: float, n: int, batch: int) -> None:
         run = self.run
-        futures = [run.client.submit(ramp_lr_task, run.run_id, factor, WARMUP_STEPS,
-                                     workers=[w], allow_other_workers=False, pure=False)
-                   for w in run.ctx.workers]
-        wait_for(run.ctx, futures, "rescaling the learning rate")
-        old, new = run.client.gather(futures)[0]
+        old, new = engine.ramp_learning_rate(factor, WARMUP_STEPS)
         run.publish({"run": run.run_id, "kind": "lr_scaled", "workers": n,
                       "batch_size": batch, "learning_rate_from": old, "learning_rate": new,
                       "warmup_steps": WARMUP_STEPS, "wall_time": time.time()})
         self.announce(f"learning rate {old:.4g} -> {new:.4g} over {WARMUP_STEPS} "
                        f"warm-up steps (linear scaling, {n} workers, batch {batch})")
+
+
+def reload_shard(
+    client: Client, source: Any, index: int, n_shards: int, worker: str,
+    schedule: np.ndarray, batch_size: int,
+) -> Future:
+    """Rebuild shard ``index`` of ``n_shards`` on ``worker`` from where it came from."""
+    if isinstance(source, ArraySource):
+        rows = interleaved_indices(schedule, batch_size)[index]
+        return client.scatter(
+            source.data.take(rows), workers=[worker], direct=True, hash=False
+        )
+    if isinstance(source, LoaderSource):
+        return client.submit(load_shard, source.load, index, n_shards, source.class_weight,
+                             workers=[worker], pure=False)
+    if hasattr(source, "reload"):  # Dask arrays, streams, dataset_fn
+        return source.reload(client, index, n_shards, worker)
+    raise TypeError(f"cannot reload a shard from {type(source).__name__}")
+
+
+def _statistics(model: Any, weights: list[np.ndarray]) -> list[np.ndarray] | None:
+    """``model``'s moving statistics as ``weights`` (its ``get_weights()``) hold them."""
+    position = {id(v): i for i, v in enumerate(model.weights)}
+    return [np.asarray(weights[position[id(v)]]) for v in non_trainable_floats(model)] or None

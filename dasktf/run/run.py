@@ -44,7 +44,7 @@ from dasktf.run.compiling import (
     factory_input_shape,
     num_outputs,
 )
-from dasktf.run.engine import make_engine
+from dasktf.run.engine import make_engine, plan_engine
 from dasktf.run.guard import RunGuard
 from dasktf.run.options import FaultOptions
 from dasktf.run.setup import SetupGuard, enter_phase, register_worker_plugin
@@ -233,17 +233,7 @@ class Run:
 
             shapes = [tuple(v.shape) for v in model.trainable_variables]
             shard_plan(shapes, o.comm.num_ps)
-        self.ps_layout = None
-        if o.comm.placement == "ps" and o.mode == "sync" and o.sync_quorum is None:
-            from dasktf.runtime.servers import optimizer_layout
-
-            # Checkpoints, restore points and re-forms merge the servers' optimizer
-            # slices into the model optimizer's layout: refuse one that has none.
-            positions = {id(w): i for i, w in enumerate(model.weights)}
-            self.ps_layout = (
-                optimizer_layout(recipe.optimizer, model.trainable_variables),
-                [positions[id(v)] for v in model.trainable_variables],
-            )
+        self.engine_plan = plan_engine(o, model, recipe)  # refused here, before any work
 
     def _create_replicas(self) -> None:
         """One replica per worker of ``self.workers`` from ``self.model``'s weights."""

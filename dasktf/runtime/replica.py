@@ -183,11 +183,11 @@ class Replica:
         compile_loss = getattr(model, "_compile_loss", None)
         self.output_loss_trackers = list(getattr(compile_loss, "metrics", None) or [])
         self.weighted = probe.w is not None
-        self._gradient_fn = tf.function(self._gradient, input_signature=batch_signature(probe))
+        self._gradient_fn = tf.function(self.batch_gradient, input_signature=batch_signature(probe))
         # A fixed signature: a Python int count would retrace for every new value
         # (the short last batch of each epoch, for one).
         self._apply_fn = tf.function(
-            self._apply,
+            self.apply_mean,
             input_signature=[
                 tf.TensorSpec((sum(self.sizes),), tf.float32),
                 tf.TensorSpec((), tf.float32),
@@ -236,8 +236,9 @@ class Replica:
         #: round's start; ``None`` for sync steps.
         self.rounds = Rounds(self, config.local) if config.local is not None else None
 
-    # -- compiled bodies ------------------------------------------------------
-    def _gradient(self, x: Any, y: Any, w: Any = None) -> tuple[Any, Any]:
+    # -- compiled bodies (traced here, and into a round's loop by rounds.py) ---
+    def batch_gradient(self, x: Any, y: Any, w: Any = None) -> tuple[Any, Any]:
+        """One batch's flat gradient and loss, each times its rows (a TF body)."""
         import tensorflow as tf
 
         with tf.GradientTape() as tape:
@@ -266,14 +267,12 @@ class Replica:
         )
         return flat * tf.cast(n, flat.dtype), loss * tf.cast(n, loss.dtype)
 
-    def _apply(self, total: Any, count: Any) -> None:
+    def apply_mean(self, total: Any, count: Any) -> None:
+        """Apply the flat gradient ``total / count`` with the optimizer (a TF body)."""
         import tensorflow as tf
 
-        mean = total / count
-        grads = [
-            tf.reshape(part, shape)
-            for part, shape in zip(tf.split(mean, self.sizes), self.shapes, strict=False)
-        ]
+        grads = [tf.reshape(part, shape) for part, shape
+                 in zip(tf.split(total / count, self.sizes), self.shapes, strict=False)]
         self.model.optimizer.apply_gradients(zip(grads, self.variables, strict=False))
 
     # -- what the tasks call --------------------------------------------------

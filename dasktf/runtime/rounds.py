@@ -24,18 +24,16 @@ checkpoint (or a reconciliation) of a replica mid-round is its round-start state
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from dasktf.data.shards import Shard
 from dasktf.runtime.keras_step import batch_args, batch_signature
 from dasktf.wire.messages import GradientSum
-
-if TYPE_CHECKING:
-    from dasktf.runtime.replica import Replica
 
 #: The outer optimizers by name (any ``keras.optimizers.Optimizer`` is taken too).
 OUTER_OPTIMIZERS = ("average", "nesterov")
@@ -109,6 +107,31 @@ def local_spec(
     return LocalSpec(int(local_steps), keras.optimizers.serialize(opt), name)
 
 
+class RoundReplica(Protocol):
+    """What a replica's rounds use of it (:class:`dasktf.runtime.replica.Replica`)."""
+
+    model: Any
+    variables: list[Any]
+    sizes: list[int]
+    shapes: list[tuple[int, ...]]
+    shard: Shard
+    schedule: np.ndarray
+    applied: int
+    apply_lock: threading.Lock
+    fenced: bool
+    device: str
+    events: Any
+    run_id: str
+    index: int
+    comm: Any
+
+    def batch(self, epoch: int, step: int) -> Shard: ...
+    def flat_weights(self) -> np.ndarray: ...
+    def set_flat_weights(self, flat: np.ndarray) -> None: ...
+    def batch_gradient(self, x: Any, y: Any, w: Any = None) -> tuple[Any, Any]: ...
+    def apply_mean(self, total: Any, count: Any) -> None: ...
+
+
 @dataclass
 class RoundStart:
     """A replica at the start of a round: after update ``applied``, its trainable
@@ -125,7 +148,7 @@ class RoundStart:
 class Rounds:
     """A replica's rounds: the outer optimizer, the round start, the drift log."""
 
-    replica: Replica
+    replica: RoundReplica
     spec: LocalSpec
     outer: Any = None
     start: RoundStart | None = None
@@ -170,8 +193,8 @@ class Rounds:
         for i in tf.range(steps):
             lo, hi = offsets[i], offsets[i + 1]
             batch = [map_nest(lambda a, lo=lo, hi=hi: a[lo:hi], part) for part in rows]
-            total, loss_sum = self.replica._gradient(*batch)
-            self.replica._apply(total, tf.cast(hi - lo, tf.float32))
+            total, loss_sum = self.replica.batch_gradient(*batch)
+            self.replica.apply_mean(total, tf.cast(hi - lo, tf.float32))
             losses = losses.write(i, tf.cast(loss_sum, tf.float32))
         return losses.stack()
 

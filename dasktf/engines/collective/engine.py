@@ -75,7 +75,7 @@ class CollectiveEngine(Engine):
         worker is lost.
     keep_state
         Fetch replica 0's optimizer state every epoch for :meth:`state` (the
-        run's :class:`~dasktf.run.guard.RunGuard` checkpoints it).
+        run checkpoints it: :meth:`~dasktf.engines.base.Engine.checkpoint`).
     """
 
     mode = "sync"
@@ -204,6 +204,10 @@ class CollectiveEngine(Engine):
 
     def start_at(self, update: int) -> None:
         self.update_base = update
+
+    def final_state(self) -> dict[str, Any] | None:
+        """The last epoch's state, kept when the run checkpoints (``keep_state``)."""
+        return self.state() if self.keep_state else None
 
     def set_learning_rate(self, lr: float) -> None:
         """The children take ``lr`` with the next epoch's message."""

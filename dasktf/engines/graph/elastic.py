@@ -10,7 +10,7 @@ at most once (:meth:`dasktf.runtime.replica.Replica.apply`). When a worker is lo
    optimizer state to those behind (all replicas are identical after an applied
    update, so this is exactly the last applied state);
 3. the lost shard is reloaded from its source on the survivor carrying the fewest
-   shards (:func:`reload_shard`), which *adopts* it: its rows join that replica's
+   shards (the run's ``RunHooks.reload``), which *adopts* it: its rows join that replica's
    batches, in the order the lost worker would have read them, so the global batch
    and every later update are unchanged;
 4. the epoch resumes at the first update no survivor applied, with N-1 workers. No
@@ -42,13 +42,7 @@ import numpy as np
 from distributed import Future
 
 from dasktf.cluster.waits import RunContext, wait_for
-from dasktf.data.sources import (
-    ArraySource,
-    LoaderSource,
-    Shard,
-    interleaved_indices,
-    load_shard,
-)
+from dasktf.data.sources import Shard
 from dasktf.engines.base import Capabilities, RunHooks
 from dasktf.engines.graph.topology import CommEngine
 from dasktf.exceptions import AllWorkersLostError, WorkerLostError
@@ -63,7 +57,7 @@ from dasktf.runtime.servers import (
 from dasktf.wire.packets import CommSpec
 
 if TYPE_CHECKING:
-    from distributed import Client, Future
+    from distributed import Future
 
     from dasktf.runtime.rounds import LocalSpec
 
@@ -156,28 +150,19 @@ def ramp_lr_task(run_id: str, factor: float, steps: int) -> tuple[float, float]:
     return old, new
 
 
+def ramp_learning_rate(ctx: RunContext, factor: float, steps: int) -> tuple[float, float]:
+    """Every replica (and server) of the run scales its learning rate by ``factor``
+    over the next ``steps`` updates; the rates before and after."""
+    futures = [ctx.client.submit(ramp_lr_task, ctx.run_id, factor, steps, workers=[w],
+                                 allow_other_workers=False, pure=False)
+               for w in ctx.workers]
+    wait_for(ctx, futures, "rescaling the learning rate")
+    return ctx.client.gather(futures)[0]  # type: ignore[no-any-return]
+
+
 def applied_log_task(run_id: str) -> tuple[int, list[int]]:
     replica = get_replica(run_id)
     return replica.index, list(replica.applied_log)
-
-
-# -- reloading a shard from its source ------------------------------------------------
-def reload_shard(
-    client: Client, source: Any, index: int, n_shards: int, worker: str,
-    schedule: np.ndarray, batch_size: int,
-) -> Future:
-    """Rebuild shard ``index`` of ``n_shards`` on ``worker`` from where it came from."""
-    if isinstance(source, ArraySource):
-        rows = interleaved_indices(schedule, batch_size)[index]
-        return client.scatter(
-            source.data.take(rows), workers=[worker], direct=True, hash=False
-        )
-    if isinstance(source, LoaderSource):
-        return client.submit(load_shard, source.load, index, n_shards, source.class_weight,
-                             workers=[worker], pure=False)
-    if hasattr(source, "reload"):  # Dask arrays, streams, dataset_fn
-        return source.reload(client, index, n_shards, worker)
-    raise TypeError(f"cannot reload a shard from {type(source).__name__}")
 
 
 # -- the client side ------------------------------------------------------------------
@@ -421,7 +406,7 @@ class ElasticSyncEngine(CommEngine):
         if self.spec.placement != "ps":
             wait_for(ctx, [f], "reading the training state")
             return f.result()  # type: ignore[no-any-return]
-        assert self.ps_layout is not None, "RunGuard sets the servers' layout"
+        assert self.ps_layout is not None, "the factory gives the servers' layout"
         kept_by = self.in_flight[self.retired][1] if update is not None else None
         slices = [client.submit(ps_state_task, ctx.run_id, s, self.chunks[s],
                                 self.generation, update,
@@ -438,7 +423,7 @@ class ElasticSyncEngine(CommEngine):
         generation: older server tasks still running do nothing)."""
         if self.spec.placement != "ps":
             return
-        assert self.ps_layout is not None, "RunGuard sets the servers' layout"
+        assert self.ps_layout is not None, "the factory gives the servers' layout"
         client, ctx = self.ctx.client, self.ctx
         self.generation += 1
         parts = split_server_states(state, self.chunks, *self.ps_layout)
@@ -450,6 +435,9 @@ class ElasticSyncEngine(CommEngine):
                                pure=False)
                  for w, slices in mine.items()]
         wait_for(ctx, loads, "loading the parameter servers' slices")
+
+    def ramp_learning_rate(self, factor: float, steps: int) -> tuple[float, float]:
+        return ramp_learning_rate(self.ctx, factor, steps)
 
     def keep_restore_point(self, state: dict[str, Any] | None = None) -> None:
         """Sharded servers: keep ``state`` (read now if not given) to rewind to;

@@ -82,6 +82,9 @@ class SyncEngine(Engine):
         #: The first replica's outer updates of the last epoch (rounds of local steps).
         self.round_log: list[dict[str, Any]] = []
 
+    def final_state(self) -> dict[str, Any]:
+        return self.state()
+
     def round_records(self) -> list[dict[str, Any]]:
         return list(self.round_log)
 

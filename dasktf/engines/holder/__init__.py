@@ -1,7 +1,9 @@
 """Async and quorum training around a parameter holder (a Dask actor):
-:mod:`.engine` (the client side), :mod:`.actor` (the holder and its staleness
-gate), :mod:`.rpc` (fail-fast calls), :mod:`.tasks` (the workers' step task),
-:mod:`.cursors` (and the in-flight ledger), :mod:`.records`, :mod:`.sharded`
-(``num_ps=K``), :mod:`.recovery`, :mod:`.growth`, :mod:`.checkpoint` (the holder's
-cut), :mod:`.quorum`, :mod:`.options`.
+:mod:`.state` (what the client knows of the run, a pure state machine, and
+:mod:`.instructions`, what it asks for), :mod:`.engine` (the client side: their
+I/O), :mod:`.recovery` (its losses and growth), :mod:`.actor` (the holder and its
+staleness gate), :mod:`.rpc` (fail-fast calls), :mod:`.tasks` (the workers' step
+task), :mod:`.cursors` (and the futures in flight), :mod:`.records`,
+:mod:`.sharded` (``num_ps=K``), :mod:`.checkpoint` (the holder's cut),
+:mod:`.quorum`, :mod:`.options`.
 """

@@ -134,7 +134,7 @@ class ParameterHolder:
         #: pushing (worker, pass, step): what the client learns from that push's task.
         self._outcomes: dict[tuple[int, int, int], PushOutcome] = {}
         self._restored: set[tuple[int, int, int]] = set()  # applied before a resume
-        #: A joined worker helping a shard (dasktf.engines.holder.growth): identity -> owner.
+        #: A joined worker helping a shard (dasktf.engines.holder.recovery): identity -> owner.
         self.helps: dict[int, int] = {}
         self._weights_dtype = getattr(config_.comm, "weights_dtype", None)
         self._cond: asyncio.Condition | None = None
@@ -370,7 +370,7 @@ class ParameterHolder:
         self, weights: list[np.ndarray], optimizer: list[np.ndarray], version: int,
         done: dict[int, list[tuple[int, int]]],
     ) -> None:
-        """Load a checkpoint (:mod:`dasktf.run.async_checkpoint`) before the first pull:
+        """Load a checkpoint (:mod:`dasktf.engines.holder.checkpoint`) before the first pull:
         the applied items of each worker count against its budget."""
         _, lock = self._sync_objects()
         async with lock:

@@ -1,65 +1,60 @@
-"""An async run's training state as a checkpoint holds it: the holder's consistent
-cut (its state and which ``(pass, step)`` batches of every shard it applied), and
-loading one back into the holder, the cursors and the replicas' statistics.
+"""Checkpoints of asynchronous runs: what the engine hands the run to save, and
+what it checks before it resumes.
 
-The files and the manifest are the run's (:mod:`dasktf.run.async_checkpoint`).
+In an async run the training state is the parameter holder's (master weights,
+optimizer variables, version) plus *which batches were applied*: workers run ahead
+of each other and several gradients are in flight, so "epoch e, step s" does not
+describe the progress. A checkpoint is a consistent cut taken by the holder between
+two applies (:meth:`~dasktf.engines.holder.actor.ParameterHolder.snapshot`): its state
+and the ``(pass, step)`` items applied for every shard
+(:meth:`AsyncEngine.checkpoint <dasktf.engines.holder.engine.AsyncEngine.checkpoint>`).
+The files are the run's (:mod:`dasktf.run.checkpoint`: atomic, SHA-256, fallback to
+the previous); the progress goes in the manifest (``"async"``). The shuffle order
+needs no state: every permutation is drawn from ``(seed, pass, shard)`` and the
+manifest holds the seed.
+
+On resume the holder loads the state and counts the applied items against each
+shard's budget; each shard's cursor computes its unapplied items first (the gaps
+left by gradients in flight at the cut), then goes on from its furthest pass
+(:meth:`~dasktf.engines.holder.state.AsyncState.restored`). So every batch of the
+requested epochs is applied exactly once over the two runs.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from dasktf import config
-from dasktf.cluster.waits import wait_for
-from dasktf.runtime.tasks import set_non_trainable_task
-
 if TYPE_CHECKING:
-    import numpy as np
-
-    from dasktf.engines.holder.engine import AsyncEngine
+    from dasktf.engines.base import Saved
 
 
-class HolderCut:
-    """A consistent cut of the holder: ``state`` (weights, optimizer, ``applied``)
-    and ``progress`` (``version`` and the applied batches per shard)."""
-
-    def __init__(self, engine: AsyncEngine) -> None:
-        engine.send_non_trainable()
-        self._engine = engine
-        self._snapshot = engine.holder.snapshot(engine.known_through()).result(
-            timeout=config.get_seconds("step-timeout"))
-        snap = self._snapshot
-        done: dict[str, list[list[int]]] = {}
-        for worker, shard_pass, step in snap["items"]:
-            shard = engine.shard_index.get(worker, worker)  # a lost worker's successor
-            done.setdefault(str(shard), []).append([int(shard_pass), int(step)])
-        self.state = {"weights": snap["weights"], "optimizer": snap["optimizer"],
-                      "applied": snap["version"] - 1}
-        self.progress = {"version": snap["version"], "done": done}
-
-    def keep(self, where: str) -> None:
-        """The cut was saved at ``where``: the newest state a lost holder is rebuilt from."""
-        self._engine.take_restore_point(self._snapshot, where)
+def cut_state(snapshot: dict[str, Any]) -> dict[str, Any]:
+    """A holder snapshot as a checkpoint's state: weights, optimizer, ``applied``."""
+    return {"weights": snapshot["weights"], "optimizer": snapshot["optimizer"],
+            "applied": snapshot["version"] - 1}
 
 
-def load_cut(engine: AsyncEngine, state: dict[str, Any], progress: dict[str, Any],
-             statistics: list[np.ndarray] | None) -> int:
-    """Load a cut into the holder and the cursors, and the model's moving
-    ``statistics`` into every replica; the epoch to go on with."""
-    done = {int(k): [tuple(item) for item in v] for k, v in progress["done"].items()}
-    timeout = config.get_seconds("step-timeout")
-    engine.holder.restore(state["weights"], state["optimizer"], int(progress["version"]),
-                          done).result(timeout=timeout)
-    for i, cursor in enumerate(engine.cursors):
-        cursor.restore(set(done.get(i, [])))
-    engine.applied = int(progress["version"])
-    if statistics is not None:
-        # The workers' replicas were built from the initial weights: their moving
-        # statistics, whose mean the holder takes at each epoch end, go on from the
-        # checkpoint's too.
-        ctx = engine.ctx
-        futures = [ctx.client.submit(set_non_trainable_task, ctx.run_id, statistics,
-                                     workers=[w], allow_other_workers=False, pure=False)
-                   for w in ctx.workers]
-        wait_for(ctx, futures, "loading the checkpoint's moving statistics")
-    return min(c.completed_passes for c in engine.cursors)
+def resumable(saved: Saved, n_shards: int) -> tuple[int, dict[int, list[tuple[int, int]]]]:
+    """The version and the applied batches per shard of an async run's checkpoint.
+
+    Raises
+    ------
+    ValueError
+        A checkpoint of another mode, or of a run on other shards or batches.
+    """
+    manifest, path = saved.manifest, saved.path
+    if manifest.get("mode") != "async" or "async" not in manifest:
+        raise ValueError(
+            f"{path} is a checkpoint of a mode={manifest.get('mode', 'sync')!r} run; an "
+            "async run resumes only from an async run's checkpoints (use another "
+            "checkpoint_dir or the same mode)."
+        )
+    if manifest["n_shards"] != n_shards or manifest["batch_size"] != saved.batch_size:
+        raise ValueError(
+            f"{path} was written by a run on {manifest['n_shards']} worker(s) with "
+            f"batch_size={manifest['batch_size']}; this run has {n_shards} and "
+            f"{saved.batch_size}. Resume with the same n_workers and batch_size."
+        )
+    progress = manifest["async"]
+    done = {int(k): [(int(p), int(s)) for p, s in v] for k, v in progress["done"].items()}
+    return int(progress["version"]), done

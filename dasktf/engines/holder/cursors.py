@@ -1,14 +1,13 @@
-"""What an async run has handed out: which batch each worker takes next
-(:class:`WorkerCursor`, so every batch is applied exactly once) and which gradient
-tasks are in flight (:class:`InFlight`, so a loss can void exactly those).
+"""Which batch each worker identity of an async run takes next
+(:class:`WorkerCursor`, moved only by :class:`~dasktf.engines.holder.state.AsyncState`,
+so every batch is applied exactly once) and the gradient tasks' futures in flight
+(:class:`InFlight`, so a loss can void exactly those).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
-
-from distributed import as_completed
 
 if TYPE_CHECKING:
     from distributed import Future
@@ -30,7 +29,7 @@ class WorkerCursor:
     #: False once its worker is lost (a successor cursor carries on).
     active: bool = True
     #: A joined worker's cursor: the index of the cursor whose batches it takes
-    #: (and whose progress it advances; dasktf.engines.holder.growth).
+    #: (and whose progress it advances; dasktf.engines.holder.recovery).
     feeds: int | None = None
 
     def restore(self, done: set[tuple[int, int]]) -> None:
@@ -54,24 +53,27 @@ class WorkerCursor:
 
 
 class InFlight:
-    """The gradient tasks submitted and not yet gathered, with the item each computes.
+    """The gradient tasks' futures submitted and not yet gathered (which batch each
+    computes is the state's: :attr:`~dasktf.engines.holder.state.AsyncState.in_flight`).
 
     A lost worker's tasks, or every task when the holder is lost, are *voided*:
     cancelled, and their results ignored should one still arrive.
     """
 
     def __init__(self, loop: Any) -> None:
+        from distributed import as_completed
+
         #: completion order of the tasks (``distributed.as_completed``)
         self.completed = as_completed(loop=loop)
-        self._items: dict[str, tuple[int, int, int, Future]] = {}
+        self._futures: dict[str, Future] = {}
         self._outstanding: set[Future] = set()
         self._dead: set[str] = set()
 
     def __bool__(self) -> bool:
         return bool(self._outstanding)
 
-    def add(self, worker: int, shard_pass: int, step: int, future: Future) -> None:
-        self._items[future.key] = (worker, shard_pass, step, future)
+    def add(self, future: Future) -> None:
+        self._futures[future.key] = future
         self._outstanding.add(future)
         self.completed.add(future)
 
@@ -85,20 +87,16 @@ class InFlight:
 
     def gathered(self, futures: list[Future]) -> None:
         for f in futures:
-            self._items.pop(f.key, None)
+            self._futures.pop(f.key, None)
 
-    def void(self, client: Any, worker: int | None = None) -> list[tuple[int, int]]:
-        """Cancel the tasks of ``worker`` (every task: ``None``) not yet gathered,
-        finished or not (a finished one's result may be lost with its worker); the
-        ``(pass, step)`` items they computed."""
-        keys = [k for k, v in self._items.items() if worker is None or v[0] == worker]
-        voided = [self._items.pop(k) for k in keys]
-        futures = [v[3] for v in voided]
+    def void(self, client: Any, keys: tuple[str, ...]) -> None:
+        """Cancel the tasks ``keys`` not yet gathered, finished or not (a finished
+        one's result may be lost with its worker)."""
+        futures = [self._futures.pop(k) for k in keys if k in self._futures]
         client.cancel(futures, force=True)
         for f in futures:
             self._outstanding.discard(f)
             self._dead.add(f.key)
-        return [(v[1], v[2]) for v in voided]
 
     def cancel_all(self) -> None:
         """At the end of a run: nothing more is gathered."""

@@ -20,24 +20,30 @@ from typing import Any
 
 from dasktf.engines.base import Capabilities
 from dasktf.engines.holder.engine import AsyncEngine
+from dasktf.engines.holder.state import QuorumState
 
 
 class QuorumEngine(AsyncEngine):
-    """Sync steps applied with the first ``quorum`` of N gradients (see module doc)."""
+    """Sync steps applied with the first ``quorum`` of N gradients (see module doc).
+
+    What differs from an async run is overridden here and in
+    :class:`~dasktf.engines.holder.state.QuorumState` (when an epoch ends, the
+    budget, drops, no rewind after a holder restore): a quorum run keeps its
+    workers (a joined one would change every step's k of N) and saves only its
+    final model."""
 
     mode = "quorum"
     #: the master weights and a step's applied updates are never in one piece
     #: between two steps: only the final model is saved
     capabilities = Capabilities(checkpoints="final", resume=False)
+    grows = False
 
     def __init__(self, *args: Any, quorum: int, **kwargs: Any) -> None:
         super().__init__(*args, quorum=quorum, **kwargs)
         self.quorum = quorum
 
-    def _budget(self, epochs: int | None) -> tuple[dict[int, int] | None, int | None]:
-        if epochs is None:
-            return None, None
-        return {-1: epochs * self.ctx.steps_per_epoch}, None
+    def _new_state(self, **kwargs: Any) -> QuorumState:
+        return QuorumState(steps_per_epoch=self.ctx.steps_per_epoch, **kwargs)
 
-    def _epoch_done(self, epoch: int) -> bool:
-        return self.applied >= (epoch + 1) * self.ctx.steps_per_epoch
+    def final_state(self) -> None:
+        return None

@@ -11,7 +11,8 @@ from typing import Any
 
 from dasktf import config
 from dasktf.cluster.deadline import Deadline
-from dasktf.exceptions import DasktfError, StepTimeoutError
+from dasktf.engines.base import StateLostError
+from dasktf.exceptions import StepTimeoutError
 
 #: Keys of holders the client declared lost (:func:`abandon_holder_task`): a call to
 #: one of them gives up at once instead of waiting for a worker that is gone.
@@ -60,7 +61,7 @@ async def actor_call(
     return response["result"]
 
 
-class HolderLostError(DasktfError):
+class HolderLostError(StateLostError):
     """The parameter holder a gradient task talks to was lost (the client restores
     it on a survivor and recomputes what was not applied)."""
 

@@ -79,7 +79,7 @@ from dasktf.wire.packets import (
 if TYPE_CHECKING:
     from distributed import Future
 
-    from dasktf.engines.holder.engine import AsyncEngine
+    from dasktf.cluster.waits import RunContext
     from dasktf.runtime.replica import ReplicaConfig
     from dasktf.wire.messages import GradientSum
 
@@ -486,7 +486,7 @@ class ShardedHolders:
 
     def __init__(
         self,
-        engine: AsyncEngine,
+        ctx: RunContext,
         holders: list[str],
         plan: list[Ranges],
         holder_args: tuple[Any, ...],
@@ -494,7 +494,6 @@ class ShardedHolders:
     ) -> None:
         from dasktf.cluster.waits import wait_for
 
-        ctx = engine.ctx
         config_, weights, probe = holder_args[:3]
         timeout = config.get_seconds("step-timeout")
         self.holders, self.plan = holders, plan
@@ -542,9 +541,10 @@ class ShardedHolders:
             int(sum(b - a for r in plan for a, b in r)),
         )
 
-    def traffic(self, engine: AsyncEngine) -> list[dict[str, int]]:
-        """Bytes each holder received and sent over the run, counted by the holders."""
-        return engine.holder.traffic().result(  # type: ignore[no-any-return]
+    def traffic(self, holder: Any) -> list[dict[str, int]]:
+        """Bytes each holder received and sent over the run, counted by the holders
+        (``holder``: the client's handle on the coordinator)."""
+        return holder.traffic().result(  # type: ignore[no-any-return]
             timeout=config.get_seconds("step-timeout")
         )
 
