@@ -238,17 +238,22 @@ class Group:
     def _settle(self, keep: int) -> None:
         """Collect the acknowledgements in: those already done, and every one of a
         collective before ``keep`` (each wait bounded by the timeout)."""
+        mailbox = self._ep.mailbox
         while self._pending:
             address, sent_in, future = self._pending[0]
             if not future.done() and sent_in >= keep:
                 return
-            try:
-                future.result(timeout=self.timeout)
-            except concurrent.futures.TimeoutError:
+            # (a failure ends the wait: a send to a lost peer may hang in connect)
+            concurrent.futures.wait([future, mailbox.failed], self.timeout,
+                                    concurrent.futures.FIRST_COMPLETED)
+            if mailbox.failure is not None:
+                raise mailbox.failure
+            if not future.done():
                 raise PeerTimeoutError(
                     f"Peer {address} did not acknowledge a message of update {sent_in} "
                     f"within dasktf.p2p.timeout ({self.timeout:g}s).", address, sent_in,
-                ) from None
+                )
+            future.result()  # a send that failed otherwise than by a lost connection
             self._pending.popleft()
 
     # -- ending -----------------------------------------------------------------------

@@ -9,6 +9,7 @@ and wakes every waiter at once.
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 import time
 from dataclasses import dataclass
@@ -36,6 +37,9 @@ class Mailbox:
         self._cond = threading.Condition()
         self._messages: dict[tuple[Key, int], Any] = {}
         self._failure: BaseException | None = None
+        #: done when the group fails here: a wait on something else (an
+        #: acknowledgement) can wait on this too and end at once
+        self.failed: concurrent.futures.Future[None] = concurrent.futures.Future()
         #: the collective the training thread is in: older messages are late
         #: (dropped); newer ones are early (kept: a peer may be one ahead)
         self._step = -1
@@ -57,6 +61,7 @@ class Mailbox:
         with self._cond:
             if self._failure is None:
                 self._failure = error
+                self.failed.set_result(None)
             self._messages.clear()
             self._cond.notify_all()
 
