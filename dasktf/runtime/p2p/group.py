@@ -39,7 +39,7 @@ from dasktf.runtime.p2p.algorithms import (
     sources,
 )
 from dasktf.runtime.p2p.mailbox import Key
-from dasktf.runtime.p2p.plugin import P2PPlugin
+from dasktf.runtime.p2p.plugin import Endpoint, P2PPlugin
 from dasktf.wire.codecs import Codec, get_codec
 
 if TYPE_CHECKING:
@@ -289,7 +289,7 @@ class Group:
         message this member sent."""
         self._settle(keep=self._last + 1)
 
-    def _end(self, ep: Any) -> None:
+    def _end(self, ep: Endpoint) -> None:
         ep.closing = True
         for watch in ep.watches:
             watch.cancel()

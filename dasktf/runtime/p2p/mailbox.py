@@ -4,7 +4,9 @@ The worker's event loop puts each message under its full key (group, update,
 phase, round, chunk) and the sender's rank; the training thread takes exactly the
 key it needs next, so a late, early or duplicated message can never be mixed into
 another update's sum. A failure (a peer's connection closed, an abort) is set once
-and wakes every waiter at once.
+and wakes every waiter at once; a message that is there is still taken, so a member
+completes every collective whose messages all arrived, and the members of a failed
+group stop as close together as the lost one's last messages allow.
 """
 
 from __future__ import annotations
@@ -57,12 +59,12 @@ class Mailbox:
             return True
 
     def fail(self, error: BaseException) -> None:
-        """Fail every present and future wait with ``error`` (the first one kept)."""
+        """Fail every wait for a message that is not here with ``error`` (the first
+        one kept), now and later."""
         with self._cond:
             if self._failure is None:
                 self._failure = error
                 self.failed.set_result(None)
-            self._messages.clear()
             self._cond.notify_all()
 
     @property
@@ -98,11 +100,11 @@ class Mailbox:
         end = time.monotonic() + timeout
         with self._cond:
             while True:
-                if self._failure is not None:
-                    raise self._failure
                 payload = self._messages.pop((key, source), _MISSING)
                 if payload is not _MISSING:
                     return payload
+                if self._failure is not None:
+                    raise self._failure
                 left = end - time.monotonic()
                 if left <= 0:
                     raise PeerTimeoutError(

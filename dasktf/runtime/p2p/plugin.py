@@ -114,7 +114,7 @@ class P2PPlugin(WorkerPlugin):
         if plugin is None:
             raise RuntimeError(
                 f"Worker {worker.address} has no dasktf p2p plugin; register it first "
-                "with dasktf.runtime.p2p.register(client)."
+                "with dasktf.runtime.p2p.plugin.register(client)."
             )
         return plugin  # type: ignore[no-any-return]
 
@@ -141,8 +141,9 @@ class P2PPlugin(WorkerPlugin):
     def put(self, group: str, key: tuple[int, str, int, int], source: int,
             payload: Any) -> str:
         ep = self.endpoint(group)
-        if ep is None or ep.mailbox.failure is not None:
+        if ep is None:
             return "closed"
+        # (kept after a failure too: it may complete a collective a peer completed)
         ep.mailbox.put(Key(*key), int(source), payload)
         return "OK"
 
