@@ -56,16 +56,21 @@ def burst_bytes(rate_mbit: float) -> int:
 
 
 def shaping_commands(
-    ports: Sequence[int], rate_mbit: float, dev: str = "lo", tc: str = TC
+    ports: Sequence[int], rate_mbit: float, dev: str = "lo", tc: str = TC,
+    match: str = "sport",
 ) -> list[list[str]]:
     """The ``tc`` command lines that give each port's outgoing traffic (source port)
     its own HTB class of ``rate_mbit`` on ``dev``; unmatched traffic is not shaped.
+    ``match="dport"``: each port's *incoming* traffic instead (a worker's downlink:
+    what peers push to its listening port, as ``dasktf.runtime.p2p`` does).
 
     A pure function (tested without root): class and filter ``1+i`` for
     ``ports[i]``.
     """
     if rate_mbit <= 0:
         raise ValueError(f"rate_mbit must be positive; got {rate_mbit!r}.")
+    if match not in ("sport", "dport"):
+        raise ValueError(f"match must be 'sport' or 'dport'; got {match!r}.")
     if not ports or len(ports) > 4000:
         raise ValueError(f"need 1 to 4000 ports; got {len(ports)}.")
     rate = f"{rate_mbit:g}mbit"
@@ -81,7 +86,7 @@ def shaping_commands(
                      cls, "htb", "rate", rate, "ceil", rate, "burst", burst,
                      "cburst", burst])
         cmds.append([tc, "filter", "add", "dev", dev, "parent", f"{HANDLE}:", "protocol",
-                     "ip", "prio", "1", "u32", "match", "ip", "sport", str(int(port)),
+                     "ip", "prio", "1", "u32", "match", "ip", match, str(int(port)),
                      "0xffff", "flowid", cls])
     return cmds
 
@@ -120,8 +125,9 @@ class LinkShaper:
     while inside (see the module docstring)."""
 
     def __init__(self, rate_mbit: float, ports: Sequence[int], dev: str = "lo",
-                 tc: str = TC) -> None:
+                 tc: str = TC, match: str = "sport") -> None:
         self.rate_mbit = rate_mbit
+        self.match = match
         self.ports = list(ports)
         self.dev = dev
         self.tc = tc
@@ -153,7 +159,8 @@ class LinkShaper:
             self._old_sigterm = signal.signal(signal.SIGTERM, _raise_system_exit)
         self._active = True
         try:
-            for cmd in shaping_commands(self.ports, self.rate_mbit, self.dev, self.tc):
+            for cmd in shaping_commands(self.ports, self.rate_mbit, self.dev, self.tc,
+                                        self.match):
                 self._run(cmd)
         except BaseException:
             self.remove()

@@ -258,6 +258,13 @@ def test_link_shaping_matches_only_the_workers_source_ports():
         assert match == ["match", "ip", "sport", str(ports[i]), "0xffff"]
         assert flt[flt.index("flowid") + 1] == classid
     assert ls.cleanup_command("lo", "tc") == ["tc", "qdisc", "del", "dev", "lo", "root"]
+    # a worker's downlink instead: what is pushed to its port (dasktf.runtime.p2p)
+    down = [c for c in ls.shaping_commands(ports, 1000, tc="tc", match="dport")
+            if c[1] == "filter"]
+    assert [f[f.index("match"):f.index("flowid")] for f in down] == [
+        ["match", "ip", "dport", str(p), "0xffff"] for p in ports]
+    with pytest.raises(ValueError, match="sport"):
+        ls.shaping_commands(ports, 1000, match="both")
 
 
 def test_link_shaping_ports_stay_out_of_the_ephemeral_range():
