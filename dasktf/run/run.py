@@ -87,6 +87,7 @@ class Run:
         self.slow_workers = dict(trainer.options.slow_workers)
         self.replica_info: list[dict[str, Any]] = []
         self._latest_loss: float | None = None
+        self._heard: int | None = None
         self._futures: list[Any] = []
         # fault tolerance (dasktf.run.guard, dasktf.run.setup); Trainer.fit sets them
         self.validation_data: tuple[Any, Any] | None = None
@@ -411,6 +412,12 @@ class Run:
         for record in unpack(event):
             if record.get("run") == self.run_id and record.get("loss") is not None:
                 self._latest_loss = float(record["loss"])
+                if record.get("loss_step") is not None:
+                    self._heard = int(record["loss_step"])
+
+    def heard(self) -> int | None:
+        """The newest global update whose loss reached the client (``None``: none)."""
+        return self._heard
 
     def reform(self, workers: list[str], batch_size: int) -> None:
         """Rebuild the run on ``workers`` at an epoch boundary: data re-placed,

@@ -16,6 +16,7 @@ from dasktf.cluster.devices import (
 )
 from dasktf.data.shards import Shard
 from dasktf.runtime.channel import channel, receive, send
+from dasktf.runtime.p2p.links import close_links
 from dasktf.runtime.replica import (
     EpochReport,
     Replica,
@@ -26,8 +27,9 @@ from dasktf.runtime.replica import (
     register_replica,
     straggle,
 )
+from dasktf.runtime.reports import epoch_report
 from dasktf.runtime.servers import release_shards, set_shards_learning_rate
-from dasktf.wire.packets import release_run, traffic
+from dasktf.wire.packets import release_run
 
 logger = logging.getLogger(__name__)
 
@@ -121,23 +123,9 @@ def end_epoch_task(
     before it evaluates, so validation, the weights reported, the checkpoint and the
     next epoch all use statistics of the whole data, and the replicas agree again.
     """
-    from distributed import get_worker
-
     replica = get_replica(run_id)
     replica.apply(receive(replica, previous, run_id)[0])
-    if stats:
-        replica.set_non_trainable(mean_non_trainable(stats))
-    replica.events.flush()
-    train = replica.metric_states()
-    replica.model.reset_metrics()
-    val = replica.evaluate()
-    replica.model.reset_metrics()
-    seconds, replica.step_seconds = replica.step_seconds, []
-    weights = [np.asarray(w) for w in replica.model.get_weights()] if with_weights else None
-    ledger = traffic(run_id) if replica.comm is not None else None
-    rounds = replica.rounds.take_log() if replica.rounds is not None else None
-    return EpochReport(get_worker().address, train, val, weights, seconds, ledger,
-                       rounds=rounds)
+    return epoch_report(replica, with_weights, mean_non_trainable(stats) if stats else None)
 
 
 def set_learning_rate_task(run_id: str, lr: float) -> float:
@@ -161,6 +149,7 @@ def set_non_trainable_task(run_id: str, values: list[np.ndarray] | None,
 def release_replicas(run_id: str, dask_worker: Any = None) -> int:
     """Drop this process's replicas of ``run_id`` (run through ``Client.run``)."""
     released = forget_replicas(run_id)
+    close_links(run_id)  # a p2p run's groups (no wait: this runs on the event loop)
     release_run(run_id)
     release_shards(run_id)
     return released

@@ -10,6 +10,7 @@ scaled back in float32, the same operation on the same bits on every member.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -45,6 +46,15 @@ def allreduce_gradient(group: Group, grad: GradientSum, step: int, *,
         The same on every member; ``total`` is ``None`` when no member had an
         example; ``compute_seconds`` and ``update`` are this member's.
     """
+    return allreduce_step(group, grad, step, size=size, scale=scale)[0]
+
+
+def allreduce_step(group: Group, grad: GradientSum, step: int, *, size: int | None = None,
+                   scale: float = 1.0, votes: Sequence[float] | np.ndarray = ()
+                   ) -> tuple[GradientSum, np.ndarray]:
+    """:func:`allreduce_gradient`, with ``votes`` (a few numbers every member passes
+    as many of: a stop request, a flag) summed exactly alongside in the same
+    collective; returns the sum and the summed votes, the same on every member."""
     if grad.total is None:
         if size is None:
             raise ValueError("allreduce_gradient: grad.total is None; pass size= "
@@ -55,11 +65,13 @@ def allreduce_gradient(group: Group, grad: GradientSum, step: int, *,
     scaled = group.coding.lossy and scale != 1.0
     if scaled:
         total = total * np.float32(scale)
-    scalars = np.array([grad.count, grad.loss_sum, grad.square_sum], np.float64)
+    scalars = np.concatenate([[grad.count, grad.loss_sum, grad.square_sum],
+                              np.asarray(votes, np.float64).ravel()])
     out, sums = group.allreduce(total, step, scalars)
     assert sums is not None
     if scaled:
         out /= np.float32(scale)
     count = round(float(sums[0]))
-    return GradientSum(out if count else None, count, float(sums[1]),
-                       grad.compute_seconds, grad.update, float(sums[2]))
+    summed = GradientSum(out if count else None, count, float(sums[1]),
+                         grad.compute_seconds, grad.update, float(sums[2]))
+    return summed, sums[3:]

@@ -43,9 +43,15 @@ from dasktf.runtime.p2p.plugin import Endpoint, P2PPlugin
 from dasktf.wire.codecs import Codec, get_codec
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from types import TracebackType
 
     from distributed import Worker
+
+#: For tests (not public API): each ``hook(group, dest, key, acknowledged)`` is
+#: called once a message is handed to the event loop (``acknowledged``: the future
+#: of the peer's reply); a test kills a worker there, in the middle of a collective.
+send_hooks: list[Callable[[Group, int, Key, concurrent.futures.Future[Any]], None]] = []
 
 
 @dataclass
@@ -219,6 +225,8 @@ class Group:
         self._messages += 1
         future = self.plugin.submit(self.plugin.send(self._ep, address, key, payload))
         self._pending.append((address, key.step, future))
+        for hook in send_hooks:
+            hook(self, dest, key, future)
 
     def recv(self, source: int, key: Key) -> Payload:
         start = time.perf_counter()
@@ -264,10 +272,12 @@ class Group:
         self._ep.mailbox.fail(error)
         self.plugin.broadcast_abort(self._ep, reason, None)
 
-    def close(self, error: BaseException | None = None) -> None:
+    def close(self, error: BaseException | None = None, flush: bool = True) -> None:
         """Leave the group. Without ``error``, first wait (bounded) until the peers
-        acknowledged every message; with one (or after a failure) tell the other
-        members at once, unless they know already, so none waits for this one."""
+        acknowledged every message (``flush=False``: not; on the worker's event loop,
+        which the acknowledgements need, or once every member is done); with one (or
+        after a failure) tell the other members at once, unless they know already,
+        so none waits for this one."""
         if self.closed:
             return
         self.closed = True
@@ -276,7 +286,7 @@ class Group:
         if failure is not None and not ep.announced:
             self.abort(f"member {self.worker.address} left the group after "
                        f"{type(failure).__name__}: {failure}")
-        elif error is None and ep.mailbox.failure is None:
+        elif error is None and ep.mailbox.failure is None and flush:
             try:
                 self.flush()
             finally:
