@@ -186,6 +186,10 @@ class Engine:
     #: a callback set ``model.stop_training`` mid-epoch (``TerminateOnNaN``): an
     #: engine that can end its epoch early submits no further step
     stop_requested = False
+    #: set by the run before the first epoch: a callback stops it at the first step
+    #: whose loss is not finite (``TerminateOnNaN``); an engine that sees each
+    #: step's global loss on the workers may stop there itself, at exactly that step
+    stop_on_nonfinite = False
     #: rounds of local steps (``local_steps=H``): an update, the unit ``run_epoch``
     #: counts in (``on_step``, ``start``), is then a round of H inner steps
     local: LocalSpec | None = None

@@ -61,10 +61,12 @@ def adopt_shards(ctx: RunContext, hooks: RunHooks, carried: dict[str, list[int]]
 def report_recovery(ctx: RunContext, hooks: RunHooks, lost: list[str], epoch: int,
                     removals: dict[str, Any], detected: float,
                     moved: list[tuple[int, str]], target: int, recomputed: int,
-                    rewound: str | None = None) -> dict[str, Any]:
+                    rewound: str | None = None, applied: list[int] | None = None
+                    ) -> dict[str, Any]:
     """Publish the ``worker_lost`` records and the ``recovered`` one (returned), and
     say the one line. ``rewound``: where the run went back to instead (sharded
-    servers), for the line."""
+    servers), for the line; ``applied``: the update each survivor had applied when
+    fenced (they may differ by one: the reconciled ones)."""
     survivors = list(ctx.workers)
     resumed = time.time()
     for w in lost:
@@ -84,6 +86,7 @@ def report_recovery(ctx: RunContext, hooks: RunHooks, lost: list[str], epoch: in
         "resumed_at_update": target + 1, "steps_lost": 0,
         "steps_recomputed": recomputed,
         "rewound_to_update": target if rewound is not None else None,
+        "survivors_applied": list(applied) if applied is not None else None,
         "resume_s": resumed - since, "wall_time": time.time(),
     }
     hooks.publish(recovered)

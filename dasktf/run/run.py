@@ -308,6 +308,8 @@ class Run:
             self.publish(record)
         self.client.subscribe_topic(LOSS_TOPIC, self._on_event)
         self.model.stop_training = False
+        engine.stop_on_nonfinite = any(isinstance(c, keras.callbacks.TerminateOnNaN)
+                                       for c in cbs)
         cb.on_train_begin()
         #: the engine's losses before the first step completed (its recoveries)
         first: list[int] = []

@@ -178,7 +178,8 @@ class ElasticSyncEngine(CommEngine):
         # again (never skipped: numbering goes on from the survivors' last update).
         last_finished = self.update_base + finished[-1] if finished else target
         recomputed = max(0, last_finished - target)
-        self._report(lost, epoch, removals, detected, moved, target, recomputed)
+        self._report(lost, epoch, removals, detected, moved, target, recomputed,
+                     applied=applied)
         return target + 1 - self.update_base
 
     def _rewind(
@@ -217,13 +218,14 @@ class ElasticSyncEngine(CommEngine):
     def _report(
         self, lost: list[str], epoch: int, removals: dict[str, Any], detected: float,
         moved: list[tuple[int, str]], target: int, recomputed: int,
-        rewound: bool = False,
+        rewound: bool = False, applied: list[int] | None = None,
     ) -> None:
         """The ``worker_lost`` and ``recovered`` records, and the one line."""
         note = (f"servers on {', '.join(self.servers)} rewound to the restore point"
                 if rewound else None)
         self.losses.append(report_recovery(self.ctx, self.hooks, lost, epoch, removals,
-                                           detected, moved, target, recomputed, note))
+                                           detected, moved, target, recomputed, note,
+                                           applied))
 
     def schedule_column(self, index: int) -> np.ndarray:
         return self.schedule[:, index]

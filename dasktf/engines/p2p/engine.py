@@ -159,6 +159,9 @@ class P2PEngine(Engine):
                 last, ends = step - 1, True
             results = self._segment(epoch, step, last, ends, on_step)
             done = results[0].last
+            why = results[0].stopped or ("a stop request" if last < step else None)
+            if why is not None:
+                self._stopped(done, why)
             self._tell(on_step, done)
             if results[0].report is not None:
                 break
@@ -186,7 +189,8 @@ class P2PEngine(Engine):
         segment = Segment(group_spec(self.gid, ctx.workers, self.spec.compression), epoch,
                           first, last, self.update_base, ends,
                           scale=1.0 / max(1, self.batch_size),
-                          average_stats=self.average_stats)
+                          average_stats=self.average_stats,
+                          stop_on_nonfinite=self.stop_on_nonfinite)
         self._members = list(ctx.workers)
         self._futures = [
             ctx.client.submit(
@@ -218,6 +222,16 @@ class P2PEngine(Engine):
             if r.stop_heard_after is not None:
                 self.stop_heard[r.worker] = r.stop_heard_after
         return results
+
+    def _stopped(self, done: int, why: str) -> None:
+        """The record of an epoch the workers ended after step ``done``: the update,
+        why, and the newest update any worker had applied when the client's stop
+        request reached it (``requested_after``)."""
+        heard = [u for u in self.stop_heard.values() if u is not None]
+        self.hooks.publish({
+            "run": self.ctx.run_id, "kind": "stopped", "update": self.update_base + done,
+            "reason": why, "requested_after": min(heard) if heard else None,
+            "wall_time": time.time()})
 
     def _tell(self, on_step: Callable[[int], None] | None, unit: int) -> None:
         """``on_step`` for every unit up to ``unit`` not told yet."""
@@ -254,7 +268,7 @@ class P2PEngine(Engine):
         # the update in flight was computed by the survivors and is computed again;
         # none had a complete sum no survivor applied (a complete sum is applied)
         self.losses.append(report_recovery(ctx, self.hooks, lost, epoch, removals,
-                                           detected, moved, target, 0))
+                                           detected, moved, target, 0, applied=applied))
         return target + 1 - self.update_base
 
     def _stop_segment(self, survivors: list[str], reason: str) -> None:

@@ -19,6 +19,7 @@ An epoch's last segment (or one a vote stopped) returns the epoch's report
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -59,6 +60,9 @@ class Segment:
     scale: float = 1.0
     #: the model has moving statistics to average at the epoch's end
     average_stats: bool = False
+    #: stop after the first update whose global loss is not finite (the run's
+    #: ``TerminateOnNaN``: the same step on every member, the loss being the same)
+    stop_on_nonfinite: bool = False
 
 
 @dataclass
@@ -68,8 +72,9 @@ class SegmentResult:
     worker: str
     #: the last step of the epoch applied (``first - 1``: none)
     last: int
-    #: a stop vote ended the segment (and the epoch) after ``last``
-    stopped: bool
+    #: why the segment (and the epoch) ended early after ``last``: ``"a stop
+    #: request"`` (the members' votes), ``"a non-finite loss"``; ``None``: it did not
+    stopped: str | None
     #: the epoch's report, when the epoch ended here
     report: EpochReport | None
     #: the last update this replica had applied when the client's stop arrived
@@ -97,7 +102,7 @@ def segment_task(run_id: str, segment: Segment) -> SegmentResult:
         group = peers.group_for(segment.group)
         last, stopped, statistics = _steps(replica, group, segment, peers, here)
         report = None
-        if segment.ends_epoch or stopped:
+        if segment.ends_epoch or stopped is not None:
             if segment.average_stats and statistics is None:
                 # a vote ended the epoch before its last step, whose collective the
                 # statistics ride on: one of their own, numbered as the next update
@@ -105,6 +110,8 @@ def segment_task(run_id: str, segment: Segment) -> SegmentResult:
                 statistics = _average_statistics(
                     replica, group, segment.update_base + last + 1)
             report = epoch_report(replica, group.rank == 0, statistics)
+        else:  # the client hears the segment's last losses before its results
+            replica.events.flush()
     except BaseException as exc:
         peers.fail(exc)
         raise
@@ -112,9 +119,10 @@ def segment_task(run_id: str, segment: Segment) -> SegmentResult:
 
 
 def _steps(replica: Replica, group: Group, segment: Segment, peers: Link, here: str
-           ) -> tuple[int, bool, list[np.ndarray] | None]:
-    """The segment's steps: the last one applied, whether a vote stopped them, and
-    the averaged statistics when they rode on the epoch's last step."""
+           ) -> tuple[int, str | None, list[np.ndarray] | None]:
+    """The segment's steps: the last one applied, why they stopped early (``None``:
+    they did not), and the averaged statistics when they rode on the epoch's last
+    step."""
     size = int(sum(replica.sizes))
     last, averaged = segment.first - 1, None
     for step in range(segment.first, segment.last + 1):
@@ -143,8 +151,10 @@ def _steps(replica: Replica, group: Group, segment: Segment, peers: Link, here: 
                  (computed - began) + (time.perf_counter() - reduced), here)
         last = step
         if sums[0] > 0:
-            return last, True, averaged
-    return last, False, averaged
+            return last, "a stop request", averaged
+        if segment.stop_on_nonfinite and summed.count and not math.isfinite(summed.loss_sum):
+            return last, "a non-finite loss", averaged
+    return last, None, averaged
 
 
 def _account(replica: Replica, group: Group, out: GradientSum, summed: GradientSum,
