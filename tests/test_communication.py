@@ -1,7 +1,9 @@
 """Communication on real worker processes: bytes counted at the codec, codecs in
 training, sharded parameter servers and reduction topologies (issue 8).
 
-All runs share the session's 3-worker cluster and the digits data."""
+All runs share the session's 3-worker cluster and the digits data; the sync runs
+are the graph engine's (its topologies, its reduction's bytes; the p2p engine's
+are tests/test_p2p_engine.py's)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ import pytest
 
 import dasktf
 
-FIT = dict(epochs=1, batch_size=60, seed=3, optimizer="adam", verbose=0, shuffle=False)
+FIT = dict(epochs=1, batch_size=60, seed=3, optimizer="adam", verbose=0, shuffle=False,
+           engine="graph")
 
 
 def _fit(client, data, **kw):
