@@ -33,18 +33,16 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from distributed import wait
 
-from dasktf import config
-from dasktf.cluster.waits import RunContext, call_watched, wait_for
+from dasktf.cluster.waits import RunContext, call_watched
 from dasktf.engines.base import Capabilities, Engine, RunHooks
 from dasktf.engines.mirrored import adopt_shards, all_lost, report_recovery
+from dasktf.engines.p2p.flight import Flight
 from dasktf.engines.p2p.options import group_spec
 from dasktf.exceptions import WorkerLostError
 from dasktf.runtime import reconcile
-from dasktf.runtime.p2p.links import request_stop
-from dasktf.runtime.p2p.plugin import PLUGIN_NAME, P2PPlugin, abort_group
-from dasktf.runtime.p2p.segment import Segment, SegmentResult, segment_task
+from dasktf.runtime.p2p.plugin import PLUGIN_NAME, P2PPlugin
+from dasktf.runtime.p2p.segment import Segment, SegmentResult
 from dasktf.wire.packets import TrafficLog
 
 if TYPE_CHECKING:
@@ -106,13 +104,10 @@ class P2PEngine(Engine):
         self.traffic = TrafficLog()
         self.round_log: list[dict[str, Any]] = []
         #: the segment in flight: its members and their tasks
-        self._members: list[str] = []
-        self._futures: list[Any] = []
+        self.flight = Flight(ctx)
         #: the last unit of the epoch ``on_step`` was called for
         self._told = -1
         self._stop_sent = False
-        #: per worker, the update it had applied when the stop request reached it
-        self.stop_heard: dict[str, int | None] = {}
 
     # -- the contract -------------------------------------------------------------
     @property
@@ -146,7 +141,10 @@ class P2PEngine(Engine):
                 if self.policy == "raise":
                     self.close()
                     raise
-                start = self.recover(exc.workers, epoch)
+                start, ended = self.recover(exc.workers, epoch)
+                if ended is not None:  # the survivors had ended the epoch: theirs
+                    self._tell(on_step, ended[0].last)
+                    return self._end_epoch(ended)
 
     def _epoch(self, epoch: int, on_step: Callable[[int], None] | None, start: int
                ) -> list[EpochReport]:
@@ -159,16 +157,20 @@ class P2PEngine(Engine):
                 last, ends = step - 1, True
             results = self._segment(epoch, step, last, ends, on_step)
             done = results[0].last
-            why = results[0].stopped or ("a stop request" if last < step else None)
+            why = results[0].stopped or (
+                "a stop request" if self.stop_requested and last < step else None)
             if why is not None:
                 self._stopped(done, why)
             self._tell(on_step, done)
             if results[0].report is not None:
-                break
+                return self._end_epoch(results)
             step = done + 1
+
+    def _end_epoch(self, results: list[SegmentResult]) -> list[EpochReport]:
+        """The epoch's reports (one per replica that ended it)."""
         reports = [r.report for r in results]
         assert all(r is not None for r in reports)
-        self.update_base += units
+        self.update_base += self.units_per_epoch
         self.traffic.update({r.worker: r.traffic for r in reports  # type: ignore[union-attr]
                              if r.traffic is not None}, self.ctx.workers)  # type: ignore[union-attr]
         self.round_log = list(reports[0].rounds or [])  # type: ignore[union-attr]
@@ -191,43 +193,23 @@ class P2PEngine(Engine):
                           scale=1.0 / max(1, self.batch_size),
                           average_stats=self.average_stats,
                           stop_on_nonfinite=self.stop_on_nonfinite)
-        self._members = list(ctx.workers)
-        self._futures = [
-            ctx.client.submit(
-                segment_task, ctx.run_id, segment,
-                key=f"dasktf-segment-{ctx.run_id}-{epoch}-{first}-{i}-{self.generation}",
-                # the replica and shard live on this worker alone: never move it
-                workers=[w], allow_other_workers=False, pure=False,
-                resources=ctx.resources)
-            for i, w in enumerate(ctx.workers)
-        ]
 
         def tick() -> None:  # the steps the client hears of, and a stop to pass on
             heard = self.hooks.heard()
             if heard is not None:
                 self._tell(on_step, min(heard - self.update_base, last - 1))
             if self.stop_requested and not self._stop_sent:
-                self._send_stop()
+                self._stop_sent = True
+                self.flight.request_stop()
 
-        wait_for(ctx, self._futures, f"steps {first + 1}-{last + 1} of epoch {epoch + 1}",
-                 tick=tick)
-        results: list[SegmentResult] = ctx.client.gather(self._futures)
-        self._futures = []
-        reached = {r.last for r in results}
-        if len(reached) != 1 or len({r.report is None for r in results}) != 1:
-            raise RuntimeError(f"the members of {self.gid} ended the segment at steps "
-                               f"{sorted(reached)}; this is a dasktf bug (a collective "
-                               "must end them together).")
-        for r in results:
-            if r.stop_heard_after is not None:
-                self.stop_heard[r.worker] = r.stop_heard_after
-        return results
+        key = f"dasktf-segment-{ctx.run_id}-{epoch}-{first}-{self.generation}"
+        return self.flight.run(segment, key, tick)
 
     def _stopped(self, done: int, why: str) -> None:
         """The record of an epoch the workers ended after step ``done``: the update,
         why, and the newest update any worker had applied when the client's stop
         request reached it (``requested_after``)."""
-        heard = [u for u in self.stop_heard.values() if u is not None]
+        heard = [u for u in self.flight.stop_heard.values() if u is not None]
         self.hooks.publish({
             "run": self.ctx.run_id, "kind": "stopped", "update": self.update_base + done,
             "reason": why, "requested_after": min(heard) if heard else None,
@@ -240,21 +222,19 @@ class P2PEngine(Engine):
             if on_step is not None:
                 on_step(self._told)
 
-    def _send_stop(self) -> None:
-        """Every worker votes to stop in its next collective."""
-        self._stop_sent = True
-        tell_workers(self.ctx, request_stop, [self.ctx.run_id], self._members)
-
     # -- a lost worker ------------------------------------------------------------------
-    def recover(self, lost: list[str], epoch: int) -> int:
+    def recover(self, lost: list[str], epoch: int
+                ) -> tuple[int, list[SegmentResult] | None]:
         """Stop the survivors, reconcile them, hand out the lost shards; the step to
-        resume at (see the module)."""
+        resume at, and the survivors' results if they had ended the epoch (the loss
+        came between their last collective and the client's reading: the epoch's
+        logs then lack the lost worker's part; see the module)."""
         detected = time.time()
         ctx = self.ctx
         removals = {c.worker: c for c in ctx.watcher.removed(lost)} if ctx.watcher else {}
         lost = sorted(set(lost) | set(removals))
         survivors = [w for w in ctx.workers if w not in lost]
-        self._stop_segment(survivors, f"worker(s) {', '.join(lost)} lost")
+        ended = self.flight.stop(survivors, f"worker(s) {', '.join(lost)} lost")
         if not survivors:
             raise all_lost(self.hooks, lost)
         ctx.workers = survivors
@@ -269,24 +249,7 @@ class P2PEngine(Engine):
         # none had a complete sum no survivor applied (a complete sum is applied)
         self.losses.append(report_recovery(ctx, self.hooks, lost, epoch, removals,
                                            detected, moved, target, 0, applied=applied))
-        return target + 1 - self.update_base
-
-    def _stop_segment(self, survivors: list[str], reason: str) -> None:
-        """End the segment in flight: its group aborted on the survivors (a member
-        may be waiting for the lost one), their tasks awaited (bounded), released."""
-        futures, members = self._futures, self._members
-        self._futures = []
-        if not futures:
-            return
-        tell_workers(self.ctx, abort_group, [self.gid, reason], survivors)
-        mine = [f for f, w in zip(futures, members, strict=True) if w in survivors]
-        try:
-            wait(mine, timeout=config.get_seconds("step-timeout"))
-        except TimeoutError:
-            logger.warning("run %s: a survivor's segment did not end after the abort",
-                           self.ctx.run_id)
-        for f in futures:
-            f.release()
+        return target + 1 - self.update_base, ended
 
     # -- state, checkpoints, re-forms ------------------------------------------------
     def set_learning_rate(self, lr: float) -> None:
@@ -349,21 +312,4 @@ class P2PEngine(Engine):
 
     def close(self) -> None:
         """A segment still running (the run failed): abort its group, release it."""
-        if self._futures:
-            tell_workers(self.ctx, abort_group, [self.gid, "the run ended"], self._members)
-            for f in self._futures:
-                f.release()
-            self._futures = []
-
-
-def tell_workers(ctx: RunContext, func: Callable[..., Any], args: list[Any],
-                 workers: list[str]) -> None:
-    """``func(*args)`` on ``workers`` outside the task graph (``client.run``, on their
-    event loops: a segment task may be holding their threads), bounded; a worker that
-    does not answer is left to the membership watcher."""
-    try:
-        ctx.client.run(func, *args, workers=list(workers), on_error="ignore",
-                       callback_timeout=config.get_seconds("poll-interval") * 4)
-    except Exception:  # lost meanwhile: the recovery hears of it
-        logger.debug("%s on %s failed", getattr(func, "__name__", func), workers,
-                     exc_info=True)
+        self.flight.abort("the run ended")
