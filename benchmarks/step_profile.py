@@ -30,17 +30,18 @@ def main(batch: int, reps: int) -> None:
     from dasktf.datasets import load_dataset, load_mnist_npz
     from dasktf.models import CompileRecipe, model_spec
     from dasktf.runtime.replica import Replica, ReplicaConfig
+    from dasktf.transport import ModelPackage
     from dasktf.wire.messages import sum_gradients
 
     d = load_mnist_npz(MNIST) if os.path.exists(MNIST) else load_dataset("digits")
     x, y = d.x_train[: batch * reps], d.y_train[: batch * reps]
     spec = model_spec("cnn", x.shape[1:], 10)
     keras.utils.set_random_seed(0)
-    weights = spec.build().get_weights()
+    package = ModelPackage.pack(spec.build())
     recipe = CompileRecipe(keras.optimizers.serialize(keras.optimizers.SGD()),
                            "sparse_categorical_crossentropy")
-    cfg = ReplicaConfig(spec, recipe, 0, publish_metrics=False)
-    rep = Replica(cfg, 0, Shard(x, y), np.full(reps, batch), weights, None, False)
+    cfg = ReplicaConfig(package.ref(), recipe, 0, publish_metrics=False)
+    rep = Replica(cfg, 0, Shard(x, y), np.full(reps, batch), None, None, False)
     g = rep.gradient(0, 0)
     rep.apply(g)
     batches = [(b.x, b.y) for b in (rep.batch(0, i) for i in range(reps))]

@@ -1,7 +1,9 @@
 """dasktf: data-parallel TensorFlow/Keras training on a Dask cluster.
 
 Each Dask worker holds a data shard and a model replica; each training step is a Dask
-task graph. Start with :func:`fit`, or :class:`Trainer` for more control.
+task graph. Start with :func:`fit`, or :class:`Trainer` for more control; then
+:func:`predict` and :func:`evaluate` where the data lives, or the scikit-learn
+estimators :class:`KerasClassifier` and :class:`KerasRegressor`.
 """
 
 from __future__ import annotations
@@ -30,6 +32,10 @@ _EXPORTS = {
     "tf_config": "dasktf.tf.bridge",
     "Trainer": "dasktf.trainer",
     "fit": "dasktf.trainer",
+    "predict": "dasktf.inference.predict",
+    "evaluate": "dasktf.inference.evaluate",
+    "KerasClassifier": "dasktf.estimators",
+    "KerasRegressor": "dasktf.estimators",
 }
 
 if TYPE_CHECKING:
@@ -37,6 +43,7 @@ if TYPE_CHECKING:
     from dasktf.cluster.local import make_local_cluster
     from dasktf.datasets import Dataset, load_dataset
     from dasktf.engines.holder.records import UpdateRecord
+    from dasktf.estimators import KerasClassifier, KerasRegressor
     from dasktf.exceptions import (
         AllWorkersLostError,
         DasktfError,
@@ -45,6 +52,8 @@ if TYPE_CHECKING:
         StepTimeoutError,
         WorkerLostError,
     )
+    from dasktf.inference.evaluate import evaluate
+    from dasktf.inference.predict import predict
     from dasktf.tf.bridge import check_tf_config, run_tf_distributed, tf_config
     from dasktf.trainer import Trainer, fit
 
@@ -69,6 +78,8 @@ __all__ = [
     "DasktfError",
     "Dataset",
     "History",
+    "KerasClassifier",
+    "KerasRegressor",
     "ReplicaError",
     "SchedulerUnreachableError",
     "StepTimeoutError",
@@ -76,9 +87,11 @@ __all__ = [
     "UpdateRecord",
     "WorkerLostError",
     "check_tf_config",
+    "evaluate",
     "fit",
     "load_dataset",
     "make_local_cluster",
+    "predict",
     "run_tf_distributed",
     "tf_config",
 ]

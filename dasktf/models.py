@@ -1,14 +1,11 @@
 """Model recipes: how every worker builds (and compiles) the same Keras model.
 
-A live Keras model cannot be shared between processes, so dasktf ships a
-:class:`ModelSpec`, a small picklable recipe, and each worker builds its replica from
-it. A spec is made from a built-in name (``mnist-mlp``, ``cnn``, ``exp-mlp``), a
-callable (a factory, or a ``keras.Model`` subclass), an importable
-``"module:function"`` string, or a Keras model instance: a Sequential or functional
-one travels as its Keras config, a subclassed one as its class and constructor
-arguments. Classes and functions defined in the user's script (custom layers,
-activations, the model class itself) travel with the spec by value, so the
-workers' Keras can deserialize what only the client's script defines.
+What the user passes as ``model`` becomes one Keras model on the client: an
+instance as it is, or the model a :class:`ModelSpec` builds (a built-in name
+``mnist-mlp``, ``cnn``, ``exp-mlp``, a factory or ``keras.Model`` subclass, an
+importable ``"module:function"``). That model reaches the workers whole, as Keras
+saves it (:mod:`dasktf.transport`), with the classes and functions only the user's
+script defines (:func:`custom_objects`) shipped by value.
 
 :class:`CompileRecipe` is the other half: the optimizer, loss, loss weights and
 metrics every replica compiles with, taken from the call or from the model's own
@@ -18,11 +15,10 @@ metrics every replica compiles with, taken from the call or from the model's own
 from __future__ import annotations
 
 import copy
-import functools
 import importlib
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 ModelLike = Any  # keras.Model | Callable[..., keras.Model] | str
@@ -84,18 +80,11 @@ BUILTIN_MODELS: dict[str, Callable[..., Any]] = {
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A picklable recipe for a Keras model; :meth:`build` runs on each worker."""
+    """A recipe for a Keras model from a name or a factory; :meth:`build` runs on
+    the client, and the model it builds is what the workers receive."""
 
     factory: Callable[..., Any] | None = None
     import_path: str | None = None
-    #: a Sequential/functional model's Keras config (no compile or build config)
-    keras_config: dict[str, Any] | None = None
-    #: a subclassed model: its class and constructor arguments
-    init_args: dict[str, Any] | None = None
-    model_class: type | None = None
-    #: {registered name: class or function} the config names and only the
-    #: client's script defines
-    custom_objects: dict[str, Any] = field(default_factory=dict)
     input_shape: tuple[int, ...] | None = None
     num_outputs: int | None = None
     description: str = ""
@@ -103,66 +92,11 @@ class ModelSpec:
     def build(self) -> Any:
         """Build a fresh model (weights are whatever its initializers give; a
         subclassed model has none until it is first called)."""
-        import keras
-
-        with keras.saving.custom_object_scope(self.custom_objects):
-            if self.keras_config is not None:
-                # Keras' deserializer consumes the config it is given.
-                return keras.saving.deserialize_keras_object(copy.deepcopy(self.keras_config))
-            if self.model_class is not None:
-                return self.model_class(**(self.init_args or {}))
-            factory = self.factory or _import_factory(self.import_path or "")
-            return _call_factory(factory, self.input_shape, self.num_outputs)
+        factory = self.factory or _import_factory(self.import_path or "")
+        return _call_factory(factory, self.input_shape, self.num_outputs)
 
 
-def _instance_spec(model: Any) -> ModelSpec:
-    """The recipe of a model instance: its config, or its class and arguments."""
-    import keras
-
-    custom = custom_objects(model)
-    if _is_plain_graph(model):
-        config = keras.saving.serialize_keras_object(model)
-        # The replicas compile with the run's CompileRecipe and are built by their
-        # config: a compile config would rebuild an optimizer without its variables.
-        config = {k: v for k, v in config.items() if k not in ("compile_config",)}
-        return ModelSpec(keras_config=config, custom_objects=custom, description=model.name)
-    if type(model).get_config is not keras.Model.get_config:  # its own config
-        factory = functools.partial(type(model).from_config, model.get_config())
-        return ModelSpec(factory=factory, custom_objects=custom, description=model.name)
-    # Keras records a subclass's constructor arguments, but keras.Model.__new__
-    # drops them before they are recorded: the defaults are all it keeps.
-    # RebuildCheck compares a model built from them with this one.
-    auto = getattr(model, "_auto_config", None)
-    return ModelSpec(model_class=type(model), init_args=dict(auto.config) if auto else {},
-                     custom_objects=custom, description=model.name)
-
-
-def check_rebuilds(spec: ModelSpec, model: Any, probe_x: Any) -> None:
-    """A subclassed model rebuilt from its class (with its constructor's defaults)
-    must have ``model``'s weight shapes, or the workers would train another model."""
-    if spec.model_class is None:
-        return
-    try:
-        rebuilt = spec.build()
-        rebuilt(probe_x)
-        same = [tuple(w.shape) for w in rebuilt.weights] == [tuple(w.shape)
-                                                             for w in model.weights]
-    except Exception as exc:  # noqa: BLE001 - any failure means: cannot rebuild
-        same, why = False, f" ({type(exc).__name__}: {exc})"
-    else:
-        why = "" if same else " (its weights come out with other shapes)"
-    if not same:
-        name = type(model).__name__
-        raise TypeError(
-            f"The subclassed model {name} cannot be rebuilt on the workers from its "
-            f"class alone{why}: Keras does not record a keras.Model subclass's "
-            "constructor arguments. Pass a factory as model= instead, e.g. "
-            f"model=lambda: {name}(...) or model={name} when its defaults are right, "
-            "or give the class get_config()/from_config()."
-        )
-
-
-def _is_plain_graph(model: Any) -> bool:
+def is_plain_graph(model: Any) -> bool:
     """A ``keras.Sequential`` or ``keras.Model(inputs, outputs)``, not a subclass:
     its config alone rebuilds it (a subclass may build itself in ``__init__``)."""
     import keras
@@ -257,12 +191,19 @@ class CompileRecipe:
     loss_weights: Any = None
     metrics: Any = None  # portable_metrics(...) output
     weighted_metrics: Any = None
+    #: The optimizer is the model's own compiled one (no ``optimizer=`` in the
+    #: call): it goes on with its state, as a second ``model.fit`` would.
+    continues: bool = False
 
-    def compile(self, model: Any) -> None:
+    def compile(self, model: Any, optimizer: Any = None) -> None:
+        """Compile ``model``; ``optimizer``: this instance (the model's own, with
+        its state) rather than a fresh one from :attr:`optimizer`."""
         import keras
 
         model.compile(
-            optimizer=keras.optimizers.deserialize(self.optimizer),
+            # Keras' deserializer consumes the config it is given: a copy
+            optimizer=optimizer if optimizer is not None
+            else keras.optimizers.deserialize(copy.deepcopy(self.optimizer)),
             loss=self.loss,
             loss_weights=self.loss_weights,
             metrics=live_metrics(self.metrics),
@@ -292,7 +233,8 @@ def compiled_args(model: Any) -> dict[str, Any] | None:
 def model_spec(
     model: ModelLike, input_shape: tuple[int, ...], num_outputs: int | None
 ) -> ModelSpec:
-    """Turn what the user passed as ``model`` into a :class:`ModelSpec`.
+    """Turn a built-in name, a factory or an importable path into a
+    :class:`ModelSpec` (a model instance needs none: it is the model).
 
     Raises
     ------
@@ -301,10 +243,6 @@ def model_spec(
     TypeError
         ``model`` is none of the accepted kinds.
     """
-    import keras
-
-    if isinstance(model, keras.Model):
-        return _instance_spec(model)
     if isinstance(model, str):
         if model in BUILTIN_MODELS:
             return ModelSpec(

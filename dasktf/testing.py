@@ -87,18 +87,32 @@ def _is_nanny(pid: int) -> bool:
 
 class KillWorkerAt(_Callback):  # type: ignore[misc]
     """A Keras callback that SIGKILLs worker ``address`` after the ``step``-th
-    training step the client sees (counted over the run, from 1).
+    training step the client sees, counted from 1 from the start of epoch ``epoch``
+    (0-based; by default the run's first).
+
+    An async epoch ends once every shard has been consumed once more, so its number
+    of updates varies with the workers' speeds (the first one's most: a worker still
+    tracing its step lets the others run ahead). A kill meant for a given epoch (one
+    after its start's restore point) names it with ``epoch``.
 
     ``killed_at`` is the kill's ``time.time()``, ``None`` until then.
     """
 
-    def __init__(self, client: Client, address: str, step: int, *, restart: bool = False) -> None:
+    def __init__(self, client: Client, address: str, step: int, *, restart: bool = False,
+                 epoch: int = 0) -> None:
         super().__init__()
         self.client, self.address, self.step, self.restart = client, address, step, restart
+        self.epoch = epoch
         self.seen = 0
         self.killed_at: float | None = None
+        self._in_epoch = 0
+
+    def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        self._in_epoch = epoch
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        if self._in_epoch < self.epoch:
+            return
         self.seen += 1
         if self.killed_at is None and self.seen >= self.step:
             self.killed_at = kill_worker(self.client, self.address, restart=self.restart)

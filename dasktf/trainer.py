@@ -32,9 +32,10 @@ from dasktf.data.sources import (
     make_source,
     split_validation,
     unpack_validation,
-    validation_shard,
 )
 from dasktf.engines.holder.options import validate_mode_options
+from dasktf.inference.evaluate import evaluate
+from dasktf.inference.predict import predict
 from dasktf.models import ModelLike
 from dasktf.run.options import (
     FaultOptions,
@@ -51,6 +52,8 @@ logger = logging.getLogger(__name__)
 
 
 F = TypeVar("F", bound=Callable[..., Any])
+#: The global batch when fit is given none and the data has no batches of its own.
+DEFAULT_BATCH_SIZE = 128
 
 
 def _explain_unknown_options(func: F) -> F:
@@ -164,7 +167,11 @@ class Trainer:
         compiled nor given a loss is refused, except the built-in models, whose
         loss is sparse categorical cross-entropy for integer labels, else MSE.
     seed
-        Seeds the initial weights, the per-epoch shuffles and dropout.
+        Seeds the initial weights (of a model dasktf builds), the per-epoch shuffles
+        and the replicas' own random draws. ``None``: drawn from NumPy's global
+        generator, so a seed set with ``keras.utils.set_random_seed`` makes two
+        identical runs identical, as in Keras. A model's dropout layers draw from
+        their own seed generators, as in Keras (replica 0 the model's stream).
     threads_per_worker
         TensorFlow intra-op threads per worker (default: cores // workers).
     security
@@ -336,7 +343,7 @@ class Trainer:
         y: Any = None,
         *,
         epochs: int = 1,
-        batch_size: int = 128,
+        batch_size: int | None = None,
         validation_data: tuple[Any, ...] | None = None,
         validation_split: float = 0.0,
         shuffle: bool = True,
@@ -370,13 +377,20 @@ class Trainer:
             Dask DataFrames and Series are taken as Dask arrays are (``y`` may name
             a column of ``x``). Arrays may be nested in lists, tuples or dicts
             matching the model's inputs and outputs by position or by name, as
-            Keras matches them.
+            Keras matches them; string arrays and string or categorical columns
+            (one per model input) reach the model as ``tf.string``. A
+            ``tf.data.Dataset`` or ``keras.utils.PyDataset`` built on the client is
+            read here when small (:mod:`dasktf.data.keras_inputs`); a generator is
+            refused with the reason.
         batch_size
             The *global* batch: each step averages the gradients of ``batch_size``
             examples spread over the workers (default 128, not Keras' 32: a step
-            costs Dask hops, so fewer, larger steps train faster).
+            costs Dask hops, so fewer, larger steps train faster; for a
+            ``tf.data.Dataset`` or ``keras.utils.PyDataset`` read on the client,
+            its batches' size, as Keras trains on its batches).
         validation_data, validation_split, validation_batch_size
             As in Keras: ``(x_val, y_val)`` or ``(x_val, y_val, sample_weight_val)``
+            (or a small ``tf.data.Dataset`` / ``keras.utils.PyDataset``, read here)
             evaluated on the workers at every epoch end, or the last
             ``validation_split`` of the rows, taken before any shuffling.
         shuffle
@@ -431,7 +445,7 @@ class Trainer:
             A worker was lost, a replica failed or a step timed out.
         """
         positive_int("epochs", epochs)
-        positive_int("batch_size", batch_size)
+        positive_int("batch_size", batch_size, allow_none=True)
         if verbose == "auto":
             verbose = 1
         if verbose not in (0, 1, 2):
@@ -450,6 +464,8 @@ class Trainer:
             validation_data = unpack_validation(validation_data)
         source = make_source(x, y, sample_weight, class_weight, stream=bool(stream),
                              seed=self.options.seed)
+        if batch_size is None:  # a dataset's batches', as Keras takes them; else ours
+            batch_size = source.batch_size_read or DEFAULT_BATCH_SIZE
         options = FaultOptions(checkpoint_dir, checkpoint_every, bool(resume),
                                on_worker_loss, bool(scale_lr))
         validate_fault_options(self.options, options)
@@ -478,18 +494,25 @@ class Trainer:
         self.history = history
         return history
 
-    def evaluate(
-        self, x: Any, y: Any, *, batch_size: int = 256, sample_weight: Any = None,
-        verbose: int = 0
-    ) -> dict[str, float]:
-        """Evaluate the trained model on the client; returns ``{"loss": ..., ...}``."""
+    def evaluate(self, x: Any, y: Any = None, *, batch_size: int | None = None,
+                 sample_weight: Any = None) -> dict[str, float]:
+        """The trained model's loss and metrics on ``x``, ``y``, computed on this
+        trainer's cluster where the data lives (:func:`dasktf.evaluate`): what
+        Keras' ``evaluate(return_dict=True)`` returns on the same rows."""
+        return evaluate(self._trained(), x, y, batch_size=batch_size,
+                        sample_weight=sample_weight, client=self.client)
+
+    def predict(self, x: Any, *, batch_size: int | None = None,
+                as_frame: bool = False) -> Any:
+        """The trained model's predictions on ``x`` on this trainer's cluster, as
+        lazy Dask collections (:func:`dasktf.predict`)."""
+        return predict(self._trained(), x, batch_size=batch_size, as_frame=as_frame,
+                       client=self.client)
+
+    def _trained(self) -> Any:
         if self.model is None:
-            raise RuntimeError("Call fit() before evaluate().")
-        data = validation_shard((x, y, sample_weight))
-        return self.model.evaluate(  # type: ignore[no-any-return]
-            data.x, data.y, sample_weight=data.w, batch_size=batch_size, verbose=verbose,
-            return_dict=True,
-        )
+            raise RuntimeError("Call fit() before evaluate() or predict().")
+        return self.model
 
 
 @_explain_unknown_options
@@ -503,7 +526,7 @@ def fit(
     n_workers: int | None = None,
     mode: str = "sync",
     epochs: int = 1,
-    batch_size: int = 128,
+    batch_size: int | None = None,
     optimizer: Any = None,
     learning_rate: float | None = None,
     loss: Any = None,

@@ -315,7 +315,8 @@ def test_num_ps_2_recovers_from_losing_any_worker(digits, victim):
     with own_cluster(3) as (_, client):
         workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
         steps = -(-len(digits.x_train) // 64)
-        killer = KillWorkerAt(client, workers[victim], step=3 * steps * epochs // 2)
+        # mid-way through the second epoch, after the first epoch end's cut
+        killer = KillWorkerAt(client, workers[victim], step=steps // 2, epoch=epochs // 2)
         history = dasktf.fit(
             "mnist-mlp", digits.x_train, digits.y_train, client=client, n_workers=3,
             mode="async", num_ps=2, callbacks=[killer],

@@ -46,3 +46,94 @@ def test_source_dispatch_rejects_unknown_input():
         make_source(np.zeros((3, 2)), None)
     with pytest.raises(ValueError, match="must be None when x is a shard loader"):
         make_source(lambda i, n: (None, None), np.zeros(3))
+
+
+# -- strings, and the forms of input Keras' fit takes (issue 27) ----------------------
+def test_string_inputs_are_kept_and_numeric_checks_apply_to_numbers_only():
+    import pandas as pd
+
+    frame = pd.DataFrame({"thal": ["fixed", "normal", "reversible", "normal"],
+                          "age": [63.0, 37.0, 41.0, 56.0]})
+    source = make_source({"thal": frame["thal"].to_numpy(), "age": frame["age"]},
+                         np.array([0, 1, 1, 0]))
+    x = source.data.x
+    assert x["thal"].dtype == object and list(x["thal"]) == list(frame["thal"])
+    assert x["age"].shape == (4, 1)  # a Series is one column, as Keras' fit reads it
+    assert source.stats.x["thal"].dtype == "object"
+    probe = source.stats.probe(2)[0]
+    assert list(probe["thal"]) == ["", ""]  # what the model is first called on
+    bytes_source = make_source(np.array([b"a", b"b"], dtype=object), np.array([0, 1]))
+    assert bytes_source.data.x.dtype == object  # tf.string elements, as NumPy gives them
+
+
+@pytest.mark.parametrize("column, match", [
+    (np.array([[1, 2, 3], [4, 5]], dtype=object), r"sequence in each row, of lengths \[2, 3\]"),
+    (np.array(["a", None, "c"], dtype=object), r"missing values .*first at row 1.*fillna"),
+    (np.array(["a", 2, "c"], dtype=object), r"mixes values of types str .*int"),
+])
+def test_an_object_column_that_is_no_input_names_its_real_cause(column, match):
+    with pytest.raises(ValueError, match=match):
+        make_source({"c": column}, np.arange(len(column)))
+    with pytest.raises(ValueError, match=r"x has rows of different lengths \(ragged\)"):
+        make_source([[1.0, 2.0], [3.0]], np.array([0, 1]))
+
+
+def test_a_dataframe_with_string_columns_points_to_one_input_per_column():
+    import pandas as pd
+
+    frame = pd.DataFrame({"thal": ["fixed", "normal"], "age": [63.0, 37.0]})
+    with pytest.raises(ValueError, match=r"not numeric: 'thal' \(.*\)\. .*df\[name\] for"):
+        make_source(frame, np.array([0, 1]))
+
+
+def test_datasets_and_py_datasets_are_read_with_their_batch_size_and_generators_refused():
+    import keras
+    import tensorflow as tf
+
+    from dasktf.data.sources import unpack_validation
+
+    x, y = np.arange(40, dtype="float32").reshape(20, 2), np.arange(20) % 2
+    with pytest.warns(UserWarning, match="read it into memory once"):
+        source = make_source(tf.data.Dataset.from_tensor_slices((x, y)).batch(8))
+    assert source.batch_size_read == 8 and np.array_equal(source.data.x, x)
+
+    class Batches(keras.utils.PyDataset):
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            return x[5 * i:5 * (i + 1)], y[5 * i:5 * (i + 1)]
+
+    with pytest.warns(UserWarning, match="keras.utils.PyDataset"):
+        source = make_source(Batches())
+    assert source.batch_size_read == 5 and np.array_equal(source.data.y, y)
+    with pytest.warns(UserWarning):
+        val_x, val_y, val_w = unpack_validation(Batches())
+    assert np.array_equal(val_x, x) and np.array_equal(val_y, y) and val_w is None
+    with pytest.raises(TypeError, match=r"generator: .*read only once and only here"):
+        make_source((x[i:i + 5], y[i:i + 5]) for i in range(0, 20, 5))
+    import dask
+
+    with dask.config.set({"dasktf.data.materialize-limit": "100B"}), \
+            pytest.raises(ValueError, match=r"PyDataset, larger than .*x=dataset_fn"):
+        make_source(Batches())
+
+
+def test_dask_columns_of_strings_and_categories_are_string_inputs():
+    import dask.dataframe as dd
+    import pandas as pd
+
+    from dasktf.data.partitions import check_numeric, convert
+
+    part = pd.DataFrame({"kind": pd.Categorical(["a", "b", "a"]), "n": [1, 2, 3],
+                         "f": [0.5, 1.5, 2.5], "when": pd.to_datetime(["2020-01-01"] * 3)})
+    kind = convert(part["kind"], "features", "x['kind']")
+    assert kind.shape == (3, 1) and kind.dtype == object and list(kind[:, 0]) == ["a", "b", "a"]
+    assert convert(part["n"], "features").dtype == np.int64  # ints stay ints, as in Keras
+    assert convert(part["f"], "features").dtype == np.float32
+    frame = dd.from_pandas(part, npartitions=1)
+    check_numeric({"x": {"kind": frame["kind"], "n": frame["n"]}, "y": frame["n"]})
+    with pytest.raises(ValueError, match=r"x\['when'\] is not numeric"):
+        check_numeric({"x": {"when": frame["when"]}})
+    with pytest.raises(ValueError, match=r"y is not numeric.*Labels and sample weights"):
+        check_numeric({"y": frame["kind"]})

@@ -145,7 +145,9 @@ def test_async_run_survives_sigkill_of_the_parameter_holders_worker(digits, tmp_
     with own_cluster(3) as (_cluster, client):
         workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
         steps = -(-len(digits.x_train) // 64)
-        killer = KillWorkerAt(client, workers[0], step=3 * steps * epochs // 2)
+        # halfway: mid-way through the second epoch, after the first epoch end's cut
+        # (a step counted over the run can land in a long first epoch, under load)
+        killer = KillWorkerAt(client, workers[0], step=steps // 2, epoch=epochs // 2)
         # a checkpoint after every update: the kill usually lands in one (the
         # client's own holder calls must give up, not wait on the dead actor)
         extra = dict(checkpoint_dir=str(tmp_path), checkpoint_every=1) if checkpoint else {}
@@ -188,7 +190,9 @@ def test_a_rebuilt_holder_takes_the_learning_rate_set_after_its_cut(digits, tmp_
     with own_cluster(3) as (_cluster, client):
         workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
         steps = -(-len(digits.x_train) // 64)
-        killer = KillWorkerAt(client, workers[0], step=3 * steps * epochs // 2)
+        # in the second epoch, after its learning rate is set (counted over the run,
+        # the step could land in the first: under load it can run well past 3 * steps)
+        killer = KillWorkerAt(client, workers[0], step=steps // 2, epoch=1)
         history = dasktf.fit(
             "mnist-mlp", digits.x_train, digits.y_train, client=client, n_workers=3,
             mode="async", checkpoint_dir=str(tmp_path),

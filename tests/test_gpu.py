@@ -257,6 +257,7 @@ def test_float16_replica_scales_loss_and_keeps_float32_gradients(digits, monkeyp
     from dasktf.data.sources import Shard
     from dasktf.models import CompileRecipe, model_spec
     from dasktf.runtime import replica
+    from dasktf.transport import ModelPackage
     from dasktf.wire.messages import GradientSum
 
     @contextlib.contextmanager
@@ -275,8 +276,8 @@ def test_float16_replica_scales_loss_and_keeps_float32_gradients(digits, monkeyp
     weights = model.get_weights()
     recipe = CompileRecipe(keras.optimizers.serialize(keras.optimizers.SGD(0.1)),
                            "sparse_categorical_crossentropy")
-    cfg = replica.ReplicaConfig(spec, recipe, 0, mixed_precision=True)
-    r = replica.Replica(cfg, 0, Shard(x, y), np.array([64]), weights)
+    cfg = replica.ReplicaConfig(ModelPackage.pack(model).ref(), recipe, 0, mixed_precision=True)
+    r = replica.Replica(cfg, 0, Shard(x, y), np.array([64]))
     assert keras.config.dtype_policy().name == "float32"  # restored after the build
     assert isinstance(r.model.optimizer, keras.optimizers.LossScaleOptimizer)
     assert r.model.dtype_policy.name == "mixed_float16"

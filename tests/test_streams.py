@@ -156,3 +156,44 @@ def test_a_client_side_dataset_is_read_when_small_and_refused_when_infinite(clie
     assert np.isfinite(history.history["loss"]).all()
     with pytest.raises(ValueError, match=r"infinite tf\.data\.Dataset.*dataset_fn"):
         _fit(client, small.repeat())
+
+
+def _words(n: int = 120) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(3)
+    labels = rng.integers(0, 2, n)
+    texts = np.array([" ".join(rng.choice(["good", "fine"] if y else ["bad", "poor"], 4))
+                      for y in labels], dtype=object)
+    return texts, labels.astype("int64")
+
+
+def _words_fn(ctx):
+    """A module-level dataset_fn (the collective engine's child imports it)."""
+    texts, labels = _words()
+    rows = slice(ctx.shard_index, None, ctx.num_shards)
+    return tf.data.Dataset.from_tensor_slices((texts[rows].astype(str),
+                                               labels[rows])).batch(ctx.local_batch_size)
+
+
+def _string_model(texts: np.ndarray) -> keras.Model:
+    keras.utils.set_random_seed(5)
+    vectorize = keras.layers.TextVectorization(max_tokens=10, output_mode="multi_hot")
+    vectorize.adapt(texts)
+    inputs = keras.Input((), dtype="string")
+    model = keras.Model(inputs, keras.layers.Dense(2, activation="softmax")(vectorize(inputs)))
+    model.compile(optimizer=keras.optimizers.SGD(0.5), loss="sparse_categorical_crossentropy")
+    return model
+
+
+@pytest.mark.parametrize("options", [{}, {"mode": "async"}, {"engine": "collective"}],
+                         ids=["graph", "async", "collective"])
+def test_tf_string_elements_from_a_dataset_fn_train_on_every_engine(client, options):
+    """A ``dataset_fn`` yields tf.string batches: they reach the model's
+    TextVectorization as Keras' fit would pass them, whatever the engine."""
+    texts, labels = _words()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the collective engine's security warning
+        history = dasktf.fit(_string_model(texts), _words_fn, client=client, n_workers=2,
+                             epochs=4, batch_size=24, verbose=0, seed=0,
+                             validation_data=(texts[:30], labels[:30]), **options)
+    assert history.history["loss"][-1] < history.history["loss"][0]
+    assert history.history["val_loss"][-1] < 0.69  # below chance: it learnt the words

@@ -13,6 +13,7 @@ from dasktf.cli.common import CONTEXT
 from dasktf.cli.dashboard import dashboard
 from dasktf.cli.fit import fit
 from dasktf.cli.info import info
+from dasktf.cli.predict import predict
 from dasktf.cli.tf import check_tf_config_command, tf_cluster
 
 
@@ -22,5 +23,6 @@ def main() -> None:
     """Data-parallel TensorFlow/Keras training on a Dask cluster."""
 
 
-for _command in (fit, info, dashboard, tf_cluster, check_tf_config_command, bench):
+for _command in (fit, predict, info, dashboard, tf_cluster, check_tf_config_command,
+                 bench):
     main.add_command(_command)

@@ -5,9 +5,13 @@ outputs) become one list: per partition, the nest ``[x, y(, w)]`` of
 :class:`PartLeaf` tasks. The resident source computes those tasks on the cluster,
 where the partitions live (:class:`~dasktf.data.sources.DaskArraySource`); the
 streamed one computes them on the worker, one partition at a time
-(:class:`~dasktf.data.streams.DaskParts`). Numeric columns become float32
-features; columns of any other dtype are refused by name, before anything is
-computed (their dtypes are known from the frame's metadata).
+(:class:`~dasktf.data.streams.DaskParts`). A DataFrame of features becomes one
+float32 matrix and must be numeric; a Series among the features is one column,
+``(n, 1)``, as Keras' ``fit`` reads a pandas Series: floats as float32, integers and
+booleans as they are, strings, object and category columns as strings (a string
+lookup layer's input). Labels and weights must be numeric. A column that breaks
+these rules is refused by name, from the frame's metadata, before anything is
+computed.
 """
 
 from __future__ import annotations
@@ -20,10 +24,13 @@ import numpy as np
 from dasktf.data.structure import (
     Nest,
     broadcast_to,
+    column_kind,
     first_leaf,
     leaves,
+    map_named,
     map_nest,
     num_rows,
+    strings_or_numbers,
 )
 
 
@@ -31,17 +38,27 @@ from dasktf.data.structure import (
 class PartLeaf:
     """One array of a partition: its task (a ``Delayed``) and how the computed
     value becomes an array: ``"array"`` as it is, ``"features"`` a frame as
-    float32, ``"labels"`` a frame or series as integers (float32 if it holds floats)."""
+    float32 (a series: one column, see the module docstring), ``"labels"`` a frame
+    or series as integers (float32 if it holds floats). ``path``: its name in
+    ``x``/``y`` (``x['thal']``), for messages."""
 
     delayed: Any
     kind: str
+    path: str = ""
 
 
-def convert(value: Any, kind: str) -> np.ndarray:
+def convert(value: Any, kind: str, path: str = "x") -> np.ndarray:
     """A computed partition leaf as the array a shard holds (see :class:`PartLeaf`)."""
     if kind == "array":
-        return np.asarray(value)
+        array = np.asarray(value)
+        return strings_or_numbers(path, array) if array.dtype == object else array
     array = value.to_numpy()
+    if kind == "features" and value.ndim == 1:  # one column, as Keras reads a Series
+        if array.dtype.kind == "f":
+            array = array.astype(np.float32)
+        elif array.dtype.kind not in "iub":
+            array = strings_or_numbers(path, array.astype(object))
+        return array[:, None]
     if kind == "features" or array.dtype.kind not in "iub":
         array = array.astype(np.float32)
     return array
@@ -72,13 +89,16 @@ def partition_leaves(x: Nest, y: Nest, sample_weight: Nest) -> tuple[list[Any], 
         lengths = None
         if len(frames) < sum(1 for nest in nests for _ in leaves(nest)):  # arrays too
             lengths = frame_lengths(frames[0])
-        tasks = [map_nest(lambda a, kind=kind: _frame_tasks(a, kind, lengths), nest)
-                 for nest, kind in zip(nests, ["features", "labels", "labels"], strict=False)]
+        tasks = [map_named(lambda path, a, kind=kind: _frame_tasks(a, kind, lengths, path),
+                           nest, name)
+                 for nest, kind, name in zip(nests, ["features", "labels", "labels"], names,
+                                             strict=False)]
     else:
         num_rows(dict(zip(names, nests, strict=False)))
         lead = first_leaf(x).rechunk({i: -1 for i in range(1, first_leaf(x).ndim)})
         lengths = list(lead.chunks[0])
-        tasks = [map_nest(lambda a: _array_tasks(a, lengths), nest) for nest in nests]
+        tasks = [map_named(lambda path, a: _array_tasks(a, lengths, path), nest, name)
+                 for nest, name in zip(nests, names, strict=False)]
     count = len(first_leaf(tasks[0]))
     return [map_nest(lambda t, j=j: t[j], tasks) for j in range(count)], lengths
 
@@ -90,18 +110,19 @@ def _objects(items: list[Any]) -> np.ndarray:
     return out
 
 
-def _frame_tasks(leaf: Any, kind: str, lengths: list[int] | None) -> np.ndarray:
+def _frame_tasks(leaf: Any, kind: str, lengths: list[int] | None, path: str) -> np.ndarray:
     if is_dask_frame(leaf):
-        return _objects([PartLeaf(d, kind) for d in leaf.to_delayed(optimize_graph=False)])
-    return _array_tasks(leaf, lengths)
+        return _objects([PartLeaf(d, kind, path)
+                         for d in leaf.to_delayed(optimize_graph=False)])
+    return _array_tasks(leaf, lengths, path)
 
 
-def _array_tasks(array: Any, lengths: list[int] | None) -> np.ndarray:
+def _array_tasks(array: Any, lengths: list[int] | None, path: str) -> np.ndarray:
     import dask.array as da
 
     array = da.asarray(array)
     array = array.rechunk({0: tuple(lengths), **{i: -1 for i in range(1, array.ndim)}})
-    return _objects([PartLeaf(d, "array") for d in array.to_delayed().ravel()])
+    return _objects([PartLeaf(d, "array", path) for d in array.to_delayed().ravel()])
 
 
 def frame_lengths(frame: Any) -> list[int]:
@@ -120,16 +141,17 @@ def compute_leaves(x: Nest, y: Nest, sample_weight: Nest) -> tuple[Nest, Nest, N
     if holds_frames(x, y, sample_weight):
         x, y, sample_weight = select_columns(x, y, sample_weight)
 
-    def local(value: Any, kind: str) -> Any:
+    def local(path: str, value: Any, kind: str) -> Any:
         if is_dask_frame(value):
-            return convert(value.compute(), kind)
+            return convert(value.compute(), kind, path)
         if type(value).__module__.startswith("dask"):
             return np.asarray(dask.compute(value)[0])
         return value
 
-    return (map_nest(lambda v: local(v, "features"), x), map_nest(lambda v: local(v, "labels"), y),
-            None if sample_weight is None else map_nest(lambda v: local(v, "labels"),
-                                                        sample_weight))
+    return (map_named(lambda p, v: local(p, v, "features"), x, "x_val"),
+            map_named(lambda p, v: local(p, v, "labels"), y, "y_val"),
+            None if sample_weight is None else map_named(
+                lambda p, v: local(p, v, "labels"), sample_weight, "sample_weight_val"))
 
 
 def is_dask_frame(obj: Any) -> bool:
@@ -149,6 +171,14 @@ def select_columns(x: Nest, y: Any, sample_weight: Any) -> tuple[Nest, Nest, Nes
     if y is None:
         raise ValueError("y is required when x is a Dask DataFrame: give a Series, a "
                          "DataFrame, or the name(s) of x's label column(s).")
+    x, y, sample_weight = label_columns(x, y, sample_weight)
+    check_numeric({"x": x, "y": y, "sample_weight": sample_weight})
+    return x, y, sample_weight
+
+
+def label_columns(x: Nest, y: Any, sample_weight: Any) -> tuple[Nest, Nest, Nest]:
+    """``y`` and ``sample_weight`` given as column names of a DataFrame ``x`` become
+    those columns, taken out of ``x``; anything else is returned as it is."""
     named = [v for v in (y, sample_weight) if _names_columns(v)]
     if named:
         if not is_dask_frame(x) or x.ndim != 2:
@@ -162,7 +192,6 @@ def select_columns(x: Nest, y: Any, sample_weight: Any) -> tuple[Nest, Nest, Nes
         y = x[y] if _names_columns(y) else y
         sample_weight = x[sample_weight] if _names_columns(sample_weight) else sample_weight
         x = x.drop(columns=columns)
-    check_numeric({"x": x, "y": y, "sample_weight": sample_weight})
     return x, y, sample_weight
 
 
@@ -172,34 +201,41 @@ def _names_columns(value: Any) -> bool:
 
 
 def check_numeric(nests: dict[str, Nest]) -> None:
-    """Refuse non-numeric columns by name, from the frames' metadata alone."""
+    """Refuse, by name and from the frames' metadata alone, what no model input
+    can be: a non-numeric column in a DataFrame of features or among the labels
+    and weights, a date or time column anywhere. A Series of strings, objects or
+    categories among the features is one string column (a lookup layer's input)."""
     for name, nest in nests.items():
         if nest is None:
             continue
         for path, leaf in leaves(nest, name):
             if not is_dask_frame(leaf):
                 continue
-            bad = {str(c): str(t) for c, t in _dtypes(leaf).items() if _kind(t) is None}
-            if bad:
-                said = ", ".join(f"{c!r} ({t})" for c, t in bad.items())
+            column = name == "x" and leaf.ndim == 1
+            bad = {str(c): str(t) for c, t in _dtypes(leaf).items()
+                   if column_kind(t) is None and not (column and _stringlike(t))}
+            if not bad:
+                continue
+            said = ", ".join(f"{c!r} ({t})" for c, t in bad.items())
+            if name == "x" and leaf.ndim == 2:
                 raise ValueError(
-                    f"{path} has columns that are not numeric: {said}. Encode them "
-                    "first (e.g. df[col].cat.codes after categorize(), or "
-                    "dd.get_dummies), or keep them out of the features."
-                )
+                    f"{path} has columns that are not numeric: {said}. A DataFrame of "
+                    "features is one float32 matrix; a model that takes string or "
+                    "categorical columns takes each as an input of its own (keras.io's "
+                    "structured data classification): pass x={name: df[name] for name "
+                    "in df.columns}, matched to the model's inputs by name. Or encode "
+                    "them first (df[col].cat.codes after categorize(), dd.get_dummies).")
+            raise ValueError(
+                f"{path} is not numeric: {said}. "
+                + ("Labels and sample weights must be numbers: encode them first (e.g. "
+                   "df[col].cat.codes after categorize())." if name != "x" else
+                   "Convert it to numbers or strings first."))
+
+
+def _stringlike(dtype: Any) -> bool:
+    """Strings, Python objects (strings, checked when computed) or categories."""
+    return str(dtype).lower().startswith(("object", "string", "str", "category"))
 
 
 def _dtypes(frame: Any) -> dict[Any, Any]:
     return dict(frame.dtypes) if frame.ndim == 2 else {frame.name: frame.dtype}
-
-
-def _kind(dtype: Any) -> str | None:
-    """``"i"`` integral (ints, bools), ``"f"`` float, ``None`` not numeric
-    (object, string, category, datetime)."""
-    name = str(dtype).lower()
-    try:
-        kind = np.dtype(dtype).kind
-    except TypeError:  # pandas extension dtypes: category, string, nullable Int64
-        kind = ("f" if name.startswith("float") else
-                "i" if name.startswith(("int", "uint", "bool")) else "")
-    return "i" if kind in "iub" and kind else "f" if kind == "f" else None

@@ -109,6 +109,8 @@ class ShardStats:
     def probe(self, rows: int = 1) -> tuple[Nest, Nest, Nest]:
         """Zero-valued ``(x, y, w)`` of ``rows`` rows with the data's shapes and dtypes."""
         def zeros(leaf: LeafStats) -> np.ndarray:
+            if leaf.dtype == "object":  # strings (the only object arrays a shard holds)
+                return np.full((rows, *leaf.shape), "", dtype=object)
             return np.zeros((rows, *leaf.shape), dtype=leaf.dtype)
 
         return (map_nest(zeros, self.x), map_nest(zeros, self.y),

@@ -26,10 +26,10 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import dask.utils
 import numpy as np
 
 from dasktf import config
+from dasktf.data.keras_inputs import read_input, reads_on_client
 from dasktf.data.partitions import (
     compute_leaves,
     convert,
@@ -220,7 +220,7 @@ class DaskArraySource(_WorkerSideSource):
         per_chunk = [self.chunks[j] for j in chunks]
         # One future per array of a partition, each computed on the cluster where
         # its partition is (compute() of a nest would make one per nest).
-        futures = iter(client.compute([dask.delayed(convert)(leaf.delayed, leaf.kind)
+        futures = iter(client.compute([dask.delayed(convert)(leaf.delayed, leaf.kind, leaf.path)
                                        for nest in per_chunk for _, leaf in leaves(nest)]))
         return [map_nest(lambda _: next(futures), nest) for nest in per_chunk]
 
@@ -355,46 +355,6 @@ class DatasetFnSource(_WorkerSideSource):
                              f"dataset_fn on shard {index}", workers=[worker], pure=False)
 
 
-def materialize_dataset(dataset: Any) -> tuple[Any, Any, Any]:
-    """A ``tf.data.Dataset`` built on the client, read into arrays when it is small
-    (``dasktf.data.materialize-limit`` bytes), with a warning; else refused."""
-    import warnings
-
-    limit = dask.utils.parse_bytes(config.get("data.materialize-limit"))
-    form = ("pass x=dataset_fn, where dataset_fn(ctx) builds each worker's part "
-            "of the data (ctx.shard_index of ctx.num_shards, ctx.local_batch_size, "
-            "ctx.epoch, ctx.seed) and returns a tf.data.Dataset of (x, y) batches")
-    if int(dataset.cardinality()) == -1:  # tf.data.INFINITE_CARDINALITY
-        raise ValueError("x is an infinite tf.data.Dataset: dasktf reads every row once "
-                         f"per epoch. {form[0].upper()}{form[1:]}.")
-    parts, size = [], 0
-    for element in dataset.as_numpy_iterator():
-        part = part_from(tuple(element) if isinstance(element, (tuple, list)) else element,
-                         "The tf.data.Dataset")
-        size += sum(leaf.nbytes for nest in (part.x, part.y, part.w) if nest is not None
-                    for _, leaf in leaves(nest))
-        if size > limit:
-            raise ValueError(
-                "x is a tf.data.Dataset built on the client, larger than "
-                f"dasktf.data.materialize-limit ({config.get('data.materialize-limit')}): "
-                "it cannot be split over the workers without reading it all here. "
-                f"Instead, {form}."
-            )
-        parts.append(part)
-    data = Shard.concat(parts)
-    warnings.warn(
-        f"x is a tf.data.Dataset built on the client: dasktf read it into memory "
-        f"({len(data)} rows, {size / 2**20:.1f} MiB) and splits the rows over the "
-        f"workers (batched by batch_size). For data that does not fit, {form}.",
-        UserWarning, stacklevel=3,
-    )
-    return data.x, data.y, data.w
-
-
-def is_tf_dataset(x: Any) -> bool:
-    return type(x).__module__.startswith("tensorflow") and hasattr(x, "element_spec")
-
-
 DataSource = (ArraySource | DaskArraySource | LoaderSource | DaskStreamSource
               | DatasetFnSource)
 
@@ -418,11 +378,21 @@ def make_source(x: Any, y: Any = None, sample_weight: Any = None,
     """
     if class_weight is not None and sample_weight is not None:
         raise ValueError("Give sample_weight or class_weight, not both (as in Keras).")
-    if is_tf_dataset(x):
+    batch_size = None
+    if reads_on_client(x):  # tf.data.Dataset, keras.utils.PyDataset, a generator
         if y is not None or sample_weight is not None:
-            raise ValueError("y and sample_weight must be None when x is a tf.data.Dataset "
-                             "(it yields them).")
-        x, y, sample_weight = materialize_dataset(x)
+            raise ValueError(f"y and sample_weight must be None when x is a "
+                             f"{type(x).__name__} (it yields them).")
+        read = read_input(x, "x")
+        x, y, sample_weight, batch_size = read.x, read.y, read.w, read.batch_size
+    source = _adapter(x, y, sample_weight, class_weight, stream, seed)
+    #: the batches' size of data read on the client: the run's if fit gets none
+    source.batch_size_read = batch_size
+    return source
+
+
+def _adapter(x: Any, y: Any, sample_weight: Any, class_weight: dict[int, float] | None,
+             stream: bool, seed: int) -> DataSource:
     if class_weight is not None and not callable(x):
         check_class_weight(class_weight, y)
     if callable(x) and not hasattr(x, "__array__") and not is_nested(x):
@@ -525,11 +495,16 @@ def split_validation(x: Any, y: Any, sample_weight: Any, fraction: float
 
 
 def unpack_validation(validation_data: Any) -> tuple[Any, Any, Any]:
-    """``(x, y)`` or ``(x, y, sample_weight)``, as Keras takes ``validation_data``."""
+    """``(x, y)`` or ``(x, y, sample_weight)``, a ``tf.data.Dataset`` or a
+    ``keras.utils.PyDataset`` (read here), as Keras takes ``validation_data``."""
+    if reads_on_client(validation_data):
+        read = read_input(validation_data, "validation_data")
+        return read.x, read.y, read.w
     if not isinstance(validation_data, (tuple, list)) or len(validation_data) not in (2, 3):
         raise ValueError(
             "validation_data must be a tuple (x_val, y_val) or (x_val, y_val, "
-            f"sample_weight_val); got {type(validation_data).__name__}"
+            "sample_weight_val), a tf.data.Dataset or a keras.utils.PyDataset; got "
+            f"{type(validation_data).__name__}"
             + (f" of length {len(validation_data)}." if isinstance(
                 validation_data, (tuple, list)) else ".")
         )

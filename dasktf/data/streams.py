@@ -116,7 +116,7 @@ class DaskParts:
         # One local compute for every leaf: the partition is read once even when
         # its features and labels come from the same file.
         values = iter(dask.compute(*[leaf.delayed for leaf in flat], scheduler="sync"))
-        arrays = map_nest(lambda leaf: convert(next(values), leaf.kind), nest)
+        arrays = map_nest(lambda leaf: convert(next(values), leaf.kind, leaf.path), nest)
         x, y, *w = arrays
         return with_weights(Shard(x, y, w[0] if w else None), self.class_weight)
 

@@ -69,22 +69,105 @@ def concat(parts: list[Nest]) -> Nest:
 
 def as_arrays(nest: Nest, name: str) -> Nest:
     """Every leaf as a NumPy array with a sample axis (a list of numbers at the top
-    is one array, as Keras reads it, not a list of scalar inputs)."""
+    is one array, as Keras reads it, not a list of scalar inputs). Numbers, and
+    strings (``str`` or ``bytes``: NumPy object arrays from pandas, ``tf.string``
+    elements) are kept as they are; a pandas Series in ``x`` is one column, as
+    Keras' ``fit`` takes it (``(n, 1)``); anything else is refused by its cause."""
     if isinstance(nest, (list, tuple)) and not any(_is_array(leaf) for _, leaf in leaves(nest)):
-        nest = np.asarray(nest)
+        nest = _dense(name, nest)
 
     def convert(path: str, leaf: Any) -> np.ndarray:
-        array = np.asarray(leaf)
+        if is_pandas(leaf, frame=True):
+            check_frame_columns(path, leaf)
+        array = _dense(path, leaf)
         if array.ndim == 0:
             raise ValueError(f"{path} must have a leading sample axis; got a scalar.")
-        if array.dtype == object:
-            raise ValueError(
-                f"{path} is not a numeric array (dtype object): ragged rows or mixed "
-                "types. Pad it to one shape, or pass each input as its own array."
-            )
-        return array
+        if is_pandas(leaf) and path.startswith("x"):
+            array = array[:, None]  # Keras' fit reads a Series as one column
+        return strings_or_numbers(path, array) if array.dtype == object else array
 
     return map_named(convert, nest, name)
+
+
+def _dense(path: str, value: Any) -> np.ndarray:
+    try:
+        return np.asarray(value)
+    except ValueError as exc:  # NumPy 2: "inhomogeneous shape"
+        raise ValueError(
+            f"{path} has rows of different lengths (ragged), which no array holds "
+            f"({exc}). Pad them to one length (keras.utils.pad_sequences), or pass "
+            "each input as its own array."
+        ) from None
+
+
+def is_pandas(value: Any, frame: bool = False) -> bool:
+    """A pandas Series (``frame``: a DataFrame)."""
+    return (type(value).__module__.startswith("pandas") and hasattr(value, "to_numpy")
+            and hasattr(value, "columns") == frame)
+
+
+def check_frame_columns(path: str, frame: Any) -> None:
+    """A DataFrame is one matrix input: its columns must all be numbers."""
+    bad = {str(c): str(t) for c, t in dict(frame.dtypes).items() if column_kind(t) is None}
+    if bad:
+        said = ", ".join(f"{c!r} ({t})" for c, t in bad.items())
+        raise ValueError(
+            f"{path} has columns that are not numeric: {said}. A DataFrame is one "
+            "matrix input; a model that takes string or categorical columns takes "
+            "each as an input of its own (keras.io's structured data classification): "
+            "pass {name: df[name] for name in df.columns} (or dict(df) for pandas), "
+            "matched to the model's inputs by name. Or encode them first."
+        )
+
+
+def column_kind(dtype: Any) -> str | None:
+    """``"i"`` integral (ints, bools), ``"f"`` float, ``None`` anything else (object,
+    string, category, datetime)."""
+    name = str(dtype).lower()
+    try:
+        kind = np.dtype(dtype).kind
+    except TypeError:  # pandas extension dtypes: category, string, nullable Int64
+        kind = ("f" if name.startswith("float") else
+                "i" if name.startswith(("int", "uint", "bool")) else "")
+    return "i" if kind in "iub" and kind else "f" if kind == "f" else None
+
+
+_STRINGS = (str, bytes, np.str_, np.bytes_)
+
+
+def strings_or_numbers(path: str, array: np.ndarray) -> np.ndarray:
+    """An object array as a model input: strings (kept: TensorFlow reads them as
+    ``tf.string``) or numbers (made a numeric array); else a ``ValueError`` naming
+    what it holds instead (ragged rows, missing values, mixed types)."""
+    flat = array.ravel()
+    kinds = [type(v) for v in flat]
+    if all(issubclass(k, _STRINGS) for k in kinds):
+        return array
+    if all(issubclass(k, (int, float, bool, np.number)) for k in kinds):
+        return np.array(flat.tolist()).reshape(array.shape)
+    first = {k: i for i, k in reversed(list(enumerate(kinds)))}
+    rows = {k.__name__: int(i // max(1, flat.size // len(array))) for k, i in first.items()}
+    if any(issubclass(k, (list, tuple, np.ndarray)) for k in first):
+        lengths = sorted({len(v) for v in flat if hasattr(v, "__len__")
+                          and not isinstance(v, _STRINGS)})
+        raise ValueError(
+            f"{path} holds a sequence in each row, of lengths {lengths[:5]} (ragged): no "
+            "array holds it. Pad the rows to one length (keras.utils.pad_sequences), or "
+            "stack them into one array if they are equal."
+        )
+    missing = [i for i, v in enumerate(flat) if v is None or (isinstance(v, float) and v != v)
+               or type(v).__name__ in ("NAType", "NaTType")]
+    if missing and any(issubclass(k, _STRINGS) for k in first):
+        raise ValueError(
+            f"{path} holds strings with missing values (None or NaN, first at row "
+            f"{missing[0] // max(1, flat.size // len(array))}). Fill them (e.g. "
+            "df[col].fillna('')) or drop those rows."
+        )
+    said = ", ".join(f"{k} (first at row {r})" for k, r in rows.items())
+    raise ValueError(
+        f"{path} mixes values of types {said}: a model input holds numbers or strings. "
+        "Convert the column to one type (e.g. df[col].astype(str))."
+    )
 
 
 def _is_array(value: Any) -> bool:

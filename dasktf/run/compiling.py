@@ -39,6 +39,9 @@ def compile_recipe(options: TrainOptions, model: Any, stats: ShardStats, y_pred:
         optimizer = o.optimizer_config
     else:
         optimizer = resolve_optimizer(compiled.get("optimizer") or "sgd", o.learning_rate)
+    # The model's own optimizer goes on with its state (moments, iterations: a
+    # schedule's position), as model.fit on a trained model does.
+    continues = o.optimizer is None and model_optimizer(model) is not None
     loss_weights = o.loss_weights
     if o.loss is not None:
         loss = o.loss
@@ -62,7 +65,25 @@ def compile_recipe(options: TrainOptions, model: Any, stats: ShardStats, y_pred:
     weighted = (resolve_metrics(o.weighted_metrics) if o.weighted_metrics is not None
                 else portable_metrics(compiled.get("weighted_metrics")))
     check_staleness_lr(o.staleness_lr, optimizer)
-    return CompileRecipe(optimizer, loss, loss_weights, metrics, weighted)
+    return CompileRecipe(optimizer, loss, loss_weights, metrics, weighted, continues)
+
+
+def model_optimizer(model: Any) -> Any:
+    """The optimizer ``model`` was compiled with (``None``: none, or one wrapped in
+    a ``LossScaleOptimizer``, whose state is the wrapper's as much as its own)."""
+    import keras
+
+    optimizer = getattr(model, "optimizer", None) if getattr(model, "compiled", False) else None
+    return None if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) else optimizer
+
+
+def compile_reference(recipe: CompileRecipe, model: Any, learning_rate: float | None) -> None:
+    """Compile the client's model with ``recipe``: its own optimizer instance kept
+    when the recipe continues it (``learning_rate``, if given, set on it)."""
+    optimizer = model_optimizer(model) if recipe.continues else None
+    if optimizer is not None and learning_rate is not None:
+        optimizer.learning_rate = learning_rate
+    recipe.compile(model, optimizer)
 
 
 def default_loss(stats: ShardStats, y_pred: Any) -> str:

@@ -210,7 +210,10 @@ class TrainOptions:
         set_("metric_configs", resolve_metrics(self.metrics))
         resolve_metrics(self.weighted_metrics)
         if self.seed is None:
-            set_("seed", int(np.random.SeedSequence().entropy % 2**31))
+            # Drawn from NumPy's global generator, which keras.utils.set_random_seed
+            # seeds: as in Keras, a seed set that way makes two identical runs
+            # identical, and runs without one differ.
+            set_("seed", int(np.random.randint(0, 2**31 - 1)))
         else:
             set_("seed", int(self.seed))
         set_("mixed_precision", bool(self.mixed_precision))

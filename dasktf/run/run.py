@@ -9,8 +9,6 @@ import uuid
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from dasktf import config
 from dasktf.callbacks import History, LearningRateRelay, ProgressBar
 from dasktf.cluster.local import (
@@ -33,14 +31,13 @@ from dasktf.engines.base import Engine
 from dasktf.exceptions import WorkerLostError
 from dasktf.models import (
     BUILTIN_MODELS,
-    ModelSpec,
-    check_rebuilds,
     check_trainable_by_dasktf,
     model_spec,
 )
 from dasktf.run.compiling import (
     check_sparse_labels,
     compile_recipe,
+    compile_reference,
     factory_input_shape,
     num_outputs,
 )
@@ -51,6 +48,7 @@ from dasktf.run.setup import SetupGuard, enter_phase, register_worker_plugin
 from dasktf.runtime.keras_step import build_metrics, merge_metric_states
 from dasktf.runtime.replica import ReplicaConfig
 from dasktf.runtime.tasks import create_replica_task, release_replicas
+from dasktf.transport import ModelPackage, SharedModel, set_seed_states, share_model
 
 if TYPE_CHECKING:
     from distributed import Client
@@ -101,11 +99,13 @@ class Run:
         self.setup: SetupGuard | None = None
         #: (epoch, step) the first epoch starts at: RunGuard.begin's, after a resume
         self.begin_at = (0, 0)
+        self.shared: SharedModel | None = None
+        self._factory: Any = None
 
     # -- set-up -------------------------------------------------------------------
-    def _reference_model(self) -> tuple[Any, ModelSpec, Any]:
-        """Build (or take) the client-side model and its recipe; check the shapes.
-        Returns the model, its spec and its outputs on a probe batch."""
+    def _reference_model(self) -> tuple[Any, Any]:
+        """Build (or take) the client-side model; check the shapes. Returns the
+        model and its outputs on a probe batch."""
         import keras
 
         t, o = self.trainer, self.trainer.options
@@ -116,12 +116,14 @@ class Run:
             model = o.model
         else:
             keras.utils.set_random_seed(o.seed)
-            spec = model_spec(o.model, factory_input_shape(stats), num_outputs(self.placed.stats))
+            spec = model_spec(o.model, factory_input_shape(stats),
+                              num_outputs(self.placed.stats))
             model = spec.build()
+            self._factory = spec.build  # what rebuilds a subclassed model it makes
         check_trainable_by_dasktf(model)
         probe_x = stats.probe(2)[0]
         try:
-            # Builds a subclassed model's weights: only then can its spec be taken.
+            # Builds a subclassed model's weights: only then can it be saved.
             y_pred = model(probe_x)
         except Exception as exc:
             shapes = ", ".join(f"{leaf.name}: {(None, *leaf.shape)}"
@@ -132,10 +134,7 @@ class Run:
                 "(and its structure: one array, or a list/dict matching the model's "
                 "inputs by position or name) against the model's input."
             ) from exc
-        if t.model is not None or isinstance(o.model, keras.Model):
-            spec = model_spec(model, None, None)
-            check_rebuilds(spec, model, probe_x)
-        return model, spec, y_pred
+        return model, y_pred
 
     def set_up(self, epochs: int, plugin: Any = None) -> None:
         """Connect to the workers, register ``plugin`` (a worker plugin, if any) on
@@ -178,7 +177,7 @@ class Run:
         if self.engine is not None:
             self.engine.close()
             self.engine = None
-        self.release(wait=config.get_seconds("poll-interval"))  # under the old id
+        self.release(wait=config.get_seconds("poll-interval"), model=False)  # old id
         index = {w: i for i, w in enumerate(self.workers)}
         self.slow_workers = {new: self.slow_workers[index[w]]
                              for new, w in enumerate(survivors)
@@ -202,12 +201,12 @@ class Run:
     def _prepare(self, validation_data: tuple[Any, Any, Any] | None) -> None:
         """The client's model, its compile recipe and the replicas' config (once)."""
         t, o = self.trainer, self.trainer.options
-        model, spec, y_pred = self._reference_model()
+        model, y_pred = self._reference_model()
         stats = self.placed.stats[0]
         builtin = isinstance(o.model, str) and o.model in BUILTIN_MODELS
         recipe = compile_recipe(o, model, stats, y_pred, builtin)
         check_sparse_labels(recipe.loss, model, y_pred, self.placed.stats)
-        recipe.compile(model)
+        compile_reference(recipe, model, o.learning_rate)
         probe_x, probe_y, probe_w = stats.probe(1)
         try:
             build_metrics(model, probe_x, probe_y, probe_w)
@@ -220,21 +219,30 @@ class Run:
             ) from exc
         self.model = model
         t.model = model
-        self.spec_description = spec.description or getattr(model, "name", "")
-        self._cfg = ReplicaConfig(
-            spec, recipe, o.seed, eval_batch_size=self.eval_batch_size,
-            mixed_precision=o.mixed_precision,
-            publish_metrics=bool(config.get("metrics")),
-            comm=dataclasses.replace(o.comm, n_workers=len(self.workers)),
-            local=o.local,
-        )
-        self._validation = validation_data
+        self.spec_description = (o.model if isinstance(o.model, str) else
+                                 getattr(model, "name", ""))
         if o.comm.num_ps > 1:  # refuse a num_ps the parameters cannot be split over
             from dasktf.wire.packets import shard_plan
 
             shapes = [tuple(v.shape) for v in model.trainable_variables]
             shard_plan(shapes, o.comm.num_ps)
         self.engine_plan = plan_engine(o, model, recipe)  # refused here, before any work
+        # The model travels whole, once per worker (dasktf.transport): the optimizer's
+        # state too where the run continues it and it has one.
+        package = ModelPackage.pack(
+            model, optimizer=recipe.optimizer if (
+                recipe.continues and model.optimizer.built) else None,
+            factory=self._factory, probe=probe_x)
+        self.shared = share_model(WatchedClient(self.ctx, "building replicas"), package,
+                                  self.workers)
+        self._cfg = ReplicaConfig(
+            self.shared.ref, recipe, o.seed, eval_batch_size=self.eval_batch_size,
+            mixed_precision=o.mixed_precision,
+            publish_metrics=bool(config.get("metrics")),
+            comm=dataclasses.replace(o.comm, n_workers=len(self.workers)),
+            local=o.local,
+        )
+        self._validation = validation_data
 
     def _create_replicas(self) -> None:
         """One replica per worker of ``self.workers`` from ``self.model``'s weights."""
@@ -245,11 +253,6 @@ class Run:
             if validation_data is not None
             else [None] * len(self.workers)
         )
-        # hash=False: a content-hashed key is shared with an earlier fit of the same
-        # model, whose release can then race this scatter ("lost dependencies").
-        weights = client.scatter(
-            [np.asarray(w) for w in self.model.get_weights()], broadcast=True, hash=False
-        )
         futures = [
             self.client.submit(
                 create_replica_task,
@@ -259,7 +262,6 @@ class Run:
                 i,
                 self.placed.shards[i],
                 self.placed.schedule[:, i],
-                weights,
                 val[i],
                 self.shuffle,
                 self.slow_workers.get(i, 1.0),
@@ -272,7 +274,8 @@ class Run:
             for i, w in enumerate(self.workers)
         ]
         self._futures = futures
-        self.engine_inputs = (cfg, weights, val)
+        # the engines' replicas and holders start from the package's weights (None)
+        self.engine_inputs = (cfg, None, val)
         with _config_override("step-timeout", config.get("replica-timeout")):
             wait_for(self.ctx, futures, "building the replicas")
         self.replica_info = self.client.gather(futures)
@@ -339,6 +342,7 @@ class Run:
                 logs = self._epoch_logs(reports, seconds)
                 logs.update(engine.epoch_logs(seconds))  # bytes, staleness, drops
                 self.model.set_weights(reports[0].weights)
+                set_seed_states(self.model, tuple(reports[0].seeds or ()), 0)
                 cb.on_epoch_end(epoch, logs)
                 relay.relay(engine)  # ReduceLROnPlateau: before the checkpoint
                 last_update = (epoch + 1) * engine.units(self.ctx.steps_per_epoch) - 1
@@ -424,29 +428,35 @@ class Run:
     def reform(self, workers: list[str], batch_size: int) -> None:
         """Rebuild the run on ``workers`` at an epoch boundary: data re-placed,
         replicas rebuilt (their state is then loaded by :class:`RunGuard`)."""
-        self.release()
+        self.release(model=False)  # the re-formed replicas build from it again
         self._use_workers(workers)
         self.batch_size = batch_size
         self._generation += 1
         self._place()
         self._create_replicas()
 
-    def release(self, wait: float | None = None) -> None:
-        """Free the replicas and shards on the workers, whatever happened. ``wait``:
-        give up waiting after that long (the workers still get the message: one
-        busy with a set-up, importing TensorFlow, frees them when it gets to it)."""
+    def release(self, wait: float | None = None, model: bool = True) -> None:
+        """Free the replicas and shards on the workers, whatever happened, and the
+        model's package unless ``model=False`` (a re-form or a set-up done again
+        builds from it). ``wait``: give up waiting after that long (the workers
+        still get the message: one busy with a set-up, importing TensorFlow, frees
+        them when it gets to it)."""
         try:
             # Only the live ones: a dead worker's address costs a 30 s connect timeout.
             alive = set(alive_workers(self.client))
             workers = [w for w in self.ctx.workers if w in alive]
             if workers:
-                self.client.run(release_replicas, self.run_id, workers=workers,
+                key = self.shared.ref.key if model and self.shared is not None else None
+                self.client.run(release_replicas, self.run_id, key, workers=workers,
                                 on_error="ignore", callback_timeout=wait)
         except Exception:
             logger.debug("releasing replicas of %s failed", self.run_id, exc_info=True)
         self._futures = []
         if self.placed is not None:
             self.placed.shards = []
+        if model and self.shared is not None:
+            self.shared.release()
+            self.shared = None
 
     def close(self) -> None:
         """The end of the run, whatever happened: the engine closed, the replicas

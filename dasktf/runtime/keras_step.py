@@ -50,6 +50,19 @@ def batch_args(batch: Shard) -> tuple[Any, ...]:
     return (batch.x, batch.y) if batch.w is None else (batch.x, batch.y, batch.w)
 
 
+def keras_ready(nest: Any) -> Any:
+    """Arrays as Keras' ``evaluate``/``predict`` take them: string arrays (NumPy
+    object or unicode arrays, which Keras' data adapter reads only as 1-d ``str``)
+    as ``tf.string`` tensors, the rest as they are."""
+    import tensorflow as tf
+
+    def ready(a: Any) -> Any:
+        return tf.constant(a) if getattr(a, "dtype", None) is not None and \
+            np.dtype(a.dtype).kind in "OUS" else a
+
+    return None if nest is None else map_nest(ready, nest)
+
+
 def build_metrics(model: Any, x: Any, y: Any, w: Any = None) -> None:
     """Create the compiled loss and metric variables (Keras builds them lazily)."""
     y_pred = model(x, training=False)

@@ -1,7 +1,8 @@
 """The model replica that lives on a worker for the whole run.
 
-A :class:`Replica` owns a Keras model built from a :class:`~dasktf.models.ModelSpec`,
-its own copy of the optimizer, its data shard and two compiled functions: one
+A :class:`Replica` owns a Keras model built from the run's model package
+(:class:`~dasktf.transport.ModelRef`: the client's model as Keras saves it), its
+own copy of the optimizer (continuing the client's where the run continues it), its data shard and two compiled functions: one
 computes the gradient of a local batch as a single flat float32 buffer (already
 multiplied by the batch size, so partial sums add up), the other applies a summed
 gradient. Every replica applies the same sums in the same order, so all hold the
@@ -31,14 +32,17 @@ from dasktf.data.shards import Shard
 from dasktf.data.streams import StreamedShard
 from dasktf.data.structure import first_leaf
 from dasktf.exceptions import ReplicaError
-from dasktf.models import CompileRecipe, ModelSpec
+from dasktf.models import CompileRecipe
 from dasktf.runtime.keras_step import (
     batch_args,
     batch_signature,
     build_metrics,
+    keras_ready,
     weigh_output_losses,
 )
 from dasktf.runtime.rounds import LocalSpec, Rounds
+from dasktf.runtime.timing import StepTimer, StepTiming
+from dasktf.transport import ModelRef, seed_states
 from dasktf.wire.messages import GradientSum
 
 logger = logging.getLogger(__name__)
@@ -50,7 +54,7 @@ WORKER_DELAY: dict[str, float] = {"factor": 1.0}
 class ReplicaConfig:
     """Everything a worker needs to build its replica; small and picklable."""
 
-    model: ModelSpec
+    model: ModelRef  # the run's model package (a key: the package is on the workers)
     recipe: CompileRecipe  # optimizer, loss, loss weights, metrics
     seed: int
     eval_batch_size: int = 256
@@ -83,57 +87,9 @@ class EpochReport:
     #: rounds of local steps: the outer updates this replica applied this epoch,
     #: each ``{update, drift, loss, examples}`` (:class:`dasktf.runtime.rounds.Rounds`)
     rounds: list[dict[str, Any]] | None = None
-
-
-@dataclass
-class StepTiming:
-    """Where a step's time went besides compute, as one worker saw it."""
-
-    communication_s: float
-    waiting_s: float
-
-
-class StepTimer:
-    """Splits the gap between a worker's consecutive steps into transfer and wait.
-
-    The transfers are Dask's own measurements: a worker appends a ``"transfer"``
-    entry to the ``startstops`` of the task that needed the data it fetched. What
-    remains of the gap since this worker's previous step ended is waiting (for the
-    reduction, for the slowest peer, for the scheduler). The first step of an epoch
-    has no gap to split (the epoch end and validation came before it).
-    """
-
-    def __init__(self, enabled: bool = True) -> None:
-        self.enabled = enabled
-        self._epoch = -1
-        self._last_end: float | None = None
-
-    def begin(self, epoch: int, start: float) -> StepTiming | None:
-        if not self.enabled:
-            return None
-        communication = _incoming_transfer_seconds()
-        if epoch != self._epoch or self._last_end is None:
-            self._epoch = epoch
-            return StepTiming(communication, 0.0)
-        gap = max(0.0, start - self._last_end)
-        return StepTiming(communication, max(0.0, gap - communication))
-
-    def end(self, end: float) -> None:
-        self._last_end = end
-
-
-def _incoming_transfer_seconds() -> float:
-    """Seconds Dask spent fetching the running task's inputs onto this worker."""
-    from distributed import get_worker
-
-    worker = get_worker()
-    try:
-        ts = worker.state.tasks[worker.get_current_task()]
-    except (KeyError, AttributeError):  # not inside a task (direct calls in tests)
-        return 0.0
-    return float(
-        sum(s["stop"] - s["start"] for s in ts.startstops if s.get("action") == "transfer")
-    )
+    #: the seed generators' states, with the weights (the client's model goes on
+    #: drawing where this replica stopped, as after a Keras ``fit``)
+    seeds: list[np.ndarray] | None = None
 
 
 class Replica:
@@ -145,10 +101,12 @@ class Replica:
         index: int,
         shard: Shard,
         schedule: np.ndarray,
-        weights: list[np.ndarray],
+        weights: list[np.ndarray] | None = None,
         val_shard: Shard | None = None,
         shuffle: bool = True,
     ) -> None:
+        """``weights``: the model's weights to start from (a recovery's); ``None``:
+        the packed model's own."""
         import keras
         import tensorflow as tf
 
@@ -167,17 +125,17 @@ class Replica:
         # pinned at spawn); batches are numpy slices on the host.
         self.device = compute_device()
         probe = shard.take(slice(0, 1))
-        with tf.device(self.device), precision_policy(config.mixed_precision):
-            model = config.model.build()
-            model(probe.x)  # a subclassed model makes its weights on its first call
-            config.recipe.compile(model)
-        model.set_weights(weights)
+        with tf.device(self.device), precision_policy(config.mixed_precision) as policy:
+            # compiled, its optimizer built (and continued where the run continues it)
+            model = config.model.build(config.recipe, stream=index,
+                                       policy=policy if config.mixed_precision else None)
+        if weights is not None:
+            model.set_weights(weights)
         self.model = model
         self.variables = list(model.trainable_variables)
         self.sizes = [int(np.prod(v.shape)) for v in self.variables]
         self.shapes = [tuple(v.shape) for v in self.variables]
         self.stats_variables = non_trainable_floats(model)
-        model.optimizer.build(self.variables)
         build_metrics(model, probe.x, probe.y, probe.w)
         self.loss_tracker = next(m for m in model.metrics if m.name == "loss")
         compile_loss = getattr(model, "_compile_loss", None)
@@ -447,6 +405,10 @@ class Replica:
             [np.asarray(v.numpy(), dtype=np.float32).ravel() for v in self.variables]
         )
 
+    def seed_values(self) -> list[np.ndarray]:
+        """The model's seed generators' states (where its random layers are)."""
+        return [np.asarray(v.numpy()) for v in seed_states(self.model)]
+
     def non_trainable_values(self) -> list[np.ndarray] | None:
         """The model's non-trainable float state (BatchNormalization's moving
         statistics), ``None`` when it has none."""
@@ -473,7 +435,7 @@ class Replica:
         if self.val_shard is None or len(self.val_shard) == 0:
             return None
         self.model.evaluate(
-            self.val_shard.x,
+            keras_ready(self.val_shard.x),
             self.val_shard.y,
             sample_weight=self.val_shard.w,
             batch_size=self.eval_batch_size,
@@ -504,9 +466,16 @@ def _read(variables: list[Any]) -> list[np.ndarray] | None:
 def mean_non_trainable(values: Sequence[list[np.ndarray]]) -> list[np.ndarray]:
     """The replicas' statistics averaged, as MirroredStrategy reads a variable
     aggregated with MEAN: summed in the order given, so every replica averaging the
-    same list gets bitwise the same result."""
-    return [np.mean([v[i] for v in values], axis=0).astype(values[0][i].dtype)
-            for i in range(len(values[0]))]
+    same list gets bitwise the same result. A variable no replica changed (frozen
+    layers, an adapted ``Normalization``) is kept bit for bit: the mean of equal
+    float32 values can be an ulp off."""
+    return [_mean([v[i] for v in values]) for i in range(len(values[0]))]
+
+
+def _mean(arrays: list[np.ndarray]) -> np.ndarray:
+    if all(np.array_equal(a, arrays[0]) for a in arrays[1:]):
+        return arrays[0]
+    return np.mean(arrays, axis=0).astype(arrays[0].dtype)
 
 
 def _on(device: str) -> Any:

@@ -22,7 +22,8 @@ def epoch_report(replica: Replica, with_weights: bool,
     checkpoint and the next epoch all use statistics of the whole data and the
     replicas agree again. Then the step records still buffered go out, and the
     report takes the metric states (reset after), validation on this replica's
-    piece, the weights if asked, the byte ledger and the rounds' log.
+    piece, the weights (and the seed streams) if asked, the byte ledger and the
+    rounds' log.
     """
     from distributed import get_worker
 
@@ -38,4 +39,4 @@ def epoch_report(replica: Replica, with_weights: bool,
     ledger = traffic(replica.run_id) if replica.comm is not None else None
     rounds = replica.rounds.take_log() if replica.rounds is not None else None
     return EpochReport(get_worker().address, train, val, weights, seconds, ledger,
-                       rounds=rounds)
+                       rounds=rounds, seeds=replica.seed_values() if with_weights else None)

@@ -27,6 +27,7 @@ resumes with any K or with the mirrored placement, and the other way round.
 
 from __future__ import annotations
 
+import copy
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -74,6 +75,13 @@ class PSShard:
         opt = replica.model.optimizer
         self.optimizer = opt.__class__.from_config(opt.get_config())
         self.optimizer.build([self.variable])
+        if int(opt.iterations.numpy()) and not hasattr(opt, "inner_optimizer"):
+            # a trained model's optimizer goes on: this slice of its state
+            layout = optimizer_layout(keras.optimizers.serialize(opt), replica.variables)
+            slots = set(layout.slots())
+            flat = layout.to_flat([np.asarray(v.numpy()) for v in opt.variables])
+            self.load(initial, [gather_ranges(v, ranges) if j in slots else v
+                                for j, v in enumerate(flat)])
         self._apply_fn = tf.function(
             self._apply,
             input_signature=[tf.TensorSpec((initial.size,), tf.float32),
@@ -282,9 +290,10 @@ def optimizer_layout(optimizer_config: Any, variables: list[Any]) -> OptimizerLa
     """
     import keras
 
-    full = keras.optimizers.deserialize(optimizer_config)
+    # Keras' deserializer changes the config it is given: copies
+    full = keras.optimizers.deserialize(copy.deepcopy(optimizer_config))
     full.build(variables)
-    probe = keras.optimizers.deserialize(optimizer_config)
+    probe = keras.optimizers.deserialize(copy.deepcopy(optimizer_config))
     probe.build([keras.Variable(np.zeros(2, np.float32), name=SLICE_NAME)])
     prefix = SLICE_NAME + "_"
     kinds = {v.name[len(prefix):]: j for j, v in enumerate(probe.variables)

@@ -29,6 +29,7 @@ from dasktf.runtime.replica import (
 )
 from dasktf.runtime.reports import epoch_report
 from dasktf.runtime.servers import release_shards, set_shards_learning_rate
+from dasktf.transport import forget_model
 from dasktf.wire.packets import release_run
 
 logger = logging.getLogger(__name__)
@@ -42,11 +43,12 @@ def create_replica_task(
     index: int,
     shard: Shard,
     schedule: np.ndarray,
-    weights: list[np.ndarray],
     val_shard: Shard | None,
     shuffle: bool,
     slow_factor: float = 1.0,
 ) -> dict[str, Any]:
+    """Build replica ``index`` on this worker from ``config.model``, the run's model
+    package (on this worker already: :func:`dasktf.transport.share_model`)."""
     from distributed import get_worker
 
     address = get_worker().address
@@ -55,7 +57,7 @@ def create_replica_task(
             f"Replica {index} was meant for {expected_address} but ran on {address}; "
             "the task was moved, which dasktf never asks for."
         )
-    replica = Replica(config, index, shard, schedule, weights, val_shard, shuffle)
+    replica = Replica(config, index, shard, schedule, None, val_shard, shuffle)
     replica.run_id = run_id
     replica.slow_factor = float(slow_factor)
     register_replica(run_id, replica)
@@ -146,10 +148,14 @@ def set_non_trainable_task(run_id: str, values: list[np.ndarray] | None,
     get_replica(run_id, slot).set_non_trainable(values)
 
 
-def release_replicas(run_id: str, dask_worker: Any = None) -> int:
-    """Drop this process's replicas of ``run_id`` (run through ``Client.run``)."""
+def release_replicas(run_id: str, model_key: str | None = None,
+                     dask_worker: Any = None) -> int:
+    """Drop this process's replicas of ``run_id`` (run through ``Client.run``) and
+    its copy of the run's model package ``model_key``."""
     released = forget_replicas(run_id)
     close_links(run_id)  # a p2p run's groups (no wait: this runs on the event loop)
+    if model_key is not None:
+        forget_model(model_key)
     release_run(run_id)
     release_shards(run_id)
     return released

@@ -25,7 +25,7 @@ class _CollectiveReplica:
     :class:`~dasktf.runtime.replica.Replica` for batches, metrics and evaluation."""
 
     def __init__(self, cfg: ReplicaConfig, index: int, shard: Any, schedule: np.ndarray,
-                 weights: list[np.ndarray], val_shard: Any, shuffle: bool) -> None:
+                 weights: list[np.ndarray] | None, val_shard: Any, shuffle: bool) -> None:
         import tensorflow as tf
 
         from dasktf.runtime.replica import Replica
@@ -39,12 +39,12 @@ class _CollectiveReplica:
         self.local = Replica(dataclasses.replace(cfg, publish_metrics=False), index,
                              shard, schedule[:, index], weights, val_shard, shuffle)
         with self.strategy.scope():
-            model = cfg.model.build()
-            model(shard.take(slice(0, 1)).x)  # a subclassed model's weights
             # The loss and optimizer only: the local replica keeps the metrics.
-            dataclasses.replace(cfg.recipe, metrics=None, weighted_metrics=None).compile(model)
-            model.set_weights(weights)
-            model.optimizer.build(model.trainable_variables)
+            model = cfg.model.build(
+                dataclasses.replace(cfg.recipe, metrics=None, weighted_metrics=None),
+                stream=index)
+            if weights is not None:
+                model.set_weights(weights)
         self.model = model
         self.grad_bytes = 4 * sum(int(np.prod(v.shape)) for v in model.trainable_variables)
         self._step = tf.function(self._train_step, input_signature=[
@@ -162,7 +162,7 @@ class _CollectiveReplica:
 
 
 def _child_main(conn: Any, cfg: ReplicaConfig, index: int, shard: Any,
-                schedule: np.ndarray, weights: list[np.ndarray], val_shard: Any,
+                schedule: np.ndarray, weights: list[np.ndarray] | None, val_shard: Any,
                 shuffle: bool, run_id: str) -> None:
     """Child-side target: build, report ready, then run epochs until told to stop."""
     import tensorflow as tf
@@ -190,7 +190,7 @@ def _child_main(conn: Any, cfg: ReplicaConfig, index: int, shard: Any,
 # -- the Dask tasks (run on the workers) ----------------------------------------
 def collective_start_task(run_id: str, expected: str, tf_config: dict[str, Any],
                           cfg: ReplicaConfig, index: int, shard: Any,
-                          schedule: np.ndarray, weights: list[np.ndarray],
+                          schedule: np.ndarray, weights: list[np.ndarray] | None,
                           val_shard: Any, shuffle: bool, timeout: float) -> dict[str, Any]:
     """Start this worker's TensorFlow child and wait until its strategy is ready."""
     import os
@@ -207,6 +207,8 @@ def collective_start_task(run_id: str, expected: str, tf_config: dict[str, Any],
     child = ChildProcess(tf_config, f"worker {address} (collective replica {index})",
                          connect_timeout=timeout, extra_env=env)
     _CHILDREN[_key(run_id, address)] = child
+    # The child is no Dask worker: the model package travels to it inline.
+    cfg = dataclasses.replace(cfg, model=cfg.model.carried())
     child.call(_child_main, cfg, index, shard, schedule, weights, val_shard, shuffle,
                run_id)
     info = child.wait_reply(timeout, "joining the MultiWorkerMirroredStrategy cluster")
