@@ -266,8 +266,14 @@ def test_link_shaping_matches_only_the_workers_source_ports():
             if c[1] == "filter"]
     assert [f[f.index("match"):f.index("flowid")] for f in down] == [
         ["match", "ip", "dport", str(p), "0xffff"] for p in ports]
+    # both: an uplink class per port (1..N) and a downlink class (N+1..2N)
+    both = ls.shaping_commands(ports, 1000, tc="tc", match="both")
+    both_filters = [c for c in both if c[1] == "filter"]
+    assert [(f[f.index("match") + 2], f[f.index("flowid") + 1]) for f in both_filters] == [
+        ("sport", "d7f:1"), ("sport", "d7f:2"), ("sport", "d7f:3"),
+        ("dport", "d7f:4"), ("dport", "d7f:5"), ("dport", "d7f:6")]
     with pytest.raises(ValueError, match="sport"):
-        ls.shaping_commands(ports, 1000, match="both")
+        ls.shaping_commands(ports, 1000, match="either")
 
 
 def test_link_shaping_ports_stay_out_of_the_ephemeral_range():
