@@ -22,8 +22,10 @@ against the single holder.
 
 Bandwidth-limited mode (``--link-mbit 1000``, root only): the workers listen on
 ``--worker-ports`` and a Linux ``tc`` qdisc on ``lo`` gives each one its own uplink
-of that many Mbit/s (:mod:`linkshape`: outgoing traffic only; nothing else on ``lo``
-is shaped; the qdisc is removed afterwards, also on errors and SIGTERM). A list
+and downlink of that many Mbit/s (:mod:`linkshape`, ``match="both"``: what a worker
+serves, as Dask's pulls of the graph engine, is limited at the server's uplink; what
+is pushed to it, as the p2p engine's all-reduce, at its downlink; nothing else on
+``lo`` is shaped; the qdisc is removed afterwards, also on errors and SIGTERM). A list
 such as ``--link-mbit 0,1000`` runs every case under each setting (0: no limit),
 interleaved within each round, on one cluster. ``--time-limit`` bounds the run.
 
@@ -40,16 +42,20 @@ import signal
 import sys
 import time
 
+GRAPH = {"engine": "graph"}
 CASES: list[tuple[str, dict]] = [
-    ("none (tree, fan-in 4 = all-to-one)", {}),
-    ("fp16", {"compression": "fp16"}),
-    ("bf16", {"compression": "bf16"}),
-    ("int8", {"compression": "int8"}),
-    ("topk:0.01", {"compression": "topk:0.01"}),
-    ("tree, fan-in 2", {"fan_in": 2}),
-    ("naive", {"topology": "naive"}),
-    ("ring", {"topology": "ring"}),
-    ("ring + fp16", {"topology": "ring", "compression": "fp16"}),
+    ("none (tree, fan-in 4 = all-to-one)", GRAPH),
+    ("fp16", {**GRAPH, "compression": "fp16"}),
+    ("bf16", {**GRAPH, "compression": "bf16"}),
+    ("int8", {**GRAPH, "compression": "int8"}),
+    ("topk:0.01", {**GRAPH, "compression": "topk:0.01"}),
+    ("tree, fan-in 2", {**GRAPH, "fan_in": 2}),
+    ("naive", {**GRAPH, "topology": "naive"}),
+    ("ring", {**GRAPH, "topology": "ring"}),
+    ("ring + fp16", {**GRAPH, "topology": "ring", "compression": "fp16"}),
+    # the p2p engine: worker to worker, its all-reduce chosen by bytes (docs/p2p.md)
+    ("p2p", {"engine": "p2p"}),
+    ("p2p + fp16", {"engine": "p2p", "compression": "fp16"}),
     ("ps 1", {"num_ps": 1}),
     ("ps 2", {"num_ps": 2}),
     ("ps 3", {"num_ps": 3}),
@@ -168,7 +174,9 @@ def main() -> None:
     def link(mbit: float):
         if not mbit:
             return contextlib.nullcontext()
-        return linkshape.LinkShaper(mbit, ports)
+        # "both": what a worker serves (the graph's pulls) is limited at its uplink,
+        # what is pushed to it (the p2p all-reduce) at its downlink
+        return linkshape.LinkShaper(mbit, ports, match="both")
 
     import dask
     from distributed import Client
@@ -231,7 +239,8 @@ def _print_table(
     label: str, batch: int, mbit: float, rows: list[tuple[str, dict]], load: float
 ) -> None:
     base = rows[0][1]
-    where = f"{mbit:g} Mbit/s uplink per worker (tc)" if mbit else "loopback, no limit"
+    where = (f"{mbit:g} Mbit/s up and down per worker (tc)" if mbit
+             else "loopback, no limit")
     print(f"\n### {label}, 3 workers, global batch {batch}, {where}; "
           f"allreduce bound {base['bound'] / 1e6:.2f} MB/worker/step each way; "
           f"1-min load average {load:.1f} after the last round\n")

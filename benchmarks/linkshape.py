@@ -56,18 +56,28 @@ def burst_bytes(rate_mbit: float) -> int:
 
 
 def shaping_commands(
-    ports: Sequence[int], rate_mbit: float, dev: str = "lo", tc: str = TC
+    ports: Sequence[int], rate_mbit: float, dev: str = "lo", tc: str = TC,
+    match: str = "sport",
 ) -> list[list[str]]:
     """The ``tc`` command lines that give each port's outgoing traffic (source port)
     its own HTB class of ``rate_mbit`` on ``dev``; unmatched traffic is not shaped.
+    ``match="dport"``: each port's *incoming* traffic instead (a worker's downlink:
+    what peers push to its listening port, as ``dasktf.runtime.p2p`` does).
+    ``match="both"``: each port gets both, an uplink class ``1+i`` and a downlink
+    class ``1+N+i``, so a transfer is limited at the end its ports tell apart: what
+    a worker serves (Dask pulls) at the server's uplink, what is pushed to a worker
+    at its downlink. A packet matches one of them at most: one end of every
+    connection is an ephemeral port.
 
     A pure function (tested without root): class and filter ``1+i`` for
     ``ports[i]``.
     """
     if rate_mbit <= 0:
         raise ValueError(f"rate_mbit must be positive; got {rate_mbit!r}.")
-    if not ports or len(ports) > 4000:
-        raise ValueError(f"need 1 to 4000 ports; got {len(ports)}.")
+    if match not in ("sport", "dport", "both"):
+        raise ValueError(f"match must be 'sport', 'dport' or 'both'; got {match!r}.")
+    if not ports or len(ports) > 2000:
+        raise ValueError(f"need 1 to 2000 ports; got {len(ports)}.")
     rate = f"{rate_mbit:g}mbit"
     burst = str(burst_bytes(rate_mbit))
     # default 0: unclassified packets go through HTB's direct queue, unshaped.
@@ -75,14 +85,16 @@ def shaping_commands(
     r2q = str(max(1, int(rate_mbit * 1e6 / 8 / 131072)))
     cmds = [[tc, "qdisc", "add", "dev", dev, "root", "handle", f"{HANDLE}:", "htb",
              "default", "0", "r2q", r2q]]
-    for i, port in enumerate(ports, start=1):
-        cls = f"{HANDLE}:{i:x}"
-        cmds.append([tc, "class", "add", "dev", dev, "parent", f"{HANDLE}:", "classid",
-                     cls, "htb", "rate", rate, "ceil", rate, "burst", burst,
-                     "cburst", burst])
-        cmds.append([tc, "filter", "add", "dev", dev, "parent", f"{HANDLE}:", "protocol",
-                     "ip", "prio", "1", "u32", "match", "ip", "sport", str(int(port)),
-                     "0xffff", "flowid", cls])
+    directions = ["sport", "dport"] if match == "both" else [match]
+    for d, direction in enumerate(directions):
+        for i, port in enumerate(ports, start=1 + d * len(ports)):
+            cls = f"{HANDLE}:{i:x}"
+            cmds.append([tc, "class", "add", "dev", dev, "parent", f"{HANDLE}:",
+                         "classid", cls, "htb", "rate", rate, "ceil", rate, "burst",
+                         burst, "cburst", burst])
+            cmds.append([tc, "filter", "add", "dev", dev, "parent", f"{HANDLE}:",
+                         "protocol", "ip", "prio", "1", "u32", "match", "ip", direction,
+                         str(int(port)), "0xffff", "flowid", cls])
     return cmds
 
 
@@ -120,8 +132,9 @@ class LinkShaper:
     while inside (see the module docstring)."""
 
     def __init__(self, rate_mbit: float, ports: Sequence[int], dev: str = "lo",
-                 tc: str = TC) -> None:
+                 tc: str = TC, match: str = "sport") -> None:
         self.rate_mbit = rate_mbit
+        self.match = match
         self.ports = list(ports)
         self.dev = dev
         self.tc = tc
@@ -153,7 +166,8 @@ class LinkShaper:
             self._old_sigterm = signal.signal(signal.SIGTERM, _raise_system_exit)
         self._active = True
         try:
-            for cmd in shaping_commands(self.ports, self.rate_mbit, self.dev, self.tc):
+            for cmd in shaping_commands(self.ports, self.rate_mbit, self.dev, self.tc,
+                                        self.match):
                 self._run(cmd)
         except BaseException:
             self.remove()

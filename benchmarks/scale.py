@@ -6,10 +6,14 @@ and a worker process each), all on 127.0.0.1. A tiny model (16 features, 16
 hidden units, 10 classes; 16 rows per worker per step, so every worker's share of
 a step stays the same as N grows) is trained for three epochs in each mode:
 
-* ``tree``: sync, the default reduction tree (two workers: the direct exchange),
+* ``p2p``: sync on the p2p engine (one task per worker per epoch, each step's
+  gradients all-reduced worker to worker: the scheduler sees no per-step task),
+* ``tree``: sync on the graph engine, the default reduction tree (two workers: the
+  direct exchange),
 * ``ring``: sync, reduce-scatter / all-gather in the graph,
 * ``ps2``: sync, two sharded parameter servers (``num_ps=2``),
 * ``local8``: sync rounds of ``local_steps=8`` (figures per step = per round / 8),
+  on the graph engine; ``p2p-local8`` the same rounds on the p2p engine,
 * ``quorum``: ``sync_quorum = N - 1`` (the holder engine),
 * ``async`` and ``async-ps2``: the parameter holder, one or two of them.
 
@@ -64,18 +68,20 @@ import dask
 import numpy as np
 
 MODES = {
-    "tree": {},
-    "ring": {"topology": "ring"},
+    "p2p": {"engine": "p2p"},
+    "tree": {"engine": "graph"},
+    "ring": {"engine": "graph", "topology": "ring"},
     "ps2": {"num_ps": 2},
-    "local8": {"local_steps": 8},
+    "local8": {"engine": "graph", "local_steps": 8},
+    "p2p-local8": {"engine": "p2p", "local_steps": 8},
     "quorum": {"sync_quorum": -1},  # -1: N - 1
     "async": {"mode": "async"},
     "async-ps2": {"mode": "async", "num_ps": 2},
     # variations of tree, for the cuts
-    "tree-fan8": {"config": {"reduction-fan-in": 8}},
-    "tree-fan16": {"config": {"reduction-fan-in": 16}},
-    "tree-window1": {"config": {"submit-window": 1}},
-    "tree-nometrics": {"config": {"metrics": False}},
+    "tree-fan8": {"engine": "graph", "config": {"reduction-fan-in": 8}},
+    "tree-fan16": {"engine": "graph", "config": {"reduction-fan-in": 16}},
+    "tree-window1": {"engine": "graph", "config": {"submit-window": 1}},
+    "tree-nometrics": {"engine": "graph", "config": {"metrics": False}},
 }
 ROWS_PER_WORKER = 16
 STEPS = 32

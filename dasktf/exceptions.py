@@ -32,6 +32,30 @@ class WorkerLostError(DasktfError):
         self.phase = phase
 
 
+class PeerLostError(WorkerLostError):
+    """A peer of a worker-to-worker collective (:mod:`dasktf.runtime.p2p`) was lost:
+    its connection closed, or it stopped answering, during update ``step``."""
+
+    def __init__(self, message: str, address: str, step: int) -> None:
+        super().__init__(message, [address])
+        self.address = address
+        self.step = step
+
+    def __reduce__(self) -> tuple[type, tuple[str, str, int]]:
+        # raised on a worker, read on the client: keep the address and step
+        return type(self), (str(self), self.address, self.step)
+
+
+class PeerTimeoutError(PeerLostError, TimeoutError):
+    """A peer of a worker-to-worker collective sent nothing within
+    ``dasktf.p2p.timeout`` (alive as far as its connection shows, but stuck)."""
+
+
+class CollectiveAbortedError(DasktfError):
+    """A worker-to-worker collective was stopped on purpose (the run decided to end),
+    releasing a worker that waited in it."""
+
+
 class AllWorkersLostError(WorkerLostError):
     """The last worker of a run was lost; raised after a checkpoint was saved (if a
     ``checkpoint_dir`` was given) whose path the message names."""

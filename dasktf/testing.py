@@ -11,6 +11,9 @@ Kill a worker at a given step, or slow one down, on a real cluster::
     with delay_worker(client, address, factor=4):        # 4x its compute time
         trainer.fit(x, y)
 
+    kill_worker_at_update(client, address, 40, "allreduce")   # engine="p2p": the
+    trainer.fit(x, y, epochs=4)                               # worker kills itself
+
 A kill is a ``SIGKILL`` of the worker process (and, by default, of its nanny first, so
 that it is not restarted: a lost machine). Both need the worker on this host.
 
@@ -36,7 +39,8 @@ except ImportError:  # pragma: no cover
 if TYPE_CHECKING:
     from distributed import Client
 
-__all__ = ["KillWorkerAt", "delay_worker", "kill_worker", "own_cluster", "wait_until",
+__all__ = ["KillWorkerAt", "delay_worker", "kill_worker", "kill_worker_at_update",
+           "own_cluster", "wait_until",
            "worker_pids"]
 
 
@@ -117,6 +121,45 @@ class KillWorkerAt(_Callback):  # type: ignore[misc]
         self.seen += 1
         if self.killed_at is None and self.seen >= self.step:
             self.killed_at = kill_worker(self.client, self.address, restart=self.restart)
+
+
+def kill_worker_at_update(client: Client, address: str, update: int,
+                          where: str = "step") -> None:
+    """Arm the worker at ``address`` to SIGKILL itself at global update ``update`` of
+    the next ``engine="p2p"`` run there (its nanny told first not to restart it):
+    ``where="step"`` as that update's step begins, ``"allreduce"`` in the middle of
+    its all-reduce, once its first message reached the peer (which acknowledged it).
+    Deterministic, where a client-side :class:`KillWorkerAt` hears of steps late."""
+    if where not in ("step", "allreduce"):
+        raise ValueError(f"where must be 'step' or 'allreduce'; got {where!r}.")
+    try:
+        client.run(_no_restart, nanny=True, workers=[address])
+    except Exception:  # noqa: BLE001 - no nanny: nothing restarts it anyway
+        pass
+    client.run(_arm_kill, int(update), where, workers=[address])
+
+
+def _arm_kill(update: int, where: str) -> None:
+    def die() -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if where == "step":
+        from dasktf.runtime.p2p import segment
+
+        def at_step(replica: Any, u: int) -> None:
+            if u == update:
+                die()
+
+        segment.step_hooks.append(at_step)
+        return
+    from dasktf.runtime.p2p import group
+
+    def at_send(g: Any, dest: int, key: Any, acknowledged: Any) -> None:
+        if key.step == update:
+            acknowledged.result(timeout=60)  # the peer holds the message
+            die()
+
+    group.send_hooks.append(at_send)
 
 
 def _set_delay(factor: float) -> float:

@@ -108,8 +108,10 @@ def refuse_unsupported_fit_options(steps_per_epoch: Any, validation_steps: Any,
 class Trainer:
     """Data-parallel training of a Keras model on a Dask cluster.
 
-    Each worker of the cluster holds a data shard and a model replica; every training
-    step is a Dask task graph (see :mod:`dasktf.engines.graph.steps`). A trainer keeps its cluster
+    Each worker of the cluster holds a data shard and a model replica; a sync run's
+    steps sum every worker's gradient worker to worker in a long-running task per
+    worker (:mod:`dasktf.engines.p2p.engine`) or as a Dask task graph per step
+    (:mod:`dasktf.engines.graph.steps`). A trainer keeps its cluster
     between ``fit`` calls; call :meth:`close` (or use it as a context manager) to
     release a cluster it started. A client you pass is never closed.
 
@@ -148,12 +150,14 @@ class Trainer:
         Stragglers for tests and demos: ``{worker index: factor}`` makes that worker
         sleep ``(factor - 1)`` x its compute time after every step.
     engine
-        Sync only: ``"graph"`` (a Dask task graph per step), ``"collective"``
-        (``tf.distribute.MultiWorkerMirroredStrategy`` children of the workers, ring
-        all-reduce, no scheduler per step; :mod:`dasktf.engines.collective.engine`) or ``"auto"``
-        (the default: the graph engine, with an
-        :class:`~dasktf.exceptions.EngineHint` warning where the collective engine
-        measured faster). The collective engine runs only when named: its
+        Sync only: ``"p2p"`` (a task per worker per epoch, each step's gradients
+        summed worker to worker over the workers' own Dask comms, no scheduler per
+        step; :mod:`dasktf.engines.p2p.engine`), ``"graph"`` (a Dask task graph per
+        step), ``"collective"`` (``tf.distribute.MultiWorkerMirroredStrategy``
+        children of the workers; :mod:`dasktf.engines.collective.engine`) or
+        ``"auto"`` (the default: p2p where it runs, else graph: async,
+        ``sync_quorum``, ``num_ps`` and a graph ``topology`` run on the graph
+        engine's side). The collective engine runs only when named: its
         TensorFlow servers listen unauthenticated on every interface, which it
         says in a :class:`~dasktf.exceptions.SecurityWarning` when it starts.
     on_epoch_end

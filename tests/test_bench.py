@@ -26,7 +26,7 @@ def test_peers_benchmark_runs_every_runner_and_writes_its_outputs(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads((tmp_path / "peers.json").read_text())["rows"]
-    assert {r["runner"] for r in rows} == {"keras", "mwms", "graph", "collective",
+    assert {r["runner"] for r in rows} == {"keras", "mwms", "graph", "p2p", "collective",
                                           "async", "async-k2"}
     for r in rows:
         assert r["examples_per_s"] > 0 and 0.0 <= r["final_val_accuracy"] <= 1.0

@@ -63,7 +63,7 @@ def test_collective_equals_the_graph_engine_after_sgd_steps(client, digits):
 
 def test_engine_choice():
     # The collective engine only ever runs when named (tests/test_security.py).
-    assert resolve_engine("auto") == "graph" and resolve_engine("graph") == "graph"
+    assert resolve_engine("auto") == "p2p" and resolve_engine("graph") == "graph"
     assert resolve_engine("collective") == "collective"
     with pytest.raises(ValueError, match="has no async"):
         dasktf.Trainer("mnist-mlp", mode="async", engine="collective")

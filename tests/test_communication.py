@@ -1,7 +1,9 @@
 """Communication on real worker processes: bytes counted at the codec, codecs in
 training, sharded parameter servers and reduction topologies (issue 8).
 
-All runs share the session's 3-worker cluster and the digits data."""
+All runs share the session's 3-worker cluster and the digits data; the sync runs
+are the graph engine's (its topologies, its reduction's bytes; the p2p engine's
+are tests/test_p2p_engine.py's)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ import pytest
 
 import dasktf
 
-FIT = dict(epochs=1, batch_size=60, seed=3, optimizer="adam", verbose=0, shuffle=False)
+FIT = dict(epochs=1, batch_size=60, seed=3, optimizer="adam", verbose=0, shuffle=False,
+           engine="graph")
 
 
 def _fit(client, data, **kw):
@@ -258,6 +261,19 @@ def test_link_shaping_matches_only_the_workers_source_ports():
         assert match == ["match", "ip", "sport", str(ports[i]), "0xffff"]
         assert flt[flt.index("flowid") + 1] == classid
     assert ls.cleanup_command("lo", "tc") == ["tc", "qdisc", "del", "dev", "lo", "root"]
+    # a worker's downlink instead: what is pushed to its port (dasktf.runtime.p2p)
+    down = [c for c in ls.shaping_commands(ports, 1000, tc="tc", match="dport")
+            if c[1] == "filter"]
+    assert [f[f.index("match"):f.index("flowid")] for f in down] == [
+        ["match", "ip", "dport", str(p), "0xffff"] for p in ports]
+    # both: an uplink class per port (1..N) and a downlink class (N+1..2N)
+    both = ls.shaping_commands(ports, 1000, tc="tc", match="both")
+    both_filters = [c for c in both if c[1] == "filter"]
+    assert [(f[f.index("match") + 2], f[f.index("flowid") + 1]) for f in both_filters] == [
+        ("sport", "d7f:1"), ("sport", "d7f:2"), ("sport", "d7f:3"),
+        ("dport", "d7f:4"), ("dport", "d7f:5"), ("dport", "d7f:6")]
+    with pytest.raises(ValueError, match="sport"):
+        ls.shaping_commands(ports, 1000, match="either")
 
 
 def test_link_shaping_ports_stay_out_of_the_ephemeral_range():

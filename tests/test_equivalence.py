@@ -54,6 +54,7 @@ def test_sync_matches_single_process(client, small_digits, optimizer, n_workers)
         distributed, x, y, client=client, n_workers=n_workers, epochs=epochs,
         batch_size=batch_size, optimizer=_optimizer(optimizer),
         loss="sparse_categorical_crossentropy", shuffle=False, seed=0, verbose=0,
+        engine="graph",  # the p2p engine's: tests/test_p2p_engine.py
     )
 
     trained = history.model.get_weights()
@@ -77,7 +78,7 @@ def test_uneven_last_batch_gives_empty_shares(client, small_digits):
     history = dasktf.fit(
         distributed, x, y, client=client, n_workers=3, batch_size=124,
         optimizer=keras.optimizers.SGD(0.5), loss="sparse_categorical_crossentropy",
-        shuffle=False, verbose=0,
+        shuffle=False, verbose=0, engine="graph",
     )
     for got, want in zip(history.model.get_weights(), reference.get_weights(), strict=False):
         assert relative_error(got, want) < 1e-5

@@ -38,8 +38,9 @@ def _options(**kw):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [{"topology": "tree"}, {"topology": "ring"},
-                                    {"num_ps": 3}], ids=["tree", "ring", "ps3"])
+@pytest.mark.parametrize("layout", [{"topology": "tree", "engine": "graph"},
+                                    {"topology": "ring"}, {"num_ps": 3}],
+                         ids=["tree", "ring", "ps3"])
 def test_sync_run_survives_sigkill_of_one_of_three_workers(digits, layout):
     """Worker 2 of 3 is SIGKILLed halfway: the run finishes on 2, reaches the target,
     and every survivor applied every global step exactly once (ring: the survivors

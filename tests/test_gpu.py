@@ -230,6 +230,7 @@ def test_steps_run_only_on_gpu_workers(digits, caplog):
                 history = dasktf.fit(
                     "mnist-mlp", x, y, client=client, epochs=1, batch_size=64,
                     optimizer="adam", verbose=0, seed=1, mixed_precision=True,
+                    engine="graph",  # its step tasks name where each step ran
                 )
             assert history.workers == gpu_workers
             ran = [(t["key"], t["worker"]) for t in ts.data]

@@ -46,7 +46,7 @@ def _fit(client, data, window: int) -> tuple[list[np.ndarray], list[int]]:
     with dask.config.set({"dasktf.submit-window": window, "dasktf.submit-ahead": 6}):
         history = dasktf.fit(model, x, y, client=client, n_workers=3, epochs=1,
                              batch_size=24, optimizer="sgd", shuffle=False, verbose=0,
-                             loss="sparse_categorical_crossentropy")
+                             loss="sparse_categorical_crossentropy", engine="graph")
     return history.model.get_weights(), client.run_on_scheduler(_graphs)
 
 

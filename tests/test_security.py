@@ -95,9 +95,10 @@ def test_a_default_cli_run_listens_on_loopback_only():
     with SocketWatch(proc.pid) as watch:
         out, err = proc.communicate(timeout=280)
     assert proc.returncode == 0, err[-3000:]
-    assert "mode sync, engine graph" in out, out
-    # The run is one the old rule gave to the collective engine: now it says so.
-    assert "engine='collective'" in err and "faster than the graph engine" in err, err[-3000:]
+    assert "mode sync, engine p2p" in out, out
+    # The run is one the old rule gave to the collective engine; the p2p engine runs
+    # it now (no scheduler per step either), and the collective hint is not said.
+    assert "engine='collective'" not in err, err[-3000:]
     assert len({port for _, port, _ in watch.seen}) >= 4, watch.seen  # it did look
     assert not watch.beyond_loopback(), sorted(watch.seen)
 
@@ -110,12 +111,14 @@ def test_a_default_python_fit_listens_on_loopback_only(digits):
         warnings.simplefilter("always")
         history = dasktf.fit("mnist-mlp", digits.x_train, digits.y_train, n_workers=2,
                              epochs=LONG_RUN_EPOCHS, batch_size=32, seed=0, verbose=0)
-        # a run the old rule gave to the collective engine (the hint is said once
-        # per process, so it is asked for here rather than caught)
+        # a run the old rule gave to the collective engine, which the graph engine
+        # would hint at (the hint is said once per process, so it is asked for here)
         n_params = history.model.count_params()
         steps = LONG_RUN_EPOCHS * -(-len(digits.x_train) // 32)
         assert collective_hint("auto", "sync", None, None, n_params, 2, steps, False)
-    assert history.engine == "graph" and history.params["engine"] == "graph"
+        assert not collective_hint("auto", "sync", None, None, n_params, 2, steps, False,
+                                   resolved="p2p")
+    assert history.engine == "p2p" and history.params["engine"] == "p2p"
     assert history.params["mode"] == "sync"
     assert not [w for w in caught if issubclass(w.category, SecurityWarning)]
     assert not watch.beyond_loopback(), sorted(watch.seen)
@@ -140,9 +143,10 @@ def test_the_collective_engine_warns_naming_the_ports_it_opens(client, small_dig
     assert named <= exposed, (named, sorted(watch.seen))
 
 
-def test_auto_is_the_graph_engine_with_a_hint_where_collective_measured_faster():
+def test_auto_hints_collective_only_where_it_runs_the_graph_engine():
     args = dict(mode="sync", sync_quorum=None, slow_workers=None, n_params=80_000,
                 n_workers=2, total_steps=5_000, gpu=False)
+    assert collective_hint("auto", **args, resolved="p2p") is None  # no hops there
     hint = collective_hint("auto", **args)
     assert hint is not None and "engine='collective'" in hint and "80,000" in hint
     for change in ({"n_params": 1_200_000}, {"total_steps": 50}, {"mode": "async"},

@@ -8,7 +8,8 @@ epochs:
 * ``mwms``: ``tf.distribute.MultiWorkerMirroredStrategy`` (custom loop: Keras 3
   ``fit`` fails under it) on localhost workers started through
   :func:`dasktf.tf.bridge.run_tf_distributed`;
-* ``graph``, ``collective``: dasktf sync on its two engines;
+* ``graph``, ``p2p``, ``collective``: dasktf sync on its three engines (a task graph
+  per step; a worker-to-worker all-reduce per step; TensorFlow's ring);
 * ``async`` and ``async-k2``: dasktf async, unbounded and with staleness bound 2.
 
 Epoch times include the per-epoch validation, as ``fit(validation_data=...)``
@@ -38,7 +39,7 @@ import numpy as np
 
 from dasktf.cli.common import CONTEXT
 
-RUNNERS = ("keras", "mwms", "graph", "collective", "async", "async-k2")
+RUNNERS = ("keras", "mwms", "graph", "p2p", "collective", "async", "async-k2")
 DEFAULT_MNIST = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "data",
                              "mnist.npz")
 
@@ -215,6 +216,7 @@ def dasktf_run(client: Any, n_workers: int, runner: str, model_name: str,
 
     options: dict[str, Any] = {
         "graph": {"engine": "graph"},
+        "p2p": {"engine": "p2p"},
         "collective": {"engine": "collective"},
         "async": {"mode": "async"},
         "async-k2": {"mode": "async", "max_staleness": 2},
@@ -285,7 +287,7 @@ def write_chart(rows: list[dict[str, Any]], path: str) -> None:
               help="Comma-separated built-in models.")
 @click.option("--workers", default="1,2,3", show_default=True, help="Worker counts.")
 @click.option("--runners", default=",".join(RUNNERS), show_default=True,
-              help="Which of keras, mwms, graph, collective, async, async-k2 to run.")
+              help="Which of keras, mwms, graph, p2p, collective, async, async-k2 to run.")
 @click.option("--data", default="mnist", show_default=True,
               help="mnist (if found) or digits.")
 @click.option("--train-size", type=click.IntRange(min=1), default=6144, show_default=True)

@@ -38,12 +38,14 @@ from dasktf.models import BUILTIN_MODELS
               help="sync: every step averages the gradients of all workers. async: every "
               "worker loops on its own; a parameter holder applies each gradient as it "
               "arrives and records its staleness.")
-@click.option("--engine", type=click.Choice(["auto", "graph", "collective"]),
+@click.option("--engine", type=click.Choice(["auto", "p2p", "graph", "collective"]),
               default="auto", show_default=True,
-              help="sync: graph (a Dask task graph per step) or collective "
-              "(MultiWorkerMirroredStrategy ring all-reduce in a TensorFlow child per "
-              "worker; its TensorFlow servers listen unauthenticated on every "
-              "interface). auto is graph, with a hint where collective measured faster.")
+              help="sync: p2p (a task per worker per epoch, each step's gradients "
+              "summed worker to worker over the workers' Dask comms), graph (a Dask "
+              "task graph per step) or collective (MultiWorkerMirroredStrategy in a "
+              "TensorFlow child per worker; its TensorFlow servers listen "
+              "unauthenticated on every interface). auto is p2p where it runs (not "
+              "async, --sync-quorum, --ps, --topology), else graph.")
 @click.option("--max-staleness", type=int, default=None, metavar="K",
               help="async: bounded staleness; no update is applied more than K updates "
               "after the weights it was computed on (0: sequential SGD).")
@@ -216,7 +218,8 @@ def _fit(
         click.echo(
             f"dasktf fit: model {model}, data {dataset.name} "
             f"({len(dataset.x_train):,} train / {len(dataset.x_test):,} test), mode {mode}, "
-            f"engine {resolve_engine(engine)}, global batch {batch_size}, {epochs} epoch(s)"
+            f"engine {resolve_engine(engine, mode, sync_quorum, options.comm)}, "
+            f"global batch {batch_size}, {epochs} epoch(s)"
             + (f", rounds of {local_steps} local steps ({outer_optimizer})"
                if options.local is not None else "")
         )

@@ -24,7 +24,12 @@ from distributed import wait
 from dasktf import config
 from dasktf.cluster.deadline import Deadline, poll_until
 from dasktf.cluster.local import alive_workers
-from dasktf.exceptions import ReplicaError, StepTimeoutError, WorkerLostError
+from dasktf.exceptions import (
+    CollectiveAbortedError,
+    ReplicaError,
+    StepTimeoutError,
+    WorkerLostError,
+)
 
 if TYPE_CHECKING:
     from distributed import Client, Future
@@ -48,26 +53,39 @@ class RunContext:
     watcher: Any = None
 
 
-def wait_for(ctx: RunContext, futures: list[Future], what: str) -> None:
+def wait_for(ctx: RunContext, futures: list[Future], what: str,
+             tick: Callable[[], None] | None = None, tick_interval: float = 0.05) -> None:
     """Wait for ``futures`` without ever hanging on a dead peer.
 
     Checks every ``dasktf.poll-interval`` that the run's workers are alive and fails
     after ``dasktf.step-timeout``, naming the workers that have not answered.
+    ``tick``: called every ``tick_interval`` seconds while waiting (an engine
+    following its long-running tasks' progress).
     """
     poll = config.get_seconds("poll-interval")
+    interval = poll if tick is None else min(poll, tick_interval)
     checked = time.monotonic()
     deadline = Deadline(config.get_seconds("step-timeout"))
     pending = list(futures)
     while True:
         quiet = False
         try:
-            wait(pending, timeout=poll, return_when="FIRST_COMPLETED")
+            wait(pending, timeout=interval, return_when="FIRST_COMPLETED")
         except TimeoutError:
-            quiet = True
+            quiet = tick is None
+        if tick is not None:
+            tick()
         errored = [f for f in pending if f.status == "error"]
         if errored:
-            if type(errored[0].exception()).__name__ == "KilledWorker":
+            # a collective's members fail together: the one that caused it first
+            errored.sort(key=lambda f: isinstance(f.exception(), CollectiveAbortedError))
+            error = errored[0].exception()
+            if type(error).__name__ == "KilledWorker":
                 _await_removal(ctx, poll * 4)  # the scheduler's notice is on its way
+            elif isinstance(error, WorkerLostError):
+                # a peer of a worker-to-worker collective saw its connection close:
+                # the scheduler's notice follows (bounded by worker-loss-timeout)
+                _await_removal(ctx, config.get_seconds("worker-loss-timeout"))
             check_alive(ctx, what)  # a task lost with its worker: say so, by name
             raise_task_error(errored[0], what)
         pending = [f for f in pending if f.status != "finished"]

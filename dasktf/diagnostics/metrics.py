@@ -280,8 +280,11 @@ class RunHistory:
         series.append({"update": update, "staleness": staleness})
         self._bytes += float(r.get("bytes") or 0)
         self._rows += int(r.get("batch_size") or 0)
-        if r.get("drift") is not None and update - 1 > self._last_round:
-            self._add_round(update - 1, float(r["drift"]))
+        # a round's drift rides with its sum's loss: on the next round's records
+        # (graph engine) or on its own (p2p), ``loss_step`` says which
+        round_ = int(r.get("loss_step", update - 1))
+        if r.get("drift") is not None and round_ > self._last_round:
+            self._add_round(round_, float(r["drift"]))
         loss = r.get("loss")
         if loss is not None:
             # Sync: every worker carries the same global loss; keep it once. Async:
@@ -304,7 +307,7 @@ class RunHistory:
                        "loss": r.get("local_loss")})
 
     def _add_round(self, round_: int, drift: float) -> None:
-        """A sync round's drift (it rides on the next round's step records)."""
+        """A sync round's drift."""
         self._last_round = round_
         steps = int(self.meta.get("steps_per_epoch") or 0)
         h = int(self.meta.get("local_steps") or 1)

@@ -107,6 +107,10 @@ class RunHooks:
     shuffle: bool = True
     #: sync collective engine: ``hook(weights, optimizer_variables, epoch)`` each epoch
     on_epoch_end: Callable[[list[np.ndarray], list[np.ndarray], int], None] | None = None
+    #: the newest global update whose loss reached the client from the workers' step
+    #: records (``None``: none yet): an engine whose steps the client does not see
+    #: one by one (a long-running task per worker) calls ``on_step`` up to it
+    heard: Callable[[], int | None] = lambda: None
 
 
 @dataclass
@@ -164,7 +168,7 @@ class Engine:
     """The interface a run drives; every engine derives from it.
 
     Subclasses set ``mode`` (``"sync"``, ``"async"``, ``"quorum"``), ``engine``
-    (``"graph"`` or ``"collective"``) and ``capabilities``, implement
+    (``"graph"``, ``"p2p"`` or ``"collective"``) and ``capabilities``, implement
     :meth:`run_epoch` and override the defaults below where they do more (the
     module docstring is the recipe).
     """
@@ -182,6 +186,10 @@ class Engine:
     #: a callback set ``model.stop_training`` mid-epoch (``TerminateOnNaN``): an
     #: engine that can end its epoch early submits no further step
     stop_requested = False
+    #: set by the run before the first epoch: a callback stops it at the first step
+    #: whose loss is not finite (``TerminateOnNaN``); an engine that sees each
+    #: step's global loss on the workers may stop there itself, at exactly that step
+    stop_on_nonfinite = False
     #: rounds of local steps (``local_steps=H``): an update, the unit ``run_epoch``
     #: counts in (``on_step``, ``start``), is then a round of H inner steps
     local: LocalSpec | None = None

@@ -18,6 +18,8 @@ from dasktf.engines.holder.engine import AsyncEngine
 from dasktf.engines.holder.options import choose_holder
 from dasktf.engines.holder.quorum import QuorumEngine
 from dasktf.engines.holder.sharded import plan_holders
+from dasktf.engines.p2p.engine import P2PEngine
+from dasktf.engines.p2p.options import refusal as p2p_refusal
 from dasktf.exceptions import EngineHint
 from dasktf.runtime.replica import non_trainable_floats
 
@@ -26,6 +28,7 @@ if TYPE_CHECKING:
     from dasktf.data.base import PlacedData
     from dasktf.models import CompileRecipe
     from dasktf.run.options import FaultOptions, TrainOptions
+    from dasktf.wire.packets import CommSpec
 
 
 @dataclass(frozen=True)
@@ -86,15 +89,21 @@ def plan_engine(options: TrainOptions, model: Any, recipe: CompileRecipe) -> Eng
 
 
 # -- choosing an engine --------------------------------------------------------
-def resolve_engine(engine: str) -> str:
-    """The engine a run uses: ``"graph"`` or ``"collective"``.
+def resolve_engine(engine: str, mode: str = "sync", sync_quorum: int | None = None,
+                   comm: CommSpec | None = None) -> str:
+    """The engine a run of these options uses: ``"p2p"``, ``"graph"`` or
+    ``"collective"`` (async and quorum runs: ``"graph"``, their holders' family).
 
-    ``"auto"`` is always the graph engine. The collective engine starts TensorFlow
-    gRPC servers that listen, unauthenticated, on every interface (TensorFlow
-    hard-codes ``0.0.0.0:<port>``), so it runs only when asked for by name; where
-    it would have been faster, :func:`collective_hint` says so instead.
+    ``"auto"`` is the p2p engine wherever it runs (plain sync steps, rounds of local
+    steps, any codec: measured faster than the graph engine in every case tried,
+    docs/p2p.md), else the graph engine (async, ``sync_quorum``, ``num_ps``, a
+    graph topology). The collective engine starts TensorFlow gRPC servers that
+    listen, unauthenticated, on every interface (TensorFlow hard-codes
+    ``0.0.0.0:<port>``), so it runs only when asked for by name.
     """
-    return "collective" if engine == "collective" else "graph"
+    if engine in ("collective", "graph", "p2p"):
+        return engine
+    return "p2p" if p2p_refusal(mode, sync_quorum, comm) is None else "graph"
 
 
 #: Where the hint's figures come from: ``dasktf bench --models mnist-mlp --workers 3
@@ -108,9 +117,10 @@ _hinted = False
 def collective_hint(engine: str, mode: str, sync_quorum: int | None,
                     slow_workers: dict[int, float] | None, n_params: int,
                     n_workers: int, total_steps: int, gpu: bool,
-                    fault_options: bool = False) -> str | None:
+                    fault_options: bool = False, resolved: str = "graph") -> str | None:
     """The hint for an ``engine="auto"`` run the collective engine would have run
-    faster, or ``None``.
+    faster, or ``None``; only where auto chose the graph engine (``resolved``): the
+    p2p engine has no scheduler in its steps either.
 
     Measured here (2 cores, benchmarks/peers.py): the graph engine costs ~7 ms of
     scheduler hops per step, the collective engine ~10-15 s more to start (a
@@ -122,7 +132,8 @@ def collective_hint(engine: str, mode: str, sync_quorum: int | None,
     (``fault_options``: only the graph engine recovers inside the run).
     """
     plain_sync = mode == "sync" and sync_quorum is None and not slow_workers
-    if (engine == "auto" and plain_sync and not gpu and not fault_options
+    if (engine == "auto" and resolved == "graph" and plain_sync and not gpu
+            and not fault_options
             and n_workers >= 2
             and n_params < int(config.get("collective.hint-max-params"))
             and total_steps >= int(config.get("collective.hint-min-steps"))):
@@ -145,28 +156,35 @@ def warn_collective_hint(hint: str | None) -> None:
 
 
 def make_engine(inputs: EngineInputs, hooks: RunHooks) -> Engine:
-    """The engine of one run: async or quorum around a parameter holder; sync on the
-    collective engine when it is asked for by name, else on the fault-tolerant
-    task-graph engine (with :func:`collective_hint`'s hint where the collective
-    engine would have been faster). ``hooks``: what the run's guard gives it."""
+    """The engine of one run: async or quorum around a parameter holder; sync on
+    the engine :func:`resolve_engine` picks: the collective engine when asked for
+    by name, the p2p engine where it runs, else the fault-tolerant task-graph engine
+    (with :func:`collective_hint`'s hint where the collective engine would have
+    been faster). ``hooks``: what the run's guard gives it."""
     t, epochs = inputs.options, inputs.epochs
     cfg, weights, val = inputs.config, inputs.weights, inputs.validation
     placed = inputs.placed
     if t.mode == "sync" and t.sync_quorum is None:
-        if resolve_engine(t.engine) == "collective":
+        chosen = resolve_engine(t.engine, t.mode, t.sync_quorum, t.comm)
+        if chosen == "collective":
             return CollectiveEngine(inputs.ctx, cfg, placed.shards, placed.schedule,
                                     weights, val, hooks,
                                     keep_state=inputs.fault.checkpoint_dir is not None)
         options = inputs.fault
         shapes = [tuple(v.shape) for v in inputs.model.trainable_variables]
+        spec = dataclasses.replace(t.comm, n_workers=len(inputs.workers))
+        average_stats = bool(non_trainable_floats(inputs.model))
+        if chosen == "p2p":
+            return P2PEngine(inputs.ctx, spec, shapes, placed.schedule, hooks,
+                             batch_size=int(placed.schedule.sum(axis=1).max()),
+                             average_stats=average_stats, local=t.local)
         warn_collective_hint(collective_hint(
             t.engine, t.mode, t.sync_quorum, inputs.slow_workers,
             sum(int(np.prod(s)) for s in shapes), len(inputs.workers),
             epochs * inputs.ctx.steps_per_epoch, bool(inputs.ctx.resources),
             bool(options.checkpoint_dir or options.resume or options.scale_lr)))
-        spec = dataclasses.replace(t.comm, n_workers=len(inputs.workers))
         return ElasticSyncEngine(inputs.ctx, spec, shapes, placed.schedule, hooks,
-                                 average_stats=bool(non_trainable_floats(inputs.model)),
+                                 average_stats=average_stats,
                                  ps_layout=inputs.plan.ps_layout, local=t.local)
     holder = choose_holder(inputs.workers, inputs.slow_workers)
     args = (inputs.ctx, inputs.workers[holder], cfg, weights, placed.shards[holder], val,

@@ -53,6 +53,8 @@ class GuardedRun(Protocol):
 
     def publish(self, record: dict[str, Any]) -> None: ...
 
+    def heard(self) -> int | None: ...
+
     def reform(self, workers: list[str], batch_size: int) -> None: ...
 
 
@@ -79,7 +81,7 @@ class RunGuard:
             publish=run.publish, announce=self.announce, reload=self._reload,
             last_checkpoint=self._on_all_lost, holder_inputs=self._holder_inputs,
             on_worker_loss=self.options.on_worker_loss, shuffle=self.inputs.shuffle,
-            on_epoch_end=self.inputs.options.on_epoch_end,
+            on_epoch_end=self.inputs.options.on_epoch_end, heard=run.heard,
         )
 
     def scheduler_lost(self, exc: BaseException) -> Exception | None:

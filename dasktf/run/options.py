@@ -25,6 +25,7 @@ import numpy as np
 from dasktf.cluster.devices import GpusArg
 from dasktf.engines.graph.elastic import ON_WORKER_LOSS
 from dasktf.engines.holder.options import validate_mode_options
+from dasktf.engines.p2p.options import refusal as p2p_refusal
 from dasktf.runtime.rounds import LocalSpec, local_spec
 from dasktf.wire.packets import CommSpec, validate_comm_options
 
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
     from distributed import Client
 
 MODES = ("sync", "async")
-ENGINES = ("graph", "collective", "auto")
+ENGINES = ("graph", "p2p", "collective", "auto")
 
 
 def positive_int(name: str, value: Any, *, allow_none: bool = False) -> None:
@@ -104,7 +105,8 @@ def _metric_leaves(metrics: Any) -> list[tuple[str, Any]]:
 
 
 def validate_engine(engine: str, mode: str, sync_quorum: int | None,
-                    slow_workers: dict[int, float] | None) -> None:
+                    slow_workers: dict[int, float] | None,
+                    comm: CommSpec | None = None) -> None:
     """Reject engine options that cannot work together (at the public boundary)."""
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}; got {engine!r}.")
@@ -114,6 +116,10 @@ def validate_engine(engine: str, mode: str, sync_quorum: int | None,
             "all workers' gradients); it has no async, sync_quorum or slow_workers. "
             "Use engine='graph' for those."
         )
+    if engine == "p2p":
+        why = p2p_refusal(mode, sync_quorum, comm)
+        if why is not None:
+            raise ValueError(why)
 
 
 def check_local_steps(options: TrainOptions) -> None:
@@ -128,8 +134,8 @@ def check_local_steps(options: TrainOptions) -> None:
     if options.engine == "collective":
         raise ValueError(
             "engine='collective' all-reduces a gradient every step inside TensorFlow; "
-            "rounds of local steps run on the task-graph engine (engine='graph' or "
-            "'auto'), which averages once per round."
+            "rounds of local steps run on the p2p and task-graph engines (engine="
+            "'auto', 'p2p' or 'graph'), which average once per round."
         )
     if options.comm.num_ps > 1 or options.comm.placement == "ps":
         raise ValueError(
@@ -201,7 +207,8 @@ class TrainOptions:
         set_("slow_workers", validate_mode_options(
             self.mode, self.max_staleness, self.staleness_lr, self.sync_quorum,
             self.slow_workers, self.n_workers))
-        validate_engine(self.engine, self.mode, self.sync_quorum, self.slow_workers)
+        validate_engine(self.engine, self.mode, self.sync_quorum, self.slow_workers,
+                        self.comm)
         positive_int("threads_per_worker", self.threads_per_worker, allow_none=True)
         if self.learning_rate is not None and not self.learning_rate > 0:
             raise ValueError(f"learning_rate must be positive; got {self.learning_rate!r}.")

@@ -82,6 +82,7 @@ class Run:
         #: the client's model, trained in place: what the run hands back
         self.model: Any = None
         self._latest_loss: float | None = None
+        self._heard: int | None = None
         self._futures: list[Any] = []
         self._generation = 0
         self._cfg: ReplicaConfig | None = None
@@ -322,6 +323,8 @@ class Run:
             self.publish(record)
         self.client.subscribe_topic(LOSS_TOPIC, self._on_event)
         self.model.stop_training = False
+        engine.stop_on_nonfinite = any(isinstance(c, keras.callbacks.TerminateOnNaN)
+                                       for c in cbs)
         cb.on_train_begin()
         #: the engine's losses before the first step completed (its recoveries)
         first: list[int] = []
@@ -427,6 +430,12 @@ class Run:
         for record in unpack(event):
             if record.get("run") == self.run_id and record.get("loss") is not None:
                 self._latest_loss = float(record["loss"])
+                if record.get("loss_step") is not None:
+                    self._heard = int(record["loss_step"])
+
+    def heard(self) -> int | None:
+        """The newest global update whose loss reached the client (``None``: none)."""
+        return self._heard
 
     def reform(self, workers: list[str], batch_size: int) -> None:
         """Rebuild the run on ``workers`` at an epoch boundary: data re-placed,

@@ -354,10 +354,11 @@ class Replica:
         out: GradientSum,
         timing: StepTiming | None = None,
         moved: int | None = None,
+        loss_step: int | None = None,
     ) -> None:
         """Queue this step's record (schema: :class:`dasktf.diagnostics.events.StepRecord`); the
-        global loss of the step before rides along (the summed gradient this replica
-        just applied carries it)."""
+        global loss of ``previous``, the sum this replica just applied, rides along (the
+        step before's; ``loss_step``: the update it belongs to otherwise)."""
         if not self.events.enabled:
             return
         update = epoch * (len(self.schedule) if self.rounds is None
@@ -386,7 +387,7 @@ class Replica:
             record["waiting_s"] = timing.waiting_s
         if previous is not None and previous.count:
             record["loss"] = previous.loss
-            record["loss_step"] = update - 1
+            record["loss_step"] = update - 1 if loss_step is None else loss_step
         if self.rounds is not None:
             self.rounds.annotate(record, previous)
         self.events.add(record)

@@ -16,6 +16,7 @@ from dasktf.cluster.devices import (
 )
 from dasktf.data.shards import Shard
 from dasktf.runtime.channel import channel, receive, send
+from dasktf.runtime.p2p.links import close_links
 from dasktf.runtime.replica import (
     EpochReport,
     Replica,
@@ -26,9 +27,10 @@ from dasktf.runtime.replica import (
     register_replica,
     straggle,
 )
+from dasktf.runtime.reports import epoch_report
 from dasktf.runtime.servers import release_shards, set_shards_learning_rate
 from dasktf.transport import forget_model
-from dasktf.wire.packets import release_run, traffic
+from dasktf.wire.packets import release_run
 
 logger = logging.getLogger(__name__)
 
@@ -123,23 +125,9 @@ def end_epoch_task(
     before it evaluates, so validation, the weights reported, the checkpoint and the
     next epoch all use statistics of the whole data, and the replicas agree again.
     """
-    from distributed import get_worker
-
     replica = get_replica(run_id)
     replica.apply(receive(replica, previous, run_id)[0])
-    if stats:
-        replica.set_non_trainable(mean_non_trainable(stats))
-    replica.events.flush()
-    train = replica.metric_states()
-    replica.model.reset_metrics()
-    val = replica.evaluate()
-    replica.model.reset_metrics()
-    seconds, replica.step_seconds = replica.step_seconds, []
-    weights = [np.asarray(w) for w in replica.model.get_weights()] if with_weights else None
-    ledger = traffic(run_id) if replica.comm is not None else None
-    rounds = replica.rounds.take_log() if replica.rounds is not None else None
-    return EpochReport(get_worker().address, train, val, weights, seconds, ledger,
-                       rounds=rounds, seeds=replica.seed_values() if with_weights else None)
+    return epoch_report(replica, with_weights, mean_non_trainable(stats) if stats else None)
 
 
 def set_learning_rate_task(run_id: str, lr: float) -> float:
@@ -165,6 +153,7 @@ def release_replicas(run_id: str, model_key: str | None = None,
     """Drop this process's replicas of ``run_id`` (run through ``Client.run``) and
     its copy of the run's model package ``model_key``."""
     released = forget_replicas(run_id)
+    close_links(run_id)  # a p2p run's groups (no wait: this runs on the event loop)
     if model_key is not None:
         forget_model(model_key)
     release_run(run_id)

@@ -377,6 +377,15 @@ def account(run_id: str, packets: Any) -> int:
     return moved
 
 
+def record_traffic(run_id: str, here: str, sent: int, received: int) -> None:
+    """Count bytes a worker-to-worker collective (:mod:`dasktf.runtime.p2p`) moved:
+    ``sent`` by this worker, ``here``, and ``received`` by it (each member counts
+    its own, so nothing is counted twice)."""
+    ledger = _TRAFFIC.setdefault(run_id, {"received": 0, "sent": {}})
+    ledger["received"] += int(received)
+    ledger["sent"][here] = ledger["sent"].get(here, 0) + int(sent)
+
+
 def traffic(run_id: str) -> dict[str, Any]:
     """This process's ledger of ``run_id``: a copy, as it rides on the epoch report."""
     ledger = _TRAFFIC.get(run_id, {"received": 0, "sent": {}})
@@ -401,3 +410,41 @@ def merge_traffic(
         for origin, n in ledger["sent"].items():
             sent[origin] = sent.get(origin, 0) + int(n)
     return {w: (sent.get(w, 0), received.get(w, 0)) for w in workers}
+
+
+class TrafficLog:
+    """A run's bytes per epoch, from the ledgers its workers' epoch reports carry
+    (:func:`traffic`; no round trip of its own), and the figures the history logs."""
+
+    def __init__(self) -> None:
+        self._before: dict[str, tuple[int, int]] = {}
+        #: ``{worker: (bytes sent, bytes received)}`` over the last epoch
+        self.epoch: dict[str, tuple[int, int]] = {}
+
+    def update(self, ledgers: dict[str, dict[str, Any]], workers: list[str]) -> None:
+        """Take the epoch's ledgers (``{worker: traffic(run_id)}``)."""
+        now = merge_traffic(ledgers, workers)
+        zero = (0, 0)
+        self.epoch = {w: (s - self._before.get(w, zero)[0], r - self._before.get(w, zero)[1])
+                      for w, (s, r) in now.items()}
+        self._before = now
+
+    def logs(self, n_params: int, n_workers: int, updates: int, examples: int
+             ) -> dict[str, float]:
+        """Per worker and update: bytes sent + received (mean over workers), sent
+        alone, and the busiest direction of the busiest worker over the allreduce
+        lower bound ``2 (N-1)/N x P x 4`` (each direction; ring: about 1); the
+        bytes all workers sent per example trained (``examples`` in the epoch)."""
+        steps = max(1, updates)
+        moved = list(self.epoch.values()) or [(0, 0)]
+        bound = allreduce_lower_bound(n_params, n_workers)
+        busiest = max(max(s, r) for s, r in moved) / steps
+        logs = {
+            "bytes_per_step": float(sum(s + r for s, r in moved) / len(moved) / steps),
+            "bytes_sent_per_step": float(sum(s for s, _ in moved) / len(moved) / steps),
+            "bytes_lower_bound": bound,
+            "bytes_bound_ratio": busiest / bound if bound else 0.0,
+        }
+        if examples:
+            logs["bytes_per_example"] = float(sum(s for s, _ in moved) / examples)
+        return logs

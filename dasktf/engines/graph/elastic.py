@@ -10,7 +10,8 @@ at most once (:meth:`dasktf.runtime.replica.Replica.apply`). When a worker is lo
    optimizer state to those behind (all replicas are identical after an applied
    update, so this is exactly the last applied state);
 3. the lost shard is reloaded from its source on the survivor carrying the fewest
-   shards (the run's ``RunHooks.reload``), which *adopts* it: its rows join that replica's
+   shards (the run's ``RunHooks.reload``; :mod:`dasktf.engines.mirrored` and
+   :mod:`dasktf.runtime.reconcile`, which the p2p engine shares), which *adopts* it: its rows join that replica's
    batches, in the order the lost worker would have read them, so the global batch
    and every later update are unchanged;
 4. the epoch resumes at the first update no survivor applied, with N-1 workers. No
@@ -42,11 +43,13 @@ import numpy as np
 from distributed import Future
 
 from dasktf.cluster.waits import RunContext, wait_for
-from dasktf.data.sources import Shard
 from dasktf.engines.base import Capabilities, RunHooks
 from dasktf.engines.graph.topology import CommEngine
-from dasktf.exceptions import AllWorkersLostError, WorkerLostError
-from dasktf.runtime.replica import EpochReport, get_replica, take_kept
+from dasktf.engines.mirrored import adopt_shards, all_lost, report_recovery
+from dasktf.exceptions import WorkerLostError
+from dasktf.runtime import reconcile
+from dasktf.runtime.reconcile import ramp_learning_rate, round_state, set_state_task
+from dasktf.runtime.replica import EpochReport
 from dasktf.runtime.servers import (
     merge_server_states,
     ps_load_task,
@@ -65,104 +68,6 @@ logger = logging.getLogger(__name__)
 
 #: Accepted values of ``on_worker_loss``.
 ON_WORKER_LOSS = ("recover", "raise")
-
-
-# -- the worker side --------------------------------------------------------------
-def replica_state_task(run_id: str, update: int | None = None, after: Any = None) -> dict[str, Any]:
-    """The replica's full training state: weights, optimizer variables, counters;
-    with ``update``, the state kept right after that update if this replica kept it
-    (``after`` is the step task that kept it: a dependency, never read)."""
-    replica = get_replica(run_id)
-    with replica.apply_lock:
-        kept = take_kept(replica.kept, update)
-    return kept if kept is not None else replica.training_state()
-
-
-def set_state_task(
-    run_id: str, state: dict[str, Any], unfence: bool = True, rewind: bool = False
-) -> int:
-    """Load a state from :func:`replica_state_task` (or a checkpoint) into the
-    replica. ``rewind``: an older state than the replica's (a sharded run's restore
-    point): the updates after it are forgotten, to be applied again, and the
-    epoch's metric totals start over."""
-    replica = get_replica(run_id)
-    with replica.apply_lock:
-        replica.model.set_weights(state["weights"])
-        if replica.rounds is not None:  # inner optimizer states are each worker's own
-            replica.rounds.load(state)
-        else:
-            for v, value in zip(replica.model.optimizer.variables, state["optimizer"],
-                                strict=False):
-                v.assign(value)
-        applied = int(state["applied"])
-        if rewind:
-            replica.applied_log = [u for u in replica.applied_log if u <= applied]
-            replica.kept = {}
-            replica.model.reset_metrics()
-        # The updates this state holds count as applied here, once each.
-        replica.applied_log.extend(range(replica.applied + 1, applied + 1))
-        replica.applied = applied
-        if unfence:
-            replica.fenced = False
-        return replica.applied
-
-
-def fence_task(run_id: str) -> int:
-    """Stop this replica applying anything (cancelled steps may still be running);
-    return the last update it applied."""
-    replica = get_replica(run_id)
-    with replica.apply_lock:
-        replica.fenced = True
-        return replica.applied
-
-
-def unfence_task(run_id: str) -> int:
-    replica = get_replica(run_id)
-    with replica.apply_lock:
-        replica.fenced = False
-        return replica.applied
-
-
-def adopt_task(
-    run_id: str, index: int, shard: Shard, column: np.ndarray, val: Shard | None
-) -> int:
-    """Take over a lost worker's shard (and validation piece); returns rows held."""
-    replica = get_replica(run_id)
-    with replica.apply_lock:
-        replica.adopted.append((index, shard, np.asarray(column)))
-        if val is not None and len(val):
-            mine = replica.val_shard
-            replica.val_shard = val if mine is None else Shard.concat([mine, val])
-    return len(replica.shard) + sum(len(s) for _, s, _ in replica.adopted)
-
-
-def ramp_lr_task(run_id: str, factor: float, steps: int) -> tuple[float, float]:
-    """Scale the learning rate by ``factor``, linearly over the next ``steps`` updates
-    (the warm-up of Goyal et al., 2017); returns (old, new)."""
-    from dasktf.runtime.servers import ramp_shards_learning_rate
-
-    replica = get_replica(run_id)
-    with replica.apply_lock:
-        old = float(replica.model.optimizer.learning_rate.numpy())
-        new = old * float(factor)
-        replica.lr_ramp = (replica.applied + 1, max(1, int(steps)), old, new)
-    ramp_shards_learning_rate(run_id, float(factor), steps)  # placement="ps": they train
-    return old, new
-
-
-def ramp_learning_rate(ctx: RunContext, factor: float, steps: int) -> tuple[float, float]:
-    """Every replica (and server) of the run scales its learning rate by ``factor``
-    over the next ``steps`` updates; the rates before and after."""
-    futures = [ctx.client.submit(ramp_lr_task, ctx.run_id, factor, steps, workers=[w],
-                                 allow_other_workers=False, pure=False)
-               for w in ctx.workers]
-    wait_for(ctx, futures, "rescaling the learning rate")
-    return ctx.client.gather(futures)[0]  # type: ignore[no-any-return]
-
-
-def applied_log_task(run_id: str) -> tuple[int, list[int]]:
-    replica = get_replica(run_id)
-    return replica.index, list(replica.applied_log)
 
 
 # -- the client side ------------------------------------------------------------------
@@ -243,7 +148,7 @@ class ElasticSyncEngine(CommEngine):
     def recover(self, lost: list[str], epoch: int) -> int:
         """Reconcile the survivors, hand out the lost shards; the step to resume at."""
         detected = time.time()
-        client, ctx = self.ctx.client, self.ctx
+        ctx = self.ctx
         removals = {c.worker: c for c in ctx.watcher.removed(lost)} if ctx.watcher else {}
         lost = sorted(set(lost) | set(removals))
         survivors = [w for w in ctx.workers if w not in lost]
@@ -259,43 +164,22 @@ class ElasticSyncEngine(CommEngine):
                     f.release()
         self.in_flight = {}
         if not survivors:
-            path = self.hooks.last_checkpoint()
-            raise AllWorkersLostError(
-                f"Every worker of the run was lost ({', '.join(lost)}); the run cannot "
-                "go on. " + (f"The last checkpoint is {path}; resume from it with "
-                             "resume=True (--resume) once workers are back."
-                             if path else "Pass checkpoint_dir= to keep checkpoints."),
-                lost,
-            )
+            raise all_lost(self.hooks, lost)
         ctx.workers = survivors
         self.attempt += 1
         self.key_suffix = f"-r{self.attempt}"  # the cancelled keys may linger
-        fences = [client.submit(fence_task, ctx.run_id,
-                                key=f"dasktf-fence-{ctx.run_id}-{self.attempt}-{i}",
-                                workers=[w], allow_other_workers=False, pure=False)
-                  for i, w in enumerate(survivors)]
-        wait_for(ctx, fences, "fencing the surviving replicas")
-        applied = client.gather(fences)
+        applied = reconcile.fence(ctx, survivors, self.attempt)
         if self.spec.placement == "ps":
             return self._rewind(lost, epoch, removals, detected, max(applied))
-        target = max(applied)
         # 2. everyone to the most advanced survivor's state
-        source = survivors[applied.index(target)]
-        state = client.submit(replica_state_task, ctx.run_id, workers=[source],
-                              allow_other_workers=False, pure=False)
-        sets = [client.submit(set_state_task, ctx.run_id, state, workers=[w],
-                              allow_other_workers=False, pure=False)
-                for w, a in zip(survivors, applied, strict=False) if a < target]
-        unfences = [client.submit(unfence_task, ctx.run_id, workers=[w],
-                                  allow_other_workers=False, pure=False)
-                    for w, a in zip(survivors, applied, strict=False) if a == target]
-        wait_for(ctx, [state, *sets, *unfences], "reconciling the surviving replicas")
+        target = reconcile.reconcile(ctx, survivors, applied)
         moved = self._adopt(lost, survivors)
         # Updates whose sum was complete but that no survivor had applied: computed
         # again (never skipped: numbering goes on from the survivors' last update).
         last_finished = self.update_base + finished[-1] if finished else target
         recomputed = max(0, last_finished - target)
-        self._report(lost, epoch, removals, detected, moved, target, recomputed)
+        self._report(lost, epoch, removals, detected, moved, target, recomputed,
+                     applied=applied)
         return target + 1 - self.update_base
 
     def _rewind(
@@ -326,70 +210,29 @@ class ElasticSyncEngine(CommEngine):
 
     def _adopt(self, lost: list[str], survivors: list[str]) -> list[tuple[int, str]]:
         """The lost shards go to the survivors carrying the fewest."""
-        client, ctx = self.ctx.client, self.ctx
-        moved: list[tuple[int, str]] = []
-        for w in lost:
-            for index in self.carried.pop(w, []):
-                adopter = min(survivors, key=lambda s: len(self.carried[s]))
-                shard, val = self.hooks.reload(index, adopter)  # type: ignore[misc]
-                f = client.submit(adopt_task, ctx.run_id, index, shard,
-                                  self.schedule_column(index), val, workers=[adopter],
-                                  allow_other_workers=False, pure=False)
-                wait_for(ctx, [f], f"reloading shard {index} on {adopter}")
-                self.carried[adopter].append(index)
-                moved.append((index, adopter))
+        moved = adopt_shards(self.ctx, self.hooks, self.carried, self.schedule, lost,
+                             survivors)
         self.reform_needed = True
         return moved
 
     def _report(
         self, lost: list[str], epoch: int, removals: dict[str, Any], detected: float,
         moved: list[tuple[int, str]], target: int, recomputed: int,
-        rewound: bool = False,
+        rewound: bool = False, applied: list[int] | None = None,
     ) -> None:
         """The ``worker_lost`` and ``recovered`` records, and the one line."""
-        ctx = self.ctx
-        survivors = list(ctx.workers)
-        resumed = time.time()
-        for w in lost:
-            change = removals.get(w)
-            record = {
-                "run": ctx.run_id, "kind": "worker_lost", "worker_address": w,
-                "epoch": epoch, "update": target,
-                "detect_s": (change.seen_time - change.scheduler_time) if change else None,
-                "removed_at": change.scheduler_time if change else None,
-                "detected_at": change.seen_time if change else detected,
-                "wall_time": time.time(),
-            }
-            self.hooks.publish(record)
-        since = min((c.seen_time for c in removals.values()), default=detected)
-        recovered = {
-            "run": ctx.run_id, "kind": "recovered", "workers": list(survivors),
-            "lost": list(lost), "moved": [[i, a] for i, a in moved],
-            "resumed_at_update": target + 1, "steps_lost": 0,
-            "steps_recomputed": recomputed, "rewound_to_update": target if rewound else None,
-            "resume_s": resumed - since, "wall_time": time.time(),
-        }
-        self.hooks.publish(recovered)
-        self.losses.append(recovered)
-        self.announce(
-            f"worker lost: {', '.join(lost)}; recovered in {resumed - since:.2f}s with "
-            f"{len(survivors)} worker(s), shard(s) "
-            f"{', '.join(f'{i}->{a}' for i, a in moved)}, "
-            + (f"servers on {', '.join(self.servers)} rewound to the restore point, "
-               if rewound else "")
-            + f"resuming at update {target + 1} (steps lost: 0, recomputed: {recomputed})"
-        )
+        note = (f"servers on {', '.join(self.servers)} rewound to the restore point"
+                if rewound else None)
+        self.losses.append(report_recovery(self.ctx, self.hooks, lost, epoch, removals,
+                                           detected, moved, target, recomputed, note,
+                                           applied))
 
     def schedule_column(self, index: int) -> np.ndarray:
         return self.schedule[:, index]
 
     def applied_logs(self) -> dict[int, list[int]]:
         """``{replica index: updates it applied, in order}`` over the survivors."""
-        futures = [self.ctx.client.submit(applied_log_task, self.ctx.run_id, workers=[w],
-                                          allow_other_workers=False, pure=False)
-                   for w in self.ctx.workers]
-        wait_for(self.ctx, futures, "reading the applied updates")
-        return dict(self.ctx.client.gather(futures))
+        return reconcile.applied_logs(self.ctx)
 
     def state(self) -> dict[str, Any]:
         """The run's training state: the replicas' (identical) state, read from the
@@ -401,11 +244,10 @@ class ElasticSyncEngine(CommEngine):
             parts = (self.in_flight[self.retired + 1][0]  # type: ignore[operator]
                      if update is not None else [None] * len(ctx.workers))
             return round_state(ctx, update, parts)
-        f = client.submit(replica_state_task, ctx.run_id, update, after,
-                          workers=[ctx.workers[0]], allow_other_workers=False, pure=False)
         if self.spec.placement != "ps":
-            wait_for(ctx, [f], "reading the training state")
-            return f.result()  # type: ignore[no-any-return]
+            return reconcile.read_state(ctx, update, after)
+        f = client.submit(reconcile.replica_state_task, ctx.run_id, update, after,
+                          workers=[ctx.workers[0]], allow_other_workers=False, pure=False)
         assert self.ps_layout is not None, "the factory gives the servers' layout"
         kept_by = self.in_flight[self.retired][1] if update is not None else None
         slices = [client.submit(ps_state_task, ctx.run_id, s, self.chunks[s],
@@ -447,12 +289,7 @@ class ElasticSyncEngine(CommEngine):
 
     def load_state(self, state: dict[str, Any]) -> None:
         """Load ``state`` into every replica and the sharded servers, if any."""
-        ctx = self.ctx
-        big = ctx.client.scatter(state, broadcast=True, hash=False)
-        futures = [ctx.client.submit(set_state_task, ctx.run_id, big, workers=[w],
-                                     allow_other_workers=False, pure=False)
-                   for w in ctx.workers]
-        wait_for(ctx, futures, "loading the checkpoint into the replicas")
+        reconcile.load_state(self.ctx, state)
         self.load_servers(state)
 
     def reform(self, schedule: np.ndarray) -> None:
@@ -463,23 +300,6 @@ class ElasticSyncEngine(CommEngine):
         self.schedule = schedule
         self.examples_per_epoch = int(schedule.sum())
         self.reform_needed = False
-
-
-def round_state(ctx: RunContext, update: int | None, kept_by: list[Any]) -> dict[str, Any]:
-    """Rounds of local steps: the first replica's state (weights, outer optimizer)
-    with every replica's inner optimizer state, ``{index: variables}``, all at the
-    same round start (``update``: the one each kept, ``kept_by`` its step tasks)."""
-    client = ctx.client
-    futures = [client.submit(replica_state_task, ctx.run_id, update, after,
-                             workers=[w], allow_other_workers=False, pure=False)
-               for w, after in zip(ctx.workers, kept_by, strict=True)]
-    wait_for(ctx, futures, "reading the replicas' training states")
-    states = client.gather(futures)
-    applied = {s["applied"] for s in states}
-    if len(applied) != 1:
-        raise RuntimeError(f"replicas read at updates {sorted(applied)}; this is a "
-                           "dasktf bug (a round-start cut must be one update).")
-    return {**states[0], "inner": {int(s["index"]): s["optimizer"] for s in states}}
 
 
 def _futures(total: Any) -> list[Any]:

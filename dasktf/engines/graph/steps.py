@@ -28,13 +28,9 @@ from dasktf import config
 from dasktf.cluster.waits import RunContext, wait_for
 from dasktf.engines.base import Capabilities, Engine
 from dasktf.engines.graph.batch import Pending, TaskBatch, resolve
+from dasktf.runtime.reconcile import set_learning_rate
 from dasktf.runtime.replica import EpochReport
-from dasktf.runtime.tasks import (
-    end_epoch_task,
-    epoch_stats_task,
-    set_learning_rate_task,
-    step_task,
-)
+from dasktf.runtime.tasks import end_epoch_task, epoch_stats_task, step_task
 from dasktf.wire.messages import sum_gradients
 
 if TYPE_CHECKING:
@@ -224,11 +220,7 @@ class SyncEngine(Engine):
 
     def set_learning_rate(self, lr: float) -> None:
         """Every replica's optimizer takes ``lr`` (between epochs: nothing in flight)."""
-        futures = [self.ctx.client.submit(set_learning_rate_task, self.ctx.run_id, lr,
-                                          workers=[w], allow_other_workers=False,
-                                          pure=False)
-                   for w in self.ctx.workers]
-        wait_for(self.ctx, futures, "setting the learning rate")
+        set_learning_rate(self.ctx, lr)
 
     def set_checkpoint_grid(self, every: int | None) -> None:
         self.keep_every = every

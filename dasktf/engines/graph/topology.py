@@ -41,9 +41,8 @@ from dasktf.engines.graph.steps import SyncEngine
 from dasktf.runtime.servers import ps_apply_task, server_workers
 from dasktf.wire.packets import (
     CommSpec,
-    allreduce_lower_bound,
+    TrafficLog,
     chunk_ranges,
-    merge_traffic,
     pick,
     reduce_packets,
 )
@@ -81,8 +80,7 @@ class CommEngine(SyncEngine):
         self.generation = 0
         #: rows of an epoch (bytes per example); set by the engine that knows the schedule
         self.examples_per_epoch = 0
-        self._bytes_before: dict[str, tuple[int, int]] = {}
-        self._epoch_bytes: dict[str, tuple[int, int]] = {}
+        self.traffic = TrafficLog()
 
     def respec(self, n_workers: int) -> None:
         """The run re-formed on ``n_workers`` (new replicas): cut the ring's chunks
@@ -169,36 +167,16 @@ class CommEngine(SyncEngine):
     ) -> list[EpochReport]:
         reports = super().run_epoch(epoch, on_step, start)
         # The ledgers ride on the reports: no round trip to the workers per epoch.
-        ledgers = {r.worker: r.traffic for r in reports if r.traffic is not None}
-        now = merge_traffic(ledgers, self.ctx.workers)
-        zero = (0, 0)
-        self._epoch_bytes = {
-            w: (s - self._bytes_before.get(w, zero)[0], r - self._bytes_before.get(w, zero)[1])
-            for w, (s, r) in now.items()
-        }
-        self._bytes_before = now
+        self.traffic.update({r.worker: r.traffic for r in reports if r.traffic is not None},
+                            self.ctx.workers)
         return reports
 
     def epoch_logs(self, seconds: float) -> dict[str, float]:
-        """Per worker and update (a step, or a round of local steps): bytes sent +
-        received (mean over workers), sent alone, and the busiest direction of the
-        busiest worker over the allreduce lower bound ``2 (N-1)/N x P x 4`` (each
-        direction; ring: about 1); the bytes all workers sent per example trained
-        (what compares ``local_steps`` fairly); with rounds, their number and mean
-        drift (:func:`dasktf.runtime.rounds.drift`)."""
-        steps = max(1, self.units_per_epoch)
-        moved = list(self._epoch_bytes.values()) or [(0, 0)]
-        bound = allreduce_lower_bound(self.n_params, len(self.ctx.workers))
-        busiest = max(max(s, r) for s, r in moved) / steps
-        logs = {
-            "bytes_per_step": float(sum(s + r for s, r in moved) / len(moved) / steps),
-            "bytes_sent_per_step": float(sum(s for s, _ in moved) / len(moved) / steps),
-            "bytes_lower_bound": bound,
-            "bytes_bound_ratio": busiest / bound if bound else 0.0,
-        }
-        if self.examples_per_epoch:
-            logs["bytes_per_example"] = float(sum(s for s, _ in moved)
-                                              / self.examples_per_epoch)
+        """Per worker and update (a step, or a round of local steps): the bytes
+        against the allreduce bound (:meth:`dasktf.wire.packets.TrafficLog.logs`);
+        with rounds, their number and mean drift (:func:`dasktf.runtime.rounds.drift`)."""
+        logs = self.traffic.logs(self.n_params, len(self.ctx.workers),
+                                 self.units_per_epoch, self.examples_per_epoch)
         if self.local is not None and self.round_log:
             logs["rounds"] = float(len(self.round_log))
             logs["drift"] = float(np.mean([r["drift"] for r in self.round_log]))

@@ -1,0 +1,315 @@
+"""The p2p engine: exact sync steps with no scheduler task per step.
+
+An epoch is one or more *segments*: its steps up to the next checkpoint on
+``checkpoint_every``'s grid, or its end. For each, the client submits one task per
+worker, pinned where its replica and shard live
+(:func:`~dasktf.runtime.p2p.segment.segment_task`), and waits: the workers run the
+segment's steps in a loop, each step's gradient (or round's change) summed with
+their peers over the workers' own Dask comms (:mod:`dasktf.runtime.p2p`), and every
+replica applies the same sum. So the scheduler sees N tasks a segment, whatever
+the steps; the client sees the steps through replica 0's loss records
+(``RunHooks.heard``) and calls ``on_step`` for each as it hears of it, the last one
+of a segment once the segment is over (a checkpoint there reads the replicas as
+they stand).
+
+A callback's ``stop_training`` reaches the workers as one ``client.run`` that sets
+their stop vote; the vote rides on the next step's collective, so every replica
+stops after the same update and the epoch ends there.
+
+A lost worker (:class:`~dasktf.exceptions.PeerLostError` from the survivors'
+segments, or the membership watcher): the survivors' group is aborted, they are
+fenced and reconciled to the newest update any of them applied (they differ by one
+at most: the collective whose last messages reached some and not others), the lost
+shards are reloaded on survivors (:mod:`dasktf.engines.mirrored`) and the epoch goes
+on from the next update over a new group: the same global batches, every update
+applied once. The run re-forms at the epoch's end (a new group again).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from dasktf.cluster.waits import RunContext, call_watched
+from dasktf.engines.base import Capabilities, Engine, RunHooks
+from dasktf.engines.mirrored import adopt_shards, all_lost, report_recovery
+from dasktf.engines.p2p.flight import Flight
+from dasktf.engines.p2p.options import group_spec
+from dasktf.exceptions import WorkerLostError
+from dasktf.runtime import reconcile
+from dasktf.runtime.p2p.plugin import PLUGIN_NAME, P2PPlugin
+from dasktf.runtime.p2p.segment import Segment, SegmentResult
+from dasktf.wire.packets import TrafficLog
+
+if TYPE_CHECKING:
+    from dasktf.runtime.replica import EpochReport
+    from dasktf.runtime.rounds import LocalSpec
+    from dasktf.wire.packets import CommSpec
+
+logger = logging.getLogger(__name__)
+
+
+class P2PEngine(Engine):
+    """Sync training over worker-to-worker all-reduces (see the module).
+
+    Parameters
+    ----------
+    ctx
+        The run (its ``watcher`` reports removals).
+    spec
+        The run's :class:`~dasktf.wire.packets.CommSpec` (its codec applies).
+    shapes
+        The trainable variables' shapes.
+    schedule
+        The run's ``steps x workers`` local batch sizes.
+    hooks
+        What the run provides (:class:`~dasktf.engines.base.RunHooks`).
+    batch_size
+        The global batch (lossy codecs scale each gradient by its inverse).
+    average_stats
+        The model has moving statistics to average at each epoch's end.
+    local
+        Rounds of local steps, or ``None``.
+    """
+
+    mode = "sync"
+    engine = "p2p"
+    capabilities = Capabilities(checkpoints="steps", resume=True, reforms=True)
+
+    def __init__(self, ctx: RunContext, spec: CommSpec, shapes: list[tuple[int, ...]],
+                 schedule: np.ndarray, hooks: RunHooks, *, batch_size: int,
+                 average_stats: bool = False, local: LocalSpec | None = None) -> None:
+        self.ctx = ctx
+        self.spec = spec
+        self.n_params = int(sum(int(np.prod(s)) for s in shapes))
+        self.schedule = schedule
+        self.examples_per_epoch = int(schedule.sum())
+        self.hooks = hooks
+        self.policy = hooks.on_worker_loss
+        self.batch_size = int(batch_size)
+        self.average_stats = average_stats
+        self.local = local
+        self.losses: list[dict[str, Any]] = []
+        self.update_base = 0
+        #: ``{worker address: [indices of the shards it trains on]}``
+        self.carried = {w: [i] for i, w in enumerate(ctx.workers)}
+        #: a new group id for every membership (a loss, a re-form)
+        self.generation = 0
+        self.attempt = 0
+        self.keep_every: int | None = None
+        self.traffic = TrafficLog()
+        self.round_log: list[dict[str, Any]] = []
+        #: the segment in flight: its members and their tasks
+        self.flight = Flight(ctx)
+        #: the last unit of the epoch ``on_step`` was called for
+        self._told = -1
+        self._stop_sent = False
+
+    # -- the contract -------------------------------------------------------------
+    @property
+    def gid(self) -> str:
+        return f"dasktf-p2p-{self.ctx.run_id}-{self.generation}"
+
+    @property
+    def units_per_epoch(self) -> int:
+        return self.units(self.ctx.steps_per_epoch)
+
+    def last_step(self, unit: int, steps_per_epoch: int) -> int:
+        """A round ends at its last step, which callbacks count in."""
+        if self.local is None:
+            return unit
+        return self.local.round_steps(unit, steps_per_epoch)[-1]
+
+    def prepare(self) -> None:
+        """Put the collective handlers on every worker (idempotent: the first one
+        registered stays; the scheduler gives it to workers that join)."""
+        client = self.ctx.client
+        call_watched(self.ctx, lambda: client._register_worker_plugin(
+            P2PPlugin(), PLUGIN_NAME, True), "registering the p2p handlers")
+
+    def run_epoch(self, epoch: int, on_step: Callable[[int], None] | None = None,
+                  start: int = 0) -> list[EpochReport]:
+        self._told = start - 1
+        while True:
+            try:
+                return self._epoch(epoch, on_step, start)
+            except WorkerLostError as exc:
+                if self.policy == "raise":
+                    self.close()
+                    raise
+                start, ended = self.recover(exc.workers, epoch)
+                if ended is not None:  # the survivors had ended the epoch: theirs
+                    self._tell(on_step, ended[0].last)
+                    return self._end_epoch(ended)
+
+    def _epoch(self, epoch: int, on_step: Callable[[int], None] | None, start: int
+               ) -> list[EpochReport]:
+        units = self.units_per_epoch
+        step = start
+        while True:
+            last = self._segment_end(step, units)
+            ends = last == units - 1
+            if self.stop_requested:  # between two segments: end the epoch here
+                last, ends = step - 1, True
+            results = self._segment(epoch, step, last, ends, on_step)
+            done = results[0].last
+            why = results[0].stopped or (
+                "a stop request" if self.stop_requested and last < step else None)
+            if why is not None:
+                self._stopped(done, why)
+            self._tell(on_step, done)
+            if results[0].report is not None:
+                return self._end_epoch(results)
+            step = done + 1
+
+    def _end_epoch(self, results: list[SegmentResult]) -> list[EpochReport]:
+        """The epoch's reports (one per replica that ended it)."""
+        reports = [r.report for r in results]
+        assert all(r is not None for r in reports)
+        self.update_base += self.units_per_epoch
+        self.traffic.update({r.worker: r.traffic for r in reports  # type: ignore[union-attr]
+                             if r.traffic is not None}, self.ctx.workers)  # type: ignore[union-attr]
+        self.round_log = list(reports[0].rounds or [])  # type: ignore[union-attr]
+        return reports  # type: ignore[return-value]
+
+    def _segment_end(self, step: int, units: int) -> int:
+        """The last step of the segment starting at ``step``: the next grid point
+        of ``checkpoint_every``, or the epoch's last step."""
+        every = self.keep_every
+        if every is None:
+            return units - 1
+        return min(units - 1, (step // every + 1) * every - 1)
+
+    def _segment(self, epoch: int, first: int, last: int, ends: bool,
+                 on_step: Callable[[int], None] | None) -> list[SegmentResult]:
+        """Run steps ``first..last`` on every worker; their results."""
+        ctx = self.ctx
+        segment = Segment(group_spec(self.gid, ctx.workers, self.spec.compression), epoch,
+                          first, last, self.update_base, ends,
+                          scale=1.0 / max(1, self.batch_size),
+                          average_stats=self.average_stats,
+                          stop_on_nonfinite=self.stop_on_nonfinite)
+
+        def tick() -> None:  # the steps the client hears of, and a stop to pass on
+            heard = self.hooks.heard()
+            if heard is not None:
+                self._tell(on_step, min(heard - self.update_base, last - 1))
+            if self.stop_requested and not self._stop_sent:
+                self._stop_sent = True
+                self.flight.request_stop()
+
+        key = f"dasktf-segment-{ctx.run_id}-{epoch}-{first}-{self.generation}"
+        return self.flight.run(segment, key, tick)
+
+    def _stopped(self, done: int, why: str) -> None:
+        """The record of an epoch the workers ended after step ``done``: the update,
+        why, and the newest update any worker had applied when the client's stop
+        request reached it (``requested_after``)."""
+        heard = [u for u in self.flight.stop_heard.values() if u is not None]
+        self.hooks.publish({
+            "run": self.ctx.run_id, "kind": "stopped", "update": self.update_base + done,
+            "reason": why, "requested_after": min(heard) if heard else None,
+            "wall_time": time.time()})
+
+    def _tell(self, on_step: Callable[[int], None] | None, unit: int) -> None:
+        """``on_step`` for every unit up to ``unit`` not told yet."""
+        while self._told < unit:
+            self._told += 1
+            if on_step is not None:
+                on_step(self._told)
+
+    # -- a lost worker ------------------------------------------------------------------
+    def recover(self, lost: list[str], epoch: int
+                ) -> tuple[int, list[SegmentResult] | None]:
+        """Stop the survivors, reconcile them, hand out the lost shards; the step to
+        resume at, and the survivors' results if they had ended the epoch (the loss
+        came between their last collective and the client's reading: the epoch's
+        logs then lack the lost worker's part; see the module)."""
+        detected = time.time()
+        ctx = self.ctx
+        removals = {c.worker: c for c in ctx.watcher.removed(lost)} if ctx.watcher else {}
+        lost = sorted(set(lost) | set(removals))
+        survivors = [w for w in ctx.workers if w not in lost]
+        ended = self.flight.stop(survivors, f"worker(s) {', '.join(lost)} lost")
+        if not survivors:
+            raise all_lost(self.hooks, lost)
+        ctx.workers = survivors
+        self.attempt += 1
+        self.generation += 1
+        applied = reconcile.fence(ctx, survivors, self.attempt)
+        target = reconcile.reconcile(ctx, survivors, applied)
+        moved = adopt_shards(ctx, self.hooks, self.carried, self.schedule, lost, survivors)
+        self.reform_needed = True
+        self._stop_sent = False  # a stop asked for goes to the new group again
+        # the update in flight was computed by the survivors and is computed again;
+        # none had a complete sum no survivor applied (a complete sum is applied)
+        self.losses.append(report_recovery(ctx, self.hooks, lost, epoch, removals,
+                                           detected, moved, target, 0, applied=applied))
+        return target + 1 - self.update_base, ended
+
+    # -- state, checkpoints, re-forms ------------------------------------------------
+    def set_learning_rate(self, lr: float) -> None:
+        reconcile.set_learning_rate(self.ctx, lr)
+
+    def ramp_learning_rate(self, factor: float, steps: int) -> tuple[float, float]:
+        return reconcile.ramp_learning_rate(self.ctx, factor, steps)
+
+    def set_checkpoint_grid(self, every: int | None) -> None:
+        self.keep_every = every
+
+    def checkpoint_due(self, step: int) -> bool:
+        """Whether the update of ``step`` is on the checkpoint grid (an epoch's last
+        step is checkpointed at the epoch end); a segment ends there."""
+        every = self.keep_every
+        return every is not None and (step + 1) % every == 0 and (
+            step + 1 < self.units_per_epoch)
+
+    def start_at(self, update: int) -> None:
+        self.update_base = update
+
+    def state(self) -> dict[str, Any]:
+        """The replicas' (identical) training state, read from the first one
+        between segments; rounds: with every replica's inner optimizer state."""
+        if self.local is not None:
+            return reconcile.round_state(self.ctx, None, [None] * len(self.ctx.workers))
+        return reconcile.read_state(self.ctx)
+
+    def final_state(self) -> dict[str, Any]:
+        return self.state()
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        reconcile.load_state(self.ctx, state)
+
+    def reform(self, schedule: np.ndarray) -> None:
+        """Go on over ``ctx.workers`` as they are now, one shard each, in a new group."""
+        self.carried = {w: [i] for i, w in enumerate(self.ctx.workers)}
+        self.schedule = schedule
+        self.examples_per_epoch = int(schedule.sum())
+        self.generation += 1
+        self.reform_needed = False
+
+    # -- figures and the end ------------------------------------------------------------
+    def epoch_logs(self, seconds: float) -> dict[str, float]:
+        """The bytes per update against the allreduce bound
+        (:meth:`dasktf.wire.packets.TrafficLog.logs`); with rounds, their number and
+        mean drift."""
+        logs = self.traffic.logs(self.n_params, len(self.ctx.workers),
+                                 self.units_per_epoch, self.examples_per_epoch)
+        if self.local is not None and self.round_log:
+            logs["rounds"] = float(len(self.round_log))
+            logs["drift"] = float(np.mean([r["drift"] for r in self.round_log]))
+        return logs
+
+    def round_records(self) -> list[dict[str, Any]]:
+        return list(self.round_log)
+
+    def applied_logs(self) -> dict[int, list[int]]:
+        return reconcile.applied_logs(self.ctx)
+
+    def close(self) -> None:
+        """A segment still running (the run failed): abort its group, release it."""
+        self.flight.abort("the run ended")

@@ -1,0 +1,200 @@
+"""The p2p engine's worker side: one long-running task per worker runs a segment of
+an epoch's steps, summing each step's gradient with its peers directly.
+
+A *segment* is the steps of an epoch up to the next checkpoint on the step grid or
+the epoch's end (:class:`Segment`, the same on every member). For each step,
+:func:`segment_task` computes the replica's gradient (or a round of local steps'
+change), sums it over the group (:func:`~dasktf.runtime.p2p.gradients.allreduce_step`,
+the same bits on every member), applies it under the step's global update number
+(so a replica applies each update once, as the graph engine's do) and queues the
+step's record. The scheduler sees one task per worker per segment, nothing per step.
+
+Riding on each step's collective, exactly summed: the members' stop votes (the
+client's :func:`~dasktf.runtime.p2p.links.request_stop`: every member stops after the
+same update) and, on the epoch's last step, the replicas' moving statistics
+(BatchNormalization's), averaged in float64 so every replica takes the same mean.
+An epoch's last segment (or one a vote stopped) returns the epoch's report
+(:func:`~dasktf.runtime.reports.epoch_report`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from dasktf.exceptions import CollectiveAbortedError
+from dasktf.runtime.p2p.gradients import allreduce_step
+from dasktf.runtime.p2p.links import GroupSpec, Link, link
+from dasktf.runtime.replica import EpochReport, StepTiming, get_replica, straggle
+from dasktf.runtime.reports import epoch_report
+from dasktf.wire.messages import GradientSum
+from dasktf.wire.packets import record_traffic
+
+if TYPE_CHECKING:
+    from dasktf.runtime.p2p.group import Group
+    from dasktf.runtime.replica import Replica
+
+#: For tests (not public API): each ``hook(replica, update)`` is called on the worker
+#: before the step of global update ``update`` begins; a test kills a worker there.
+step_hooks: list[Callable[[Replica, int], None]] = []
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Steps ``first`` to ``last`` (inclusive; none when ``last < first``) of epoch
+    ``epoch``, whose step ``s`` is global update ``update_base + s``."""
+
+    group: GroupSpec
+    epoch: int
+    first: int
+    last: int
+    update_base: int
+    #: the epoch ends with this segment: average the statistics, report
+    ends_epoch: bool
+    #: lossy codecs scale every gradient by this before encoding (1 / global batch)
+    scale: float = 1.0
+    #: the model has moving statistics to average at the epoch's end
+    average_stats: bool = False
+    #: stop after the first update whose global loss is not finite (the run's
+    #: ``TerminateOnNaN``: the same step on every member, the loss being the same)
+    stop_on_nonfinite: bool = False
+
+
+@dataclass
+class SegmentResult:
+    """What one member hands back: the last step it applied and how it ended."""
+
+    worker: str
+    #: the last step of the epoch applied (``first - 1``: none)
+    last: int
+    #: why the segment (and the epoch) ended early after ``last``: ``"a stop
+    #: request"`` (the members' votes), ``"a non-finite loss"``; ``None``: it did not
+    stopped: str | None
+    #: the epoch's report, when the epoch ended here
+    report: EpochReport | None
+    #: the last update this replica had applied when the client's stop arrived
+    stop_heard_after: int | None = None
+
+
+def segment_task(run_id: str, segment: Segment) -> SegmentResult:
+    """Run ``segment`` on this worker's replica of ``run_id`` (see the module).
+
+    Raises
+    ------
+    PeerLostError
+        A member was lost; this replica stopped at a completed update (the run
+        reconciles the survivors).
+    CollectiveAbortedError
+        The run aborted the group (it recovers from a loss seen elsewhere), or the
+        replica was fenced.
+    """
+    from distributed import get_worker
+
+    here = get_worker().address
+    replica = get_replica(run_id)
+    peers = link(run_id, here)
+    try:
+        group = peers.group_for(segment.group)
+        last, stopped, statistics = _steps(replica, group, segment, peers, here)
+        report = None
+        if segment.ends_epoch or stopped is not None:
+            if segment.average_stats and statistics is None:
+                # a vote ended the epoch before its last step, whose collective the
+                # statistics ride on: one of their own, numbered as the next update
+                # (none follows in this epoch)
+                statistics = _average_statistics(
+                    replica, group, segment.update_base + last + 1)
+            report = epoch_report(replica, group.rank == 0, statistics)
+        else:  # the client hears the segment's last losses before its results
+            replica.events.flush()
+    except BaseException as exc:
+        peers.fail(exc)
+        raise
+    return SegmentResult(here, last, stopped, report, peers.stop_heard_after)
+
+
+def _steps(replica: Replica, group: Group, segment: Segment, peers: Link, here: str
+           ) -> tuple[int, str | None, list[np.ndarray] | None]:
+    """The segment's steps: the last one applied, why they stopped early (``None``:
+    they did not), and the averaged statistics when they rode on the epoch's last
+    step."""
+    size = int(sum(replica.sizes))
+    last, averaged = segment.first - 1, None
+    for step in range(segment.first, segment.last + 1):
+        update = segment.update_base + step
+        for hook in step_hooks:
+            hook(replica, update)
+        began = time.perf_counter()
+        out = (replica.gradient(segment.epoch, step) if replica.rounds is None
+               else replica.rounds.run(segment.epoch, step))
+        computed = time.perf_counter()
+        statistics = None
+        if segment.average_stats and step == segment.last and segment.ends_epoch:
+            statistics = replica.non_trainable_values()
+        summed, sums = allreduce_step(group, out, update, size=size, scale=segment.scale,
+                                      votes=_votes(peers.stop, statistics))
+        reduced = time.perf_counter()
+        summed.update = update
+        replica.apply(summed)
+        if replica.fenced:  # a recovery runs (a worker with several threads)
+            raise CollectiveAbortedError(
+                f"replica {replica.index} was fenced at update {update}: the run is "
+                "recovering from a lost worker.")
+        if statistics is not None:
+            averaged = _mean(statistics, sums[1:], group.size)
+        _account(replica, group, out, summed, segment.epoch, step, update,
+                 (computed - began) + (time.perf_counter() - reduced), here)
+        last = step
+        if sums[0] > 0:
+            return last, "a stop request", averaged
+        if segment.stop_on_nonfinite and summed.count and not math.isfinite(summed.loss_sum):
+            return last, "a non-finite loss", averaged
+    return last, None, averaged
+
+
+def _account(replica: Replica, group: Group, out: GradientSum, summed: GradientSum,
+             epoch: int, step: int, update: int, compute: float, here: str) -> None:
+    """A step's bytes into the run's ledger, its time and its record."""
+    stats = group.last
+    assert stats is not None
+    record_traffic(replica.run_id, here, stats.bytes_sent, stats.bytes_received)
+    out.compute_seconds = compute
+    straggle(replica, compute)
+    replica.step_seconds.append(compute)
+    timing = StepTiming(max(0.0, stats.seconds - stats.wait_seconds), stats.wait_seconds)
+    replica.record_step(epoch, step, summed, out, timing,
+                        stats.bytes_sent + stats.bytes_received, loss_step=update)
+
+
+def _average_statistics(replica: Replica, group: Group, number: int
+                        ) -> list[np.ndarray] | None:
+    """The replicas' moving statistics averaged by a collective of their own."""
+    values = replica.non_trainable_values()
+    if values is None:
+        return None
+    empty = GradientSum(None, 0, 0.0)
+    _, sums = allreduce_step(group, empty, number, size=1, votes=_votes(False, values))
+    return _mean(values, sums[1:], group.size)
+
+
+def _votes(stop: bool, statistics: list[np.ndarray] | None) -> np.ndarray:
+    """What rides on a step's collective besides the gradient: the stop vote, then
+    the statistics (flat, float64: their sum is exact whatever the order)."""
+    parts = [np.array([1.0 if stop else 0.0])]
+    parts += [np.asarray(v, np.float64).ravel() for v in statistics or []]
+    return np.concatenate(parts)
+
+
+def _mean(like: list[np.ndarray], sums: np.ndarray, n: int) -> list[np.ndarray]:
+    """``sums`` (flat, float64) over ``n`` replicas, cut and cast as ``like``."""
+    out, at = [], 0
+    for v in like:
+        size = int(np.size(v))
+        out.append((sums[at:at + size] / n).reshape(np.shape(v)).astype(v.dtype))
+        at += size
+    return out

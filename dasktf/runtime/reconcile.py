@@ -1,0 +1,202 @@
+"""What recovering, checkpointing and re-forming a run of mirrored replicas takes
+of the replicas (every replica holds the whole model and applies the same updates:
+the graph and the p2p engines).
+
+Worker side: read a replica's training state (:func:`replica_state_task`), load one
+(:func:`set_state_task`), fence a replica so it applies nothing more
+(:func:`fence_task`), adopt a lost worker's shard (:func:`adopt_task`), ramp the
+learning rate, read the log of applied updates. Client side, over a run's workers:
+:func:`fence` and :func:`reconcile` (every survivor to the newest update one of
+them holds), :func:`read_state`, :func:`load_state`, :func:`round_state`,
+:func:`applied_logs`, :func:`set_learning_rate` and :func:`ramp_learning_rate`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from dasktf.cluster.waits import RunContext, wait_for
+from dasktf.data.shards import Shard
+from dasktf.runtime.replica import get_replica, take_kept
+from dasktf.runtime.tasks import set_learning_rate_task
+
+
+# -- the worker side ---------------------------------------------------------------
+def replica_state_task(run_id: str, update: int | None = None, after: Any = None) -> dict[str, Any]:
+    """The replica's full training state: weights, optimizer variables, counters;
+    with ``update``, the state kept right after that update if this replica kept it
+    (``after`` is the step task that kept it: a dependency, never read)."""
+    replica = get_replica(run_id)
+    with replica.apply_lock:
+        kept = take_kept(replica.kept, update)
+    return kept if kept is not None else replica.training_state()
+
+
+def set_state_task(
+    run_id: str, state: dict[str, Any], unfence: bool = True, rewind: bool = False
+) -> int:
+    """Load a state from :func:`replica_state_task` (or a checkpoint) into the
+    replica. ``rewind``: an older state than the replica's (a sharded run's restore
+    point): the updates after it are forgotten, to be applied again, and the
+    epoch's metric totals start over."""
+    replica = get_replica(run_id)
+    with replica.apply_lock:
+        replica.model.set_weights(state["weights"])
+        if replica.rounds is not None:  # inner optimizer states are each worker's own
+            replica.rounds.load(state)
+        else:
+            for v, value in zip(replica.model.optimizer.variables, state["optimizer"],
+                                strict=False):
+                v.assign(value)
+        applied = int(state["applied"])
+        if rewind:
+            replica.applied_log = [u for u in replica.applied_log if u <= applied]
+            replica.kept = {}
+            replica.model.reset_metrics()
+        # The updates this state holds count as applied here, once each.
+        replica.applied_log.extend(range(replica.applied + 1, applied + 1))
+        replica.applied = applied
+        if unfence:
+            replica.fenced = False
+        return replica.applied
+
+
+def fence_task(run_id: str) -> int:
+    """Stop this replica applying anything (cancelled steps may still be running);
+    return the last update it applied."""
+    replica = get_replica(run_id)
+    with replica.apply_lock:
+        replica.fenced = True
+        return replica.applied
+
+
+def unfence_task(run_id: str) -> int:
+    replica = get_replica(run_id)
+    with replica.apply_lock:
+        replica.fenced = False
+        return replica.applied
+
+
+def adopt_task(
+    run_id: str, index: int, shard: Shard, column: np.ndarray, val: Shard | None
+) -> int:
+    """Take over a lost worker's shard (and validation piece); returns rows held."""
+    replica = get_replica(run_id)
+    with replica.apply_lock:
+        replica.adopted.append((index, shard, np.asarray(column)))
+        if val is not None and len(val):
+            mine = replica.val_shard
+            replica.val_shard = val if mine is None else Shard.concat([mine, val])
+    return len(replica.shard) + sum(len(s) for _, s, _ in replica.adopted)
+
+
+def ramp_lr_task(run_id: str, factor: float, steps: int) -> tuple[float, float]:
+    """Scale the learning rate by ``factor``, linearly over the next ``steps`` updates
+    (the warm-up of Goyal et al., 2017); returns (old, new)."""
+    from dasktf.runtime.servers import ramp_shards_learning_rate
+
+    replica = get_replica(run_id)
+    with replica.apply_lock:
+        old = float(replica.model.optimizer.learning_rate.numpy())
+        new = old * float(factor)
+        replica.lr_ramp = (replica.applied + 1, max(1, int(steps)), old, new)
+    ramp_shards_learning_rate(run_id, float(factor), steps)  # placement="ps": they train
+    return old, new
+
+
+def ramp_learning_rate(ctx: RunContext, factor: float, steps: int) -> tuple[float, float]:
+    """Every replica (and server) of the run scales its learning rate by ``factor``
+    over the next ``steps`` updates; the rates before and after."""
+    futures = [ctx.client.submit(ramp_lr_task, ctx.run_id, factor, steps, workers=[w],
+                                 allow_other_workers=False, pure=False)
+               for w in ctx.workers]
+    wait_for(ctx, futures, "rescaling the learning rate")
+    return ctx.client.gather(futures)[0]  # type: ignore[no-any-return]
+
+
+def set_learning_rate(ctx: RunContext, lr: float) -> None:
+    """Every replica's optimizer takes ``lr`` (between epochs: nothing in flight)."""
+    futures = [_pinned(ctx, set_learning_rate_task, ctx.run_id, lr, worker=w)
+               for w in ctx.workers]
+    wait_for(ctx, futures, "setting the learning rate")
+
+
+def applied_log_task(run_id: str) -> tuple[int, list[int]]:
+    replica = get_replica(run_id)
+    return replica.index, list(replica.applied_log)
+
+
+# -- the client side -----------------------------------------------------------------
+def _pinned(ctx: RunContext, func: Any, *args: Any, worker: str, key: str | None = None
+            ) -> Any:
+    kw = {} if key is None else {"key": key}
+    return ctx.client.submit(func, *args, workers=[worker], allow_other_workers=False,
+                             pure=False, **kw)
+
+
+def fence(ctx: RunContext, survivors: list[str], attempt: int) -> list[int]:
+    """Stop ``survivors`` applying anything (what still runs of the steps in flight
+    then changes nothing); the update each had applied, in their order."""
+    fences = [_pinned(ctx, fence_task, ctx.run_id, worker=w,
+                      key=f"dasktf-fence-{ctx.run_id}-{attempt}-{i}")
+              for i, w in enumerate(survivors)]
+    wait_for(ctx, fences, "fencing the surviving replicas")
+    return ctx.client.gather(fences)  # type: ignore[no-any-return]
+
+
+def reconcile(ctx: RunContext, survivors: list[str], applied: list[int]) -> int:
+    """Bring every fenced survivor to the most advanced one's state and unfence
+    them all (all replicas are identical after an update, so this is exactly the
+    newest update one of them applied, ``max(applied)``, which it returns)."""
+    target = max(applied)
+    source = survivors[applied.index(target)]
+    state = _pinned(ctx, replica_state_task, ctx.run_id, worker=source)
+    sets = [_pinned(ctx, set_state_task, ctx.run_id, state, worker=w)
+            for w, a in zip(survivors, applied, strict=True) if a < target]
+    unfences = [_pinned(ctx, unfence_task, ctx.run_id, worker=w)
+                for w, a in zip(survivors, applied, strict=True) if a == target]
+    wait_for(ctx, [state, *sets, *unfences], "reconciling the surviving replicas")
+    return target
+
+
+def read_state(ctx: RunContext, update: int | None = None, after: Any = None
+               ) -> dict[str, Any]:
+    """The run's training state, read from its first replica (see
+    :func:`replica_state_task`)."""
+    f = _pinned(ctx, replica_state_task, ctx.run_id, update, after, worker=ctx.workers[0])
+    wait_for(ctx, [f], "reading the training state")
+    return f.result()  # type: ignore[no-any-return]
+
+
+def load_state(ctx: RunContext, state: dict[str, Any]) -> None:
+    """Load ``state`` (a checkpoint's, or the run's at a re-form) into every replica."""
+    big = ctx.client.scatter(state, broadcast=True, hash=False)
+    futures = [_pinned(ctx, set_state_task, ctx.run_id, big, worker=w)
+               for w in ctx.workers]
+    wait_for(ctx, futures, "loading the checkpoint into the replicas")
+
+
+def applied_logs(ctx: RunContext) -> dict[int, list[int]]:
+    """``{replica index: updates it applied, in order}`` over the run's workers."""
+    futures = [_pinned(ctx, applied_log_task, ctx.run_id, worker=w) for w in ctx.workers]
+    wait_for(ctx, futures, "reading the applied updates")
+    return dict(ctx.client.gather(futures))
+
+
+def round_state(ctx: RunContext, update: int | None, kept_by: list[Any]) -> dict[str, Any]:
+    """Rounds of local steps: the first replica's state (weights, outer optimizer)
+    with every replica's inner optimizer state, ``{index: variables}``, all at the
+    same round start (``update``: the one each kept, ``kept_by`` its step tasks)."""
+    client = ctx.client
+    futures = [client.submit(replica_state_task, ctx.run_id, update, after,
+                             workers=[w], allow_other_workers=False, pure=False)
+               for w, after in zip(ctx.workers, kept_by, strict=True)]
+    wait_for(ctx, futures, "reading the replicas' training states")
+    states = client.gather(futures)
+    applied = {s["applied"] for s in states}
+    if len(applied) != 1:
+        raise RuntimeError(f"replicas read at updates {sorted(applied)}; this is a "
+                           "dasktf bug (a round-start cut must be one update).")
+    return {**states[0], "inner": {int(s["index"]): s["optimizer"] for s in states}}
