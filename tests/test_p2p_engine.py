@@ -83,6 +83,73 @@ def test_p2p_matches_single_process_keras(client, small_digits, n_workers):
         assert history.history["bytes_bound_ratio"][-1] >= 0.99
 
 
+def _applied_updates_here() -> list[int]:
+    """On a worker: the updates each replica in this process has applied so far."""
+    from dasktf.runtime.replica import registered_replicas
+
+    return [r.applied + 1 for r in registered_replicas().values()]
+
+
+@pytest.mark.timeout(240)
+def test_a_segment_leaves_its_workers_free_for_other_tasks(client, digits):
+    """A segment waits on its peers every step for a whole epoch; it leaves the
+    worker's thread pool, so another task (a prediction, a second user's run, a
+    search fitting in parallel) runs on the same one-thread workers meanwhile
+    instead of queueing behind the epoch (two p2p runs each holding the slot a peer
+    of the other waits for would deadlock)."""
+    x, y = digits.x_train, digits.y_train
+    steps = -(-len(x) // 16)  # one epoch of 90 steps
+    probes: list = []
+
+    class Probe(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if not probes:  # the first step heard: the segment is running
+                probes.extend(client.submit(_applied_updates_here, workers=[w],
+                                            pure=False, allow_other_workers=False)
+                              for w in sorted(client.scheduler_info()["workers"]))
+
+    history = dasktf.fit("mnist-mlp", x, y, client=client, n_workers=3, epochs=1,
+                         batch_size=16, seed=0, verbose=0, engine="p2p",
+                         callbacks=[Probe()])
+    assert probes and len(history.history["loss"]) == 1
+    seen = [n for f in probes for n in f.result(timeout=30)]
+    # each probe ran while its worker's replica was mid-epoch, not after the segment
+    assert seen and all(0 < n < steps for n in seen), (seen, steps)
+
+
+@pytest.mark.timeout(240)
+def test_two_runs_sharing_the_workers_both_finish_as_if_alone(client, small_digits):
+    """Two p2p runs at once on the same three workers: each trains what it trains
+    alone."""
+    import threading
+
+    x, y = small_digits
+
+    def fit(seed):
+        return dasktf.fit("mnist-mlp", x, y, client=client, n_workers=3, epochs=2,
+                          batch_size=50, seed=seed, verbose=0, engine="p2p")
+
+    alone = {seed: _flat(fit(seed).model.get_weights()) for seed in (1, 2)}
+    together, errors = {}, []
+
+    def run(seed):
+        try:
+            together[seed] = _flat(fit(seed).model.get_weights())
+        except BaseException as exc:  # the test thread reports it
+            errors.append(exc)
+
+    # a deadlock ends in the group's bounded wait, not the test's timeout
+    with dask.config.set({"dasktf.p2p.timeout": "60s"}):
+        threads = [threading.Thread(target=run, args=(seed,)) for seed in (1, 2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(180)
+    assert not errors, errors
+    for seed in (1, 2):
+        np.testing.assert_array_equal(together[seed], alone[seed])
+
+
 def test_p2p_weights_and_dict_inputs_match_keras(client, digits):
     """Sample weights on a dict-input, dict-output model, then class weights."""
     d = _data(n=240)

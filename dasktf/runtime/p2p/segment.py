@@ -93,8 +93,13 @@ def segment_task(run_id: str, segment: Segment) -> SegmentResult:
         The run aborted the group (it recovers from a loss seen elsewhere), or the
         replica was fenced.
     """
-    from distributed import get_worker
+    from distributed import get_worker, secede
 
+    # Out of the worker's thread pool for the segment's length: a segment waits on
+    # its peers every step, so holding a thread slot would deadlock two runs that
+    # share workers (each one's segment waiting for a peer whose slot the other's
+    # holds), and would starve every other task of the worker meanwhile.
+    secede()
     here = get_worker().address
     replica = get_replica(run_id)
     peers = link(run_id, here)
