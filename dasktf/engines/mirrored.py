@@ -14,15 +14,16 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from dasktf.cluster.waits import wait_for
 from dasktf.exceptions import AllWorkersLostError
 from dasktf.runtime.reconcile import adopt_task
 
 if TYPE_CHECKING:
-    import numpy as np
-
     from dasktf.cluster.waits import RunContext
     from dasktf.engines.base import RunHooks
+    from dasktf.wire.packets import TrafficLog
 
 
 def all_lost(hooks: RunHooks, lost: list[str]) -> AllWorkersLostError:
@@ -98,3 +99,17 @@ def report_recovery(ctx: RunContext, hooks: RunHooks, lost: list[str], epoch: in
         + f"resuming at update {target + 1} (steps lost: 0, recomputed: {recomputed})"
     )
     return recovered
+
+
+def mirrored_epoch_logs(traffic: TrafficLog, n_params: int, n_workers: int, units: int,
+                        examples: int, round_log: list[dict[str, Any]] | None
+                        ) -> dict[str, float]:
+    """What a mirrored engine adds to an epoch's logs: per worker and update (a step,
+    or a round of local steps) the bytes against the allreduce bound
+    (:meth:`dasktf.wire.packets.TrafficLog.logs`); with rounds (``round_log``, the
+    epoch's), their number and mean drift (:func:`dasktf.runtime.rounds.drift`)."""
+    logs = traffic.logs(n_params, n_workers, units, examples)
+    if round_log:
+        logs["rounds"] = float(len(round_log))
+        logs["drift"] = float(np.mean([r["drift"] for r in round_log]))
+    return logs

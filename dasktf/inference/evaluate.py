@@ -79,13 +79,7 @@ def evaluate(model: Any, x: Any, y: Any = None, *, batch_size: int | None = None
     probe_outputs(model, plan)
     recipe = evaluation_recipe(model)
     probe_x, probe_y, probe_w = plan.probe(1)
-    try:
-        build_metrics(model, probe_x, probe_y, probe_w)
-    except Exception as exc:
-        raise ValueError(
-            "y (or sample_weight) does not match the model's outputs and loss: "
-            f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]} Give y as one "
-            "array per output, in a list (by position) or a dict (by output name).") from exc
+    build_metrics(model, probe_x, probe_y, probe_w)
     shared = share_model(client, ModelPackage.pack(model))
     try:
         states = _states(plan, shared.future, recipe, batch_size)

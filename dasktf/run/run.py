@@ -211,15 +211,7 @@ class Run:
         check_sparse_labels(recipe.loss, model, y_pred, self.placed.stats)
         compile_reference(recipe, model, o.learning_rate)
         probe_x, probe_y, probe_w = stats.probe(1)
-        try:
-            build_metrics(model, probe_x, probe_y, probe_w)
-        except Exception as exc:
-            raise ValueError(
-                "The labels y (or sample_weight) do not match the model's outputs and "
-                f"loss: {type(exc).__name__}: {str(exc).strip().splitlines()[0]} Give y "
-                "as one array per output, in a list (by position) or a dict (by output "
-                f"name: {list(getattr(model, 'output_names', []) or [])})."
-            ) from exc
+        build_metrics(model, probe_x, probe_y, probe_w)
         self.model = model
         self.spec_description = (o.model if isinstance(o.model, str) else
                                  getattr(model, "name", ""))

@@ -64,10 +64,26 @@ def keras_ready(nest: Any) -> Any:
 
 
 def build_metrics(model: Any, x: Any, y: Any, w: Any = None) -> None:
-    """Create the compiled loss and metric variables (Keras builds them lazily)."""
-    y_pred = model(x, training=False)
-    model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=w, training=False)
-    model.compute_metrics(x, y, y_pred, sample_weight=w)
+    """Create the compiled loss and metric variables (Keras builds them lazily).
+
+    Raises
+    ------
+    ValueError
+        ``y`` (or ``w``) does not fit the model's outputs and loss: what Keras said,
+        and the forms ``y`` can take.
+    """
+    try:
+        y_pred = model(x, training=False)
+        model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=w, training=False)
+        model.compute_metrics(x, y, y_pred, sample_weight=w)
+    except Exception as exc:
+        names = list(getattr(model, "output_names", []) or [])
+        raise ValueError(
+            "The labels y (or sample_weight) do not match the model's outputs and "
+            f"loss: {type(exc).__name__}: {str(exc).strip().splitlines()[0]} Give y "
+            "as one array per output, in a list (by position) or a dict (by output "
+            f"name: {names})."
+        ) from exc
     model.reset_metrics()
 
 

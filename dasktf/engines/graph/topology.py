@@ -33,11 +33,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from dasktf.cluster.waits import RunContext
 from dasktf.engines.graph.batch import Pending
 from dasktf.engines.graph.steps import SyncEngine
+from dasktf.engines.mirrored import mirrored_epoch_logs
 from dasktf.runtime.servers import ps_apply_task, server_workers
 from dasktf.wire.packets import (
     CommSpec,
@@ -175,12 +174,9 @@ class CommEngine(SyncEngine):
         """Per worker and update (a step, or a round of local steps): the bytes
         against the allreduce bound (:meth:`dasktf.wire.packets.TrafficLog.logs`);
         with rounds, their number and mean drift (:func:`dasktf.runtime.rounds.drift`)."""
-        logs = self.traffic.logs(self.n_params, len(self.ctx.workers),
-                                 self.units_per_epoch, self.examples_per_epoch)
-        if self.local is not None and self.round_log:
-            logs["rounds"] = float(len(self.round_log))
-            logs["drift"] = float(np.mean([r["drift"] for r in self.round_log]))
-        return logs
+        return mirrored_epoch_logs(self.traffic, self.n_params, len(self.ctx.workers),
+                                   self.units_per_epoch, self.examples_per_epoch,
+                                   self.round_log if self.local is not None else None)
 
 
 def _size(shape: tuple[int, ...]) -> int:

@@ -36,7 +36,12 @@ import numpy as np
 
 from dasktf.cluster.waits import RunContext, call_watched
 from dasktf.engines.base import Capabilities, Engine, RunHooks
-from dasktf.engines.mirrored import adopt_shards, all_lost, report_recovery
+from dasktf.engines.mirrored import (
+    adopt_shards,
+    all_lost,
+    mirrored_epoch_logs,
+    report_recovery,
+)
 from dasktf.engines.p2p.flight import Flight
 from dasktf.engines.p2p.options import group_spec
 from dasktf.exceptions import WorkerLostError
@@ -297,12 +302,9 @@ class P2PEngine(Engine):
         """The bytes per update against the allreduce bound
         (:meth:`dasktf.wire.packets.TrafficLog.logs`); with rounds, their number and
         mean drift."""
-        logs = self.traffic.logs(self.n_params, len(self.ctx.workers),
-                                 self.units_per_epoch, self.examples_per_epoch)
-        if self.local is not None and self.round_log:
-            logs["rounds"] = float(len(self.round_log))
-            logs["drift"] = float(np.mean([r["drift"] for r in self.round_log]))
-        return logs
+        return mirrored_epoch_logs(self.traffic, self.n_params, len(self.ctx.workers),
+                                   self.units_per_epoch, self.examples_per_epoch,
+                                   self.round_log if self.local is not None else None)
 
     def round_records(self) -> list[dict[str, Any]]:
         return list(self.round_log)
