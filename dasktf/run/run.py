@@ -380,7 +380,10 @@ class Run:
                 raise lost from exc
             raise
         finally:
-            self.client.unsubscribe_topic(LOSS_TOPIC)
+            try:
+                self.client.unsubscribe_topic(LOSS_TOPIC)
+            except Exception:  # noqa: BLE001 - a client closed with its scheduler has nothing to unsubscribe, and must not hide why the run ended
+                pass
         self.publish(run_end_record(self.run_id))
         cb.on_train_end()
         history.set_model(self.model)
