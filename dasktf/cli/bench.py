@@ -16,9 +16,11 @@ Epoch times include the per-epoch validation, as ``fit(validation_data=...)``
 does. Each run reports its start-up (wall time minus training time: replicas, or child
 processes and the strategy), examples/s over the epochs after the first (the first
 traces), the training time until the validation accuracy first reached the target,
-and the final validation accuracy. All distributed runs share one LocalCluster
-(its workers already import TensorFlow; MWMS and the collective engine start a
-TensorFlow child per worker, which their start-up includes).
+and the final validation accuracy. The distributed runs of one worker count share
+one LocalCluster of that many workers, started as ``dasktf fit --workers N`` starts
+it (each worker's TensorFlow gets cores // N threads; its workers already import
+TensorFlow; MWMS and the collective engine start a TensorFlow child per worker,
+which their start-up includes).
 
 Outputs: a table on the terminal, a JSON file and a PNG chart.
 Usage: ``python benchmarks/peers.py [--models cnn,mnist-mlp] [--workers 1,2,3]
@@ -353,17 +355,20 @@ def run_benchmark(models: str, workers: str, runners: str, data: str, train_size
         for model in models:
             add(model, 1, "keras", keras_run(model, data, args.batch_size, args.epochs,
                                              args.lr, args.target))
-    with dasktf.make_local_cluster(max(counts)) as cluster, Client(cluster) as client:
-        client.wait_for_workers(max(counts), timeout=120)
-        all_workers = sorted(client.scheduler_info()["workers"])
-        for model in models:
-            for n in counts:
+    # A cluster per worker count, as `dasktf fit --workers N` starts one: its workers'
+    # TensorFlow threads share the cores (cores // N each), so one worker has every
+    # core, as the single process does.
+    for n in counts:
+        with dasktf.make_local_cluster(n) as cluster, Client(cluster) as client:
+            client.wait_for_workers(n, timeout=120)
+            workers = sorted(client.scheduler_info()["workers"])
+            for model in models:
                 for runner in runners:
                     if runner == "keras":
                         continue
                     if runner == "mwms":
-                        row = mwms_run(client, all_workers[:n], model, data,
-                                       args.batch_size, args.epochs, args.lr, args.target)
+                        row = mwms_run(client, workers, model, data, args.batch_size,
+                                       args.epochs, args.lr, args.target)
                     else:
                         row = dasktf_run(client, n, runner, model, data, args.batch_size,
                                          args.epochs, args.lr, args.target)
