@@ -82,6 +82,7 @@ MODES = {
     "tree-fan16": {"engine": "graph", "config": {"reduction-fan-in": 16}},
     "tree-window1": {"engine": "graph", "config": {"submit-window": 1}},
     "tree-nometrics": {"engine": "graph", "config": {"metrics": False}},
+    "p2p-nometrics": {"engine": "p2p", "config": {"metrics": False}},
 }
 ROWS_PER_WORKER = 16
 STEPS = 32
