@@ -585,6 +585,7 @@ def fit_model(results: list[dict[str, Any]], holdout: int | None = None) -> str:
 
 
 def main() -> None:
+    global STEPS
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workers", type=int, nargs="+", default=[2, 4, 8, 16, 32])
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
@@ -595,7 +596,12 @@ def main() -> None:
     p.add_argument("--fit", nargs="*", help="fit the cost model to these JSON files")
     p.add_argument("--holdout", type=int, default=None,
                    help="a worker count left out of the fit and predicted")
+    p.add_argument("--steps", type=int, default=32,
+                   help="steps an epoch (the measured window is one epoch): the "
+                        "scheduler's CPU is read in clock ticks (10 ms), so a mode "
+                        "that costs it little per step needs a window of seconds")
     args = p.parse_args()
+    STEPS = args.steps
     if args.cli:
         print(cli_run(args.cli))
         return

@@ -99,3 +99,43 @@ def test_many_workers_send_the_scheduler_fewer_metric_messages_each():
     with dask.config.set({"dasktf.metrics-rate": 0}), \
             pytest.raises(ValueError, match="metrics-rate must be a positive"):
         MetricsBuffer(n_workers=3)
+
+
+def _count_identity(dask_scheduler=None) -> None:
+    """Wrap the scheduler's ``identity`` handler with a counter (once)."""
+    handler = dask_scheduler.handlers["identity"]
+    if getattr(handler, "dasktf_counted", None) is None:
+        calls = [0]
+
+        def counted(*args, **kwargs):
+            calls[0] += 1
+            return handler(*args, **kwargs)
+
+        counted.dasktf_counted = calls
+        dask_scheduler.handlers["identity"] = counted
+
+
+def _identity_calls(dask_scheduler=None) -> int:
+    return dask_scheduler.handlers["identity"].dasktf_counted[0]
+
+
+def test_a_waiting_client_checks_its_workers_without_the_schedulers_identity(client,
+                                                                            digits):
+    """The liveness check a waiting client runs every poll asks the scheduler which
+    of the run's workers it lists (a small query), not for its identity (every
+    worker described, O(cluster)): a p2p epoch of many polls costs no identity call,
+    and a worker gone is still named."""
+    from dasktf.cluster.local import listed_workers
+
+    workers = sorted(client.scheduler_info()["workers"])
+    assert listed_workers(client, [*workers, "tcp://127.0.0.1:9"]) == set(workers)
+    client.run_on_scheduler(_count_identity)
+    before = client.run_on_scheduler(_identity_calls)
+    x, y = digits.x_train, digits.y_train
+    with dask.config.set({"dasktf.poll-interval": "20ms"}):  # many polls
+        history = dasktf.fit("mnist-mlp", x, y, client=client, n_workers=3, epochs=2,
+                             batch_size=16, seed=0, verbose=0, engine="p2p")
+    assert len(history.history["loss"]) == 2
+    # the set-up's and the epoch ends' (9 here); one a poll would be hundreds (326
+    # before the liveness check asked for the listed workers only)
+    assert client.run_on_scheduler(_identity_calls) - before <= 15

@@ -248,6 +248,14 @@ def alive_workers(client: Client) -> list[str]:
     return sorted(info["workers"])
 
 
+def listed_workers(client: Client, workers: list[str]) -> set[str]:
+    """Which of ``workers`` the scheduler lists now: one small query (their thread
+    counts), where :func:`alive_workers` has the scheduler describe every worker
+    (its identity: O(cluster) of metrics, a few ms at 32 workers, which a waiting
+    client's every poll would cost the scheduler)."""
+    return set(client.sync(client.scheduler.ncores, workers=list(workers)))
+
+
 def _all_requested_up(client: Client, workers: list[str]) -> bool:
     """True when the client's own cluster object (a LocalCluster, ...) has started
     every worker it was asked for: waiting longer would not bring more."""

@@ -23,7 +23,7 @@ from distributed import wait
 
 from dasktf import config
 from dasktf.cluster.deadline import Deadline, poll_until
-from dasktf.cluster.local import alive_workers
+from dasktf.cluster.local import listed_workers
 from dasktf.exceptions import (
     CollectiveAbortedError,
     ReplicaError,
@@ -122,7 +122,7 @@ def lost_workers(ctx: RunContext, wait: float = 0.0) -> list[str]:
         lost = sorted({c.worker for c in ctx.watcher.removed(ctx.workers)})
         if lost:
             return lost
-    alive = set(alive_workers(ctx.client))
+    alive = listed_workers(ctx.client, ctx.workers)
     return [w for w in ctx.workers if w not in alive]
 
 
