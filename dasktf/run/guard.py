@@ -72,6 +72,10 @@ class RunGuard:
         self.last_checkpoint: Path | None = None
         self._since_checkpoint = 0
         self.lines: list[str] = []
+        #: named when the scheduler is lost: by then a client that gave up
+        #: reconnecting has closed, and no longer knows where it was connected
+        self.scheduler_address = str(getattr(getattr(run.client, "scheduler", None),
+                                             "address", None) or "the scheduler")
 
     # -- what the engine gets ------------------------------------------------------
     def hooks(self) -> RunHooks:
@@ -94,10 +98,9 @@ class RunGuard:
             return None
         if client.status == "running" and not isinstance(exc, (OSError, ConnectionError)):
             return None
-        where = getattr(getattr(client, "scheduler", None), "address", "the scheduler")
         path = self.last_checkpoint
         return SchedulerUnreachableError(
-            f"Lost the scheduler {where} during the run ({type(exc).__name__}: {exc}). "
+            f"Lost the scheduler {self.scheduler_address} during the run ({type(exc).__name__}: {exc}). "
             + (f"The last checkpoint is {path}: restart the scheduler and workers, then "
                "resume with resume=True (dasktf fit --resume)."
                if path else "No checkpoint was written; pass checkpoint_dir= "
