@@ -12,12 +12,12 @@ import shutil
 import subprocess
 import sys
 import threading
-import time
 import traceback
 from collections.abc import Iterator
 from typing import Any
 
 import dask
+import keras
 import pytest
 from click.testing import CliRunner
 from distributed import Client
@@ -80,6 +80,24 @@ class Training:
         return self.history
 
 
+class _HoldAfterFirstEpoch(keras.callbacks.Callback):
+    """Holds the run (on the client) at the end of its first epoch until released,
+    at most 120 s: bounded, a forgotten release only slows the test down."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._go = threading.Event()
+        self.held = False
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        if epoch == 0:
+            self.held = True
+            self._go.wait(120)
+
+    def release(self) -> None:
+        self._go.set()
+
+
 def _source(page: Any, name: str) -> dict[str, list[Any]]:
     return page.evaluate(
         "(name) => { const s = Bokeh.documents[0].get_model_by_name(name);"
@@ -110,18 +128,22 @@ def test_live_dashboard_shows_loss_staleness_and_every_worker(client, digits, br
     with DashboardServer(client, port=0) as server:
         assert server.url.startswith("http://127.0.0.1:")
         known = _known_runs(client)  # earlier tests' runs: the page follows the newest
-        training = Training(client, digits)
+        # The run waits after its first epoch until the page has been seen live: a
+        # fast engine would otherwise finish before the test looks (6 epochs in 7 s).
+        gate = _HoldAfterFirstEpoch()
+        training = Training(client, digits, callbacks=[gate])
         page = _open(browser, server.url)
         run = wait_until(lambda: _updates_of_new_run(client, known, 0), 60, "the run to start")
         wait_until(lambda: run in page.inner_text(".dasktf-header")
               and len(_source(page, "loss")["loss"]) >= 5, 60, "the first loss points")
-        before = len(_source(page, "loss")["loss"])
-        time.sleep(3)
         header = page.inner_text(".dasktf-header")
-        after = len(_source(page, "loss")["loss"])
+        before = len(_source(page, "loss")["loss"])
         assert "status running" in header.replace("\n", " "), header
-        assert after > before, (before, after)
+        gate.release()
+        wait_until(lambda: len(_source(page, "loss")["loss"]) > before, 60,
+                   "new loss points on the open page")
         history = training.join()
+        assert gate.held, "the run never reached the end of its first epoch"
 
         # The page follows to the end of the run.
         wait_until(lambda: "finished" in page.inner_text(".dasktf-header"), 20, "the run's end")
