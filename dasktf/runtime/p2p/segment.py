@@ -130,13 +130,24 @@ def _steps(replica: Replica, group: Group, segment: Segment, peers: Link, here: 
     step."""
     size = int(sum(replica.sizes))
     last, averaged = segment.first - 1, None
+    # The sum of a step that is not the segment's last waits to be applied with the
+    # next step's gradient, in one TensorFlow call (the same state, in order): the
+    # replica applies it before anything else reads its weights, and before this
+    # function returns or raises from a collective.
+    pending: GradientSum | None = None
     for step in range(segment.first, segment.last + 1):
         update = segment.update_base + step
         for hook in step_hooks:
             hook(replica, update)
         began = time.perf_counter()
-        out = (replica.gradient(segment.epoch, step) if replica.rounds is None
-               else replica.rounds.run(segment.epoch, step))
+        if replica.rounds is not None:
+            out = replica.rounds.run(segment.epoch, step)
+        elif pending is not None:
+            out = replica.apply_then_gradient(pending, segment.epoch, step)
+        else:
+            out = replica.gradient(segment.epoch, step)
+        pending = None
+        _check_fence(replica, update - 1)
         computed = time.perf_counter()
         statistics = None
         if segment.average_stats and step == segment.last and segment.ends_epoch:
@@ -145,21 +156,29 @@ def _steps(replica: Replica, group: Group, segment: Segment, peers: Link, here: 
                                       votes=_votes(peers.stop, statistics))
         reduced = time.perf_counter()
         summed.update = update
-        replica.apply(summed)
-        if replica.fenced:  # a recovery runs (a worker with several threads)
-            raise CollectiveAbortedError(
-                f"replica {replica.index} was fenced at update {update}: the run is "
-                "recovering from a lost worker.")
+        stopped = ("a stop request" if sums[0] > 0 else
+                   "a non-finite loss" if segment.stop_on_nonfinite and summed.count
+                   and not math.isfinite(summed.loss_sum) else None)
+        if replica.rounds is None and stopped is None and step < segment.last:
+            pending = summed
+        else:
+            replica.apply(summed)
+            _check_fence(replica, update)
         if statistics is not None:
             averaged = _mean(statistics, sums[1:], group.size)
         _account(replica, group, out, summed, segment.epoch, step, update,
                  (computed - began) + (time.perf_counter() - reduced), here)
         last = step
-        if sums[0] > 0:
-            return last, "a stop request", averaged
-        if segment.stop_on_nonfinite and summed.count and not math.isfinite(summed.loss_sum):
-            return last, "a non-finite loss", averaged
+        if stopped is not None:
+            return last, stopped, averaged
     return last, None, averaged
+
+
+def _check_fence(replica: Replica, update: int) -> None:
+    if replica.fenced:  # a recovery runs (a worker with several threads)
+        raise CollectiveAbortedError(
+            f"replica {replica.index} was fenced at update {update}: the run is "
+            "recovering from a lost worker.")
 
 
 def _account(replica: Replica, group: Group, out: GradientSum, summed: GradientSum,
