@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 import dask
 import keras
@@ -90,31 +91,61 @@ def _applied_updates_here() -> list[int]:
     return [r.applied + 1 for r in registered_replicas().values()]
 
 
+def _probe_at_step(update: int, dask_worker: Any = None) -> None:
+    """On a worker: as its replica's step of ``update`` begins, the segment submits
+    a probe task to this same worker and waits for it (at most 30 s): it runs only
+    if the segment left the worker's one thread free."""
+    from distributed import get_client
+
+    from dasktf.runtime.p2p import segment
+
+    worker = dask_worker
+    worker._dasktf_probe = None
+
+    def probe(replica: Any, u: int) -> None:
+        if u != update:
+            return
+        future = get_client().submit(_applied_updates_here, workers=[worker.address],
+                                     allow_other_workers=False, pure=False)
+        try:
+            worker._dasktf_probe = future.result(timeout=30)
+        except TimeoutError:
+            worker._dasktf_probe = "the probe did not run within 30 s"
+
+    probe.dasktf_test_probe = True  # type: ignore[attr-defined]
+    segment.step_hooks.append(probe)
+
+
+def _probe_result(dask_worker: Any = None) -> Any:
+    from dasktf.runtime.p2p import segment
+
+    segment.step_hooks[:] = [h for h in segment.step_hooks
+                             if not getattr(h, "dasktf_test_probe", False)]
+    return dask_worker._dasktf_probe
+
+
 @pytest.mark.timeout(240)
 def test_a_segment_leaves_its_workers_free_for_other_tasks(client, digits):
     """A segment waits on its peers every step for a whole epoch; it leaves the
     worker's thread pool, so another task (a prediction, a second user's run, a
     search fitting in parallel) runs on the same one-thread workers meanwhile
     instead of queueing behind the epoch (two p2p runs each holding the slot a peer
-    of the other waits for would deadlock)."""
+    of the other waits for would deadlock). Mid-epoch, each worker's segment asks
+    for a task on its own worker and waits for it."""
     x, y = digits.x_train, digits.y_train
     steps = -(-len(x) // 16)  # one epoch of 90 steps
-    probes: list = []
-
-    class Probe(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            if not probes:  # the first step heard: the segment is running
-                probes.extend(client.submit(_applied_updates_here, workers=[w],
-                                            pure=False, allow_other_workers=False)
-                              for w in sorted(client.scheduler_info()["workers"]))
-
-    history = dasktf.fit("mnist-mlp", x, y, client=client, n_workers=3, epochs=1,
-                         batch_size=16, seed=0, verbose=0, engine="p2p",
-                         callbacks=[Probe()])
-    assert probes and len(history.history["loss"]) == 1
-    seen = [n for f in probes for n in f.result(timeout=30)]
-    # each probe ran while its worker's replica was mid-epoch, not after the segment
-    assert seen and all(0 < n < steps for n in seen), (seen, steps)
+    workers = sorted(client.scheduler_info()["workers"])
+    client.run(_probe_at_step, 5, workers=workers)
+    try:
+        history = dasktf.fit("mnist-mlp", x, y, client=client, n_workers=3, epochs=1,
+                             batch_size=16, seed=0, verbose=0, engine="p2p")
+    finally:
+        seen = client.run(_probe_result, workers=workers)
+    assert len(history.history["loss"]) == 1
+    # each probe ran while its worker's replica was mid-epoch (update 4 pending, the
+    # 4 before applied), not after the segment
+    counts = [n for w in workers for n in (seen[w] if isinstance(seen[w], list) else [-1])]
+    assert len(counts) == 3 and all(0 < n < steps for n in counts), (seen, steps)
 
 
 @pytest.mark.timeout(240)

@@ -35,6 +35,7 @@ from dasktf.exceptions import ReplicaError
 from dasktf.models import CompileRecipe
 from dasktf.runtime.keras_step import (
     batch_args,
+    SignatureFunction,
     batch_signature,
     build_metrics,
     keras_ready,
@@ -141,24 +142,16 @@ class Replica:
         compile_loss = getattr(model, "_compile_loss", None)
         self.output_loss_trackers = list(getattr(compile_loss, "metrics", None) or [])
         self.weighted = probe.w is not None
-        self._gradient_fn = tf.function(self.batch_gradient, input_signature=batch_signature(probe))
+        self._gradient_fn = SignatureFunction(self.batch_gradient, batch_signature(probe))
         # A fixed signature: a Python int count would retrace for every new value
         # (the short last batch of each epoch, for one).
-        self._apply_fn = tf.function(
-            self.apply_mean,
-            input_signature=[
-                tf.TensorSpec((sum(self.sizes),), tf.float32),
-                tf.TensorSpec((), tf.float32),
-            ],
-        )
+        summed = [tf.TensorSpec((sum(self.sizes),), tf.float32), tf.TensorSpec((), tf.float32)]
+        self._apply_fn = SignatureFunction(self.apply_mean, summed)
         # A sync step's apply and the next step's gradient in one TensorFlow call
         # (the p2p engine's steps; :meth:`apply_then_gradient`): half the calls,
         # whose fixed cost dominates a small model's step.
-        self._apply_gradient_fn = tf.function(
-            self._apply_then_gradient,
-            input_signature=[tf.TensorSpec((sum(self.sizes),), tf.float32),
-                             tf.TensorSpec((), tf.float32), *batch_signature(probe)],
-        )
+        self._apply_gradient_fn = SignatureFunction(self._apply_then_gradient,
+                                                    [*summed, *batch_signature(probe)])
         self._epoch = -1
         self._order = None if isinstance(shard, StreamedShard) else np.arange(len(shard))
         self.step_seconds: list[float] = []

@@ -143,6 +143,11 @@ class Group:
             )
         ep.members, ep.rank = self.members, self.rank
         self._ep = ep
+        #: messages on sockets of the training threads' own (plain TCP), or through
+        #: the workers' event loops (TLS, or ``dasktf.p2p.transport: loop``)
+        self.links = ep.links if (
+            config.get("p2p.transport") == "auto" and ep.links is not None
+            and all(m.startswith("tcp://") for m in self.members)) else None
         #: (peer, collective, acknowledgement) of the messages still in flight
         self._pending: collections.deque[
             tuple[str, int, concurrent.futures.Future[Any]]] = collections.deque()
@@ -210,6 +215,8 @@ class Group:
             sc = None if scalars is None else np.array(scalars, np.float64, copy=True)
         else:
             out, sc = RUNNERS[name](self, flat, scalars, self.coding, step)
+            if self.links is not None:  # the caller may reuse what is still queued
+                self.links.flush(self.timeout, self.members.__getitem__, step)
         self.last = CollectiveStats(step, name, flat.nbytes, time.perf_counter() - start,
                                     self._wait, self._step_sent, self._step_received,
                                     self._messages)
@@ -223,7 +230,16 @@ class Group:
         self._step_sent += n
         self.bytes_sent += n
         self._messages += 1
-        future = self.plugin.submit(self.plugin.send(self._ep, address, key, payload))
+        if self.links is not None:
+            self.links.send(dest, key, payload)
+            if send_hooks:  # (tests) the message handed to the kernel, the peer's
+                self.links.flush(self.timeout, self.members.__getitem__, key.step)
+                future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+                future.set_result(None)
+                for hook in send_hooks:
+                    hook(self, dest, key, future)
+            return
+        future = self.plugin.post(self._ep, address, key, payload)
         self._pending.append((address, key.step, future))
         for hook in send_hooks:
             hook(self, dest, key, future)
@@ -231,8 +247,9 @@ class Group:
     def recv(self, source: int, key: Key) -> Payload:
         start = time.perf_counter()
         try:
-            payload: Payload = self._ep.mailbox.take(key, source, self.timeout,
-                                                     self.members[source])
+            payload: Payload = self._ep.mailbox.take(
+                key, source, self.timeout, self.members[source],
+                None if self.links is None else self.links.progress)
         except PeerTimeoutError as e:
             self._ep.mailbox.fail(e)  # (the others hear of it when we leave)
             raise
@@ -297,6 +314,8 @@ class Group:
     def flush(self) -> None:
         """Wait (each at most ``timeout``) until the peers acknowledged every
         message this member sent."""
+        if self.links is not None:
+            self.links.flush(self.timeout, self.members.__getitem__, self._last)
         self._settle(keep=self._last + 1)
 
     def _end(self, ep: Endpoint) -> None:
@@ -304,6 +323,7 @@ class Group:
         for watch in ep.watches:
             watch.cancel()
         self.worker.loop.add_callback(ep.done.set)
+        self.worker.loop.add_callback(self.plugin.close_outboxes, ep)
         self.plugin.forget(ep)
 
     @property

@@ -14,6 +14,7 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,17 +47,25 @@ class Mailbox:
         #: (dropped); newer ones are early (kept: a peer may be one ahead)
         self._step = -1
         self.duplicates = 0
+        #: called (outside the lock) when a message comes or the group fails: a
+        #: training thread that waits in ``select`` rather than on the condition
+        #: (:mod:`dasktf.runtime.p2p.direct`) is woken by it
+        self.wakers: list[Callable[[], None]] = []
 
     # -- the event loop's side --------------------------------------------------
-    def put(self, key: Key, source: int, payload: Any) -> bool:
-        """File a message; ``False`` when it is late or a duplicate (dropped)."""
+    def put(self, key: Key, source: int, payload: Any, wake: bool = True) -> bool:
+        """File a message; ``False`` when it is late or a duplicate (dropped).
+        ``wake=False``: the training thread files it itself (no waker to call)."""
         with self._cond:
             if key.step < self._step or (key, source) in self._messages:
                 self.duplicates += 1
                 return False
             self._messages[(key, source)] = payload
             self._cond.notify_all()
-            return True
+        if wake:
+            for waker in self.wakers:
+                waker()
+        return True
 
     def fail(self, error: BaseException) -> None:
         """Fail every wait for a message that is not here with ``error`` (the first
@@ -66,6 +75,8 @@ class Mailbox:
                 self._failure = error
                 self.failed.set_result(None)
             self._cond.notify_all()
+        for waker in self.wakers:
+            waker()
 
     @property
     def failure(self) -> BaseException | None:
@@ -85,9 +96,11 @@ class Mailbox:
             for k in stale:
                 del self._messages[k]
 
-    def take(self, key: Key, source: int, timeout: float, peer: str) -> Any:
+    def take(self, key: Key, source: int, timeout: float, peer: str,
+             progress: Callable[[float], None] | None = None) -> Any:
         """The message ``key`` from rank ``source`` (``peer``), waiting at most
-        ``timeout`` seconds.
+        ``timeout`` seconds (``progress(left)``: how to wait, outside the lock, for
+        at most ``left`` seconds; default: on the condition the loop notifies).
 
         Raises
         ------
@@ -98,8 +111,8 @@ class Mailbox:
             The group was aborted.
         """
         end = time.monotonic() + timeout
-        with self._cond:
-            while True:
+        while True:
+            with self._cond:
                 payload = self._messages.pop((key, source), _MISSING)
                 if payload is not _MISSING:
                     return payload
@@ -115,7 +128,10 @@ class Mailbox:
                         "with DASK_DASKTF__P2P__TIMEOUT.",
                         peer, key.step,
                     )
-                self._cond.wait(left)
+                if progress is None:
+                    self._cond.wait(left)
+                    continue
+            progress(left)
 
     def pending(self) -> int:
         with self._cond:

@@ -6,10 +6,15 @@ and peers call them with ``worker.rpc(address)``: the workers' existing listener
 and connection pools, with TLS whenever the cluster has a ``Security``; nothing
 new listens anywhere. Three handlers:
 
-``dasktf_p2p_put``
-    a peer's message for a group: filed in that group's :class:`Mailbox` under its
-    key, where the training thread waits for it (a message may come before this
-    worker formed the group: the endpoint is made on demand).
+``dasktf_p2p_stream``
+    a peer's stream of messages for a group: one connection per group and pair,
+    opened by the sender on its first message and held for the group's life; each
+    message is filed in that group's :class:`Mailbox` under its key, where the
+    training thread waits for it (a message may come before this worker formed the
+    group: the endpoint is made on demand). No replies: TCP's own flow control
+    bounds what is in flight, and a request-reply per message cost its two worker
+    event loops more CPU than the step's whole TensorFlow compute on a small model
+    (docs/p2p.md).
 ``dasktf_p2p_watch``
     held open by each peer this worker receives from, for the group's life:
     when this worker's process dies, its end of the connection closes and the
@@ -17,9 +22,10 @@ new listens anywhere. Three handlers:
 ``dasktf_p2p_abort``
     fail the group here: a peer noticed a lost member, or the run decided to stop.
 
-Sends are coroutines on the worker's event loop, scheduled from the training
-thread (:meth:`P2PPlugin.submit`), so the thread never blocks on the network; a
-send that fails, or a watch that breaks, fails the group here and tells the other
+Sends are queued from the training thread onto the worker's event loop
+(:meth:`P2PPlugin.post`), which writes them to the peer's stream (every message
+queued meanwhile in one write), so the thread never blocks on the network; a send
+that fails, or a watch that breaks, fails the group here and tells the other
 members (:meth:`P2PPlugin.lost`).
 """
 
@@ -28,27 +34,45 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import socket
 import threading
 from collections import deque
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from distributed.comm import connect
 from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.protocol import to_serialize
 
 from dasktf import config
 from dasktf.exceptions import CollectiveAbortedError, PeerLostError
+from dasktf.runtime.p2p.direct import Links, take_socket
 from dasktf.runtime.p2p.mailbox import Key, Mailbox
 
 if TYPE_CHECKING:
     from distributed import Client, Worker
+    from distributed.comm import Comm
 
 logger = logging.getLogger(__name__)
 
 PLUGIN_NAME = "dasktf-p2p"
 #: Closed groups remembered, so that a late message does not make a new endpoint.
 _CLOSED_KEPT = 1024
+
+
+@dataclass
+class Outbox:
+    """This member's stream of one group's messages to one peer (used on the loop):
+    ``(message, written)`` pairs waiting, ``written`` set once the message is in
+    the connection (the peer's kernel holds it)."""
+
+    address: str
+    queue: deque[tuple[dict[str, Any], concurrent.futures.Future[None]]] = field(
+        default_factory=deque)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    closed: bool = False
+    task: asyncio.Task[None] | None = None
 
 
 @dataclass
@@ -67,6 +91,10 @@ class Endpoint:
     completed: int = -1
     #: the other members know this group failed (told by us, or they told us)
     announced: bool = False
+    #: this member's streams to its peers, by address (made on the loop)
+    outboxes: dict[str, Outbox] = field(default_factory=dict)
+    #: the sockets of the direct transport (:mod:`dasktf.runtime.p2p.direct`)
+    links: Links | None = None
 
     @property
     def step(self) -> int:
@@ -88,7 +116,8 @@ class P2PPlugin(WorkerPlugin):
         self._lock = threading.Lock()
         self._endpoints: dict[str, Endpoint] = {}
         self._closed: deque[str] = deque(maxlen=_CLOSED_KEPT)
-        worker.handlers["dasktf_p2p_put"] = self.put
+        worker.handlers["dasktf_p2p_stream"] = self.stream
+        worker.handlers["dasktf_p2p_direct"] = self.direct
         worker.handlers["dasktf_p2p_watch"] = self.watch
         worker.handlers["dasktf_p2p_abort"] = self.abort
         worker.extensions[PLUGIN_NAME] = self
@@ -125,7 +154,18 @@ class P2PPlugin(WorkerPlugin):
             ep = self._endpoints.get(gid)
             if ep is None and gid not in self._closed:
                 ep = self._endpoints[gid] = Endpoint(gid)
+                ep.links = self._links(ep)
             return ep
+
+    def _links(self, ep: Endpoint) -> Links:
+        links = Links(
+            connect=lambda rank: self.open_direct(ep, rank),
+            deliver=lambda source, key, payload: ep.mailbox.put(key, source, payload,
+                                                                wake=False),
+            lost=lambda rank, error: self.lost(ep, ep.members[rank], error),
+        )
+        ep.mailbox.wakers.append(links.wake)
+        return links
 
     def find(self, gid: str) -> Endpoint | None:
         """The endpoint of ``gid`` if it is open here (never makes one)."""
@@ -136,16 +176,64 @@ class P2PPlugin(WorkerPlugin):
         with self._lock:
             self._endpoints.pop(ep.gid, None)
             self._closed.append(ep.gid)
+        if ep.links is not None:
+            ep.links.close()
 
     # -- handlers (on the event loop) ---------------------------------------------
-    def put(self, group: str, key: tuple[int, str, int, int], source: int,
-            payload: Any) -> str:
+    async def stream(self, comm: Comm, group: str, source: int) -> None:
+        """A peer's messages for ``group``, until it closes the stream (it left the
+        group, or its process died: the watches tell which)."""
         ep = self.endpoint(group)
-        if ep is None:
-            return "closed"
-        # (kept after a failure too: it may complete a collective a peer completed)
-        ep.mailbox.put(Key(*key), int(source), payload)
-        return "OK"
+        try:
+            while True:
+                messages = await comm.read()
+                if ep is None:  # a group closed here: late messages are dropped
+                    continue
+                for message in messages:
+                    # (kept after a failure too: it may complete a collective a
+                    # peer completed)
+                    ep.mailbox.put(Key(*message["key"]), int(source), message["payload"])
+        except OSError:
+            pass
+
+    async def direct(self, comm: Comm, group: str, source: int) -> None:
+        """A peer's connection for the direct transport: once answered, its socket
+        goes to this member's training thread."""
+        ep = self.endpoint(group)
+        await comm.write("closed" if ep is None else "OK")
+        if ep is None or ep.links is None:
+            return
+        sock = take_socket(comm)
+        if sock is not None:
+            ep.links.arrived(int(source), sock)
+
+    def open_direct(self, ep: Endpoint, rank: int) -> socket.socket:
+        """A direct socket to member ``rank`` (from the training thread: waits,
+        bounded, while the loop opens it).
+
+        Raises
+        ------
+        OSError
+            The peer could not be reached, or closed the group.
+        """
+        timeout = config.get_seconds("p2p.timeout")
+        return self.submit(self._open_direct(ep, ep.members[rank], timeout)).result(timeout)
+
+    async def _open_direct(self, ep: Endpoint, address: str, timeout: float
+                           ) -> socket.socket:
+        comm = await connect(address, timeout=timeout, **self.worker.connection_args)
+        try:
+            await comm.write({"op": "dasktf_p2p_direct", "group": ep.gid,
+                              "source": ep.rank, "reply": False})
+            answer = await comm.read()
+        except BaseException:
+            comm.abort()
+            raise
+        sock = take_socket(comm) if answer == "OK" else None
+        if sock is None:
+            comm.abort()
+            raise ConnectionError(f"peer {address} answered {answer!r} for group {ep.gid}")
+        return sock
 
     async def watch(self, group: str, watcher: str) -> str:
         ep = self.endpoint(group)
@@ -165,14 +253,67 @@ class P2PPlugin(WorkerPlugin):
         """Run ``coro`` on the worker's event loop; returns at once."""
         return asyncio.run_coroutine_threadsafe(coro, self.worker.loop.asyncio_loop)
 
-    async def send(self, ep: Endpoint, address: str, key: Key, payload: Any) -> None:
+    def post(self, ep: Endpoint, address: str, key: Key, payload: Any
+             ) -> concurrent.futures.Future[None]:
+        """Queue a message to ``address`` (from the training thread); the future is
+        done once it is written (or the group failed: its mailbox says so)."""
+        written: concurrent.futures.Future[None] = concurrent.futures.Future()
+        message = {"key": (key.step, key.phase, key.round, key.chunk),
+                   "payload": to_serialize(payload)}
+        self.worker.loop.add_callback(self._queue, ep, address, message, written)
+        return written
+
+    def _queue(self, ep: Endpoint, address: str, message: dict[str, Any],
+               written: concurrent.futures.Future[None]) -> None:
+        box = ep.outboxes.get(address)
+        if box is None:
+            box = ep.outboxes[address] = Outbox(address)
+            box.task = asyncio.ensure_future(self._pump(ep, box))
+        if box.closed:  # the group left here already, or the stream broke
+            written.set_result(None)
+            return
+        box.queue.append((message, written))
+        box.wake.set()
+
+    async def _pump(self, ep: Endpoint, box: Outbox) -> None:
+        """Write ``box``'s messages to its peer's stream, every one queued
+        meanwhile in one write, until the group closes here."""
+        comm: Comm | None = None
+        batch: list[tuple[dict[str, Any], concurrent.futures.Future[None]]] = []
         try:
-            await self.worker.rpc(address).dasktf_p2p_put(
-                group=ep.gid, key=(key.step, key.phase, key.round, key.chunk),
-                source=ep.rank, payload=to_serialize(payload),
-            )
-        except OSError as e:  # CommClosedError included
-            self.lost(ep, address, e)
+            comm = await connect(box.address, timeout=config.get_seconds("p2p.timeout"),
+                                 **self.worker.connection_args)
+            await comm.write({"op": "dasktf_p2p_stream", "group": ep.gid,
+                              "source": ep.rank, "reply": False})
+            while True:
+                if not box.queue:
+                    if box.closed:
+                        break
+                    box.wake.clear()
+                    await box.wake.wait()
+                    continue
+                batch = list(box.queue)
+                box.queue.clear()
+                await comm.write([message for message, _ in batch])
+                for _, written in batch:
+                    written.set_result(None)
+                batch = []
+        except OSError as e:  # CommClosedError included; a timeout to connect too
+            self.lost(ep, box.address, e)
+        finally:
+            box.closed = True
+            for _, written in [*batch, *box.queue]:
+                if not written.done():
+                    written.set_result(None)
+            box.queue.clear()
+            if comm is not None and not comm.closed():
+                await comm.close()
+
+    def close_outboxes(self, ep: Endpoint) -> None:
+        """End ``ep``'s streams once what is queued is written (on the loop)."""
+        for box in ep.outboxes.values():
+            box.closed = True
+            box.wake.set()
 
     async def hold_watch(self, ep: Endpoint, address: str) -> None:
         try:

@@ -1,0 +1,303 @@
+"""Messages between the members' training threads on sockets of their own, over
+connections Dask opened.
+
+On the event loop path (:meth:`P2PPlugin.post`) every message crosses two
+threads at each end and Tornado's and Dask's framing: on a small model that cost
+each worker's event loop 2-3 ms of CPU a step, more than the step's TensorFlow
+compute (docs/p2p.md#measured). Here a member's training thread writes each
+message straight into a socket, and the receiver's training thread reads it
+while it waits, as MPI's and NCCL's progress engines do.
+
+The connections are Dask's: the sender opens one with ``distributed.comm.connect``
+to the peer worker's own listener (its handshake, its connection arguments), asks
+for ``dasktf_p2p_direct``, and once the peer replied both ends take the socket
+out of Tornado's hands (a duplicate of the descriptor; the comm is then aborted,
+which closes Tornado's descriptor without shutting the connection down). Nothing
+new listens, nothing is bound beyond the workers' addresses. Plain TCP only: a
+TLS comm's socket carries TLS records, so a TLS cluster keeps the event loop path.
+
+Sends never block: a message is queued and written as far as the kernel takes it;
+the rest goes out while this member waits for a message (:meth:`Links.progress`
+reads every peer and writes every queue, so two members sending each other large
+buffers cannot deadlock), and :meth:`Links.flush` (bounded) ends each collective
+with every byte handed to the kernel, so the caller may reuse its buffers.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import select
+import socket
+import struct
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from dasktf.exceptions import PeerTimeoutError
+from dasktf.runtime.p2p.mailbox import Key
+
+if TYPE_CHECKING:
+    from distributed.comm import Comm
+
+#: a message: its head's bytes and its out-of-band buffers' count, then each
+#: buffer's length, the head (the key and the payload, pickled), the buffers
+_FRAME = struct.Struct("!II")
+#: buffers handed to one ``sendmsg`` (below the kernel's IOV_MAX of 1024)
+_IOV = 64
+#: the last frame a member sends a peer as it leaves the group (an empty head): a
+#: closed connection after it is a departure, without it a lost process
+_BYE = _FRAME.pack(0, 0)
+
+
+def take_socket(comm: Comm) -> socket.socket | None:
+    """The TCP socket under ``comm``, taken from Tornado (``comm`` is aborted), or
+    ``None`` (and ``comm`` untouched) when it is not a plain TCP comm."""
+    from distributed.comm.tcp import TCP, TLS
+
+    if not isinstance(comm, TCP) or isinstance(comm, TLS) or comm.stream is None:
+        return None
+    fd = os.dup(comm.stream.socket.fileno())
+    comm.abort()  # closes Tornado's descriptor only: the connection lives on in ours
+    sock = socket.socket(fileno=fd)
+    sock.setblocking(False)
+    return sock
+
+
+def frames(key: Key, payload: Any) -> list[memoryview]:
+    """``payload`` under ``key`` as the buffers of one message (arrays not copied:
+    they must not change until :meth:`Links.flush` returned)."""
+    buffers: list[pickle.PickleBuffer] = []
+    head = pickle.dumps((key.step, key.phase, key.round, key.chunk, payload),
+                        protocol=5, buffer_callback=buffers.append)
+    raws = [b.raw() for b in buffers]
+    lengths = struct.pack(f"!{len(raws)}Q", *(r.nbytes for r in raws))
+    return [memoryview(_FRAME.pack(len(head), len(raws))), memoryview(lengths),
+            memoryview(head), *raws]
+
+
+class _Reader:
+    """One peer's incoming bytes, read straight into each part's own buffer."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        #: the peer said goodbye: its closed connection is no loss
+        self.departed = False
+        self._parts: list[bytearray] = []
+        self._start(bytearray(_FRAME.size), "frame")
+
+    def _start(self, buf: bytearray, stage: str) -> None:
+        self._buf, self._view, self._got, self._stage = buf, memoryview(buf), 0, stage
+
+    def read(self, deliver: Callable[[Key, Any], None]) -> bool:
+        """Read what is there, ``deliver`` every message completed; ``False`` once
+        the peer closed its end."""
+        while True:
+            while self._got < len(self._buf):
+                try:
+                    n = self.sock.recv_into(self._view[self._got:])
+                except (BlockingIOError, InterruptedError):
+                    return True
+                if n == 0:
+                    return False
+                self._got += n
+            self._advance(deliver)
+
+    def _advance(self, deliver: Callable[[Key, Any], None]) -> None:
+        if self._stage == "frame":
+            head, count = _FRAME.unpack(self._buf)
+            if head == 0:
+                self.departed = True
+                self._start(bytearray(_FRAME.size), "frame")
+                return
+            self._head_size, self._count = head, count
+            self._start(bytearray(8 * count), "lengths")
+        elif self._stage == "lengths":
+            self._lengths = list(struct.unpack(f"!{self._count}Q", self._buf))
+            self._start(bytearray(self._head_size), "head")
+        else:
+            if self._stage == "buffer":
+                self._parts.append(self._buf)
+            else:
+                self._head = self._buf
+            if len(self._parts) < self._count:
+                self._start(bytearray(self._lengths[len(self._parts)]), "buffer")
+                return
+            step, phase, round_, chunk, payload = pickle.loads(self._head,
+                                                               buffers=self._parts)
+            self._parts = []
+            self._start(bytearray(_FRAME.size), "frame")
+            deliver(Key(step, phase, round_, chunk), payload)
+
+
+class Links:
+    """One member's sockets to and from its peers (used by its training thread).
+
+    Parameters
+    ----------
+    connect
+        ``connect(rank)``: a socket to that peer (blocks while Dask opens it).
+    deliver
+        ``deliver(source, key, payload)``: file a message read from rank ``source``.
+    lost
+        ``lost(rank, error)``: the peer's connection closed (fail the group).
+    """
+
+    def __init__(self, connect: Callable[[int], socket.socket],
+                 deliver: Callable[[int, Key, Any], None],
+                 lost: Callable[[int, BaseException], None]) -> None:
+        self._connect = connect
+        self._deliver = deliver
+        self._lost = lost
+        self._out: dict[int, socket.socket] = {}
+        self._queues: dict[int, deque[memoryview]] = {}
+        self._readers: dict[int, _Reader] = {}
+        self._arrived: list[tuple[int, socket.socket]] = []
+        self._lock = threading.Lock()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self.closed = False
+
+    # -- any thread ----------------------------------------------------------------
+    def arrived(self, source: int, sock: socket.socket) -> None:
+        """A peer's connection to us (from the worker's event loop)."""
+        with self._lock:
+            if self.closed:
+                sock.close()
+                return
+            self._arrived.append((source, sock))
+        self.wake()
+
+    def wake(self) -> None:
+        """End the training thread's current wait (a message or a failure came
+        another way)."""
+        try:
+            self._wake_w.send(b"\0")
+        except (BlockingIOError, OSError):
+            pass  # already woken (the buffer is full), or closed
+
+    # -- the training thread ---------------------------------------------------------
+    def send(self, dest: int, key: Key, payload: Any) -> None:
+        if dest not in self._out:
+            try:
+                self._out[dest] = self._connect(dest)
+            except OSError as e:  # (a timeout included) the group fails here
+                self._lost(dest, e)
+                return
+            self._queues[dest] = deque()
+        self._queues[dest].extend(f for f in frames(key, payload) if f.nbytes)
+        self._write(dest)
+
+    def pending(self, dest: int | None = None) -> bool:
+        """Bytes still queued (to ``dest``, or to anyone)."""
+        if dest is not None:
+            return bool(self._queues.get(dest))
+        return any(self._queues.values())
+
+    def progress(self, timeout: float) -> None:
+        """Wait at most ``timeout`` for something to do, then read every peer and
+        write every queue as far as the kernel takes them."""
+        with self._lock:
+            arrived, self._arrived = self._arrived, []
+        for source, sock in arrived:
+            self._readers[source] = _Reader(sock)
+        readers = {r.sock.fileno(): (source, r) for source, r in self._readers.items()}
+        writers = {self._out[d].fileno(): d for d, q in self._queues.items() if q}
+        try:
+            readable, writable, _ = select.select(
+                [self._wake_r.fileno(), *readers], list(writers), [], max(timeout, 0))
+        except (OSError, ValueError):  # a socket closed under us: the group ends
+            return
+        for fd in readable:
+            if fd == self._wake_r.fileno():
+                try:
+                    while self._wake_r.recv(4096):
+                        pass
+                except (BlockingIOError, OSError):
+                    pass
+                continue
+            source, reader = readers[fd]
+            try:
+                alive = reader.read(lambda key, payload, s=source: self._deliver(s, key, payload))
+                error: BaseException = ConnectionError("the peer closed its connection")
+            except OSError as e:
+                alive, error = False, e
+            if not alive:
+                del self._readers[source]
+                reader.sock.close()
+                if not reader.departed:
+                    self._lost(source, error)
+        for fd in writable:
+            self._write(writers[fd])
+
+    def flush(self, timeout: float, peer: Callable[[int], str], update: int) -> None:
+        """Hand every queued byte to the kernel, reading meanwhile; each peer gets
+        at most ``timeout`` seconds without taking any."""
+        while self.pending():
+            before = {d: sum(m.nbytes for m in q) for d, q in self._queues.items() if q}
+            end = time.monotonic() + timeout
+            while time.monotonic() < end and self.pending():
+                self.progress(end - time.monotonic())
+                now = {d: sum(m.nbytes for m in q) for d, q in self._queues.items() if q}
+                if any(now.get(d, 0) < n for d, n in before.items()):
+                    break  # some progress: a new deadline
+            else:
+                if self.pending():
+                    dest = next(d for d, q in self._queues.items() if q)
+                    raise PeerTimeoutError(
+                        f"Peer {peer(dest)} took none of this worker's message of update "
+                        f"{update} within dasktf.p2p.timeout ({timeout:g}s); its "
+                        "connection is open, so it is alive but stuck (check its log), "
+                        "or raise the timeout with DASK_DASKTF__P2P__TIMEOUT.",
+                        peer(dest), update)
+
+    def close(self) -> None:
+        """Say goodbye to every peer (what the kernel takes now: a member leaving
+        after a failure does not wait) and close every socket."""
+        with self._lock:
+            self.closed = True
+        for dest, queue in self._queues.items():
+            queue.append(memoryview(_BYE))
+            self._write(dest, lost=False)
+        for sock in [*self._out.values(), *(r.sock for r in self._readers.values())]:
+            try:
+                sock.close()
+            except OSError:
+                pass
+        with self._lock:
+            for _, sock in self._arrived:
+                sock.close()
+            self._arrived = []
+        self._out.clear()
+        self._readers.clear()
+        self._queues.clear()
+        self._wake_r.close()
+        self._wake_w.close()
+
+    def _write(self, dest: int, lost: bool = True) -> None:
+        queue, sock = self._queues[dest], self._out[dest]
+        while queue:
+            try:
+                n = sock.sendmsg(list(_head(queue, _IOV)))
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                queue.clear()
+                if lost:
+                    self._lost(dest, e)
+                return
+            while n and queue:
+                first = queue[0]
+                if n >= first.nbytes:
+                    n -= first.nbytes
+                    queue.popleft()
+                else:
+                    queue[0] = first[n:]
+                    n = 0
+
+
+def _head(queue: deque[memoryview], n: int) -> list[memoryview]:
+    return [queue[i] for i in range(min(n, len(queue)))]
