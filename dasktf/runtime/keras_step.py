@@ -78,7 +78,8 @@ class SignatureFunction:
         flat = tf.nest.flatten(args)
         if concrete is False or len(flat) != len(self._specs):
             return self.function(*args)
-        tensors = [tf.convert_to_tensor(a, spec.dtype) for a, spec in zip(flat, self._specs)]
+        tensors = [tf.convert_to_tensor(a, spec.dtype)
+                   for a, spec in zip(flat, self._specs, strict=True)]
         return concrete._call_flat(tensors, concrete.captured_inputs)
 
 

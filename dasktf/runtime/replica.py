@@ -34,8 +34,8 @@ from dasktf.data.structure import first_leaf
 from dasktf.exceptions import ReplicaError
 from dasktf.models import CompileRecipe
 from dasktf.runtime.keras_step import (
-    batch_args,
     SignatureFunction,
+    batch_args,
     batch_signature,
     build_metrics,
     keras_ready,
