@@ -128,7 +128,7 @@ def kill_worker_at_update(client: Client, address: str, update: int,
     """Arm the worker at ``address`` to SIGKILL itself at global update ``update`` of
     the next ``engine="p2p"`` run there (its nanny told first not to restart it):
     ``where="step"`` as that update's step begins, ``"allreduce"`` in the middle of
-    its all-reduce, once its first message reached the peer (which acknowledged it).
+    its all-reduce, once its first message reached the peer's end of the connection.
     Deterministic, where a client-side :class:`KillWorkerAt` hears of steps late."""
     if where not in ("step", "allreduce"):
         raise ValueError(f"where must be 'step' or 'allreduce'; got {where!r}.")
@@ -156,7 +156,7 @@ def _arm_kill(update: int, where: str) -> None:
 
     def at_send(g: Any, dest: int, key: Any, acknowledged: Any) -> None:
         if key.step == update:
-            acknowledged.result(timeout=60)  # the peer holds the message
+            acknowledged.result(timeout=60)  # the peer's kernel holds the message
             die()
 
     group.send_hooks.append(at_send)

@@ -10,7 +10,8 @@ mailbox (:mod:`dasktf.runtime.p2p.plugin`).
 Bounds: every wait for a peer is at most ``dasktf.p2p.timeout``; a member whose
 connection closes fails the group on every survivor at once
 (:class:`~dasktf.exceptions.PeerLostError`, naming it and the update); at most the
-previous collective's messages are still unacknowledged when the next one starts.
+previous collective's messages are still unwritten when the next one starts (on
+the direct sockets, none: each collective ends with its bytes in the kernel).
 """
 
 from __future__ import annotations
@@ -49,8 +50,9 @@ if TYPE_CHECKING:
     from distributed import Worker
 
 #: For tests (not public API): each ``hook(group, dest, key, acknowledged)`` is
-#: called once a message is handed to the event loop (``acknowledged``: the future
-#: of the peer's reply); a test kills a worker there, in the middle of a collective.
+#: called once a message is sent (``acknowledged``: a future done once its bytes
+#: are in the connection, on the loopback in the peer's kernel); a test kills a
+#: worker there, in the middle of a collective.
 send_hooks: list[Callable[[Group, int, Key, concurrent.futures.Future[Any]], None]] = []
 
 
@@ -148,7 +150,7 @@ class Group:
         self.links = ep.links if (
             config.get("p2p.transport") == "auto" and ep.links is not None
             and all(m.startswith("tcp://") for m in self.members)) else None
-        #: (peer, collective, acknowledgement) of the messages still in flight
+        #: (peer, collective, written) of the event loop's messages still in flight
         self._pending: collections.deque[
             tuple[str, int, concurrent.futures.Future[Any]]] = collections.deque()
         self._last = -1
@@ -261,7 +263,7 @@ class Group:
         return payload
 
     def _settle(self, keep: int) -> None:
-        """Collect the acknowledgements in: those already done, and every one of a
+        """Collect the writes in: those already done, and every one of a
         collective before ``keep`` (each wait bounded by the timeout)."""
         mailbox = self._ep.mailbox
         while self._pending:
@@ -275,7 +277,7 @@ class Group:
                 raise mailbox.failure
             if not future.done():
                 raise PeerTimeoutError(
-                    f"Peer {address} did not acknowledge a message of update {sent_in} "
+                    f"Peer {address} did not take a message of update {sent_in} "
                     f"within dasktf.p2p.timeout ({self.timeout:g}s).", address, sent_in,
                 )
             future.result()  # a send that failed otherwise than by a lost connection
@@ -291,8 +293,8 @@ class Group:
 
     def close(self, error: BaseException | None = None, flush: bool = True) -> None:
         """Leave the group. Without ``error``, first wait (bounded) until the peers
-        acknowledged every message (``flush=False``: not; on the worker's event loop,
-        which the acknowledgements need, or once every member is done); with one (or
+        took every message (``flush=False``: not; on the worker's event loop, which
+        the writes need, or once every member is done); with one (or
         after a failure) tell the other members at once, unless they know already,
         so none waits for this one."""
         if self.closed:
@@ -312,7 +314,7 @@ class Group:
         self._end(ep)
 
     def flush(self) -> None:
-        """Wait (each at most ``timeout``) until the peers acknowledged every
+        """Wait (each at most ``timeout``) until the peers took every
         message this member sent."""
         if self.links is not None:
             self.links.flush(self.timeout, self.members.__getitem__, self._last)

@@ -40,8 +40,8 @@ class Mailbox:
         self._cond = threading.Condition()
         self._messages: dict[tuple[Key, int], Any] = {}
         self._failure: BaseException | None = None
-        #: done when the group fails here: a wait on something else (an
-        #: acknowledgement) can wait on this too and end at once
+        #: done when the group fails here: a wait on something else (a
+        #: write) can wait on this too and end at once
         self.failed: concurrent.futures.Future[None] = concurrent.futures.Future()
         #: the collective the training thread is in: older messages are late
         #: (dropped); newer ones are early (kept: a peer may be one ahead)
