@@ -60,6 +60,7 @@ def _sum_task(gid, members, size, steps, seed, codec=None, algorithm=None,
     rank = members.index(get_worker().address)
     out = {"digests": [], "outputs": [], "scalars": [], "stats": []}
     with Group(gid, members, codec=codec, timeout=60) as group:
+        out["direct"] = group.links is not None  # the training threads' own sockets
         for step in range(steps):
             x = _inputs(seed, rank, step, size)
             total, scalars = group.allreduce(x, step, np.array([rank + 1.0, 0.25]),
@@ -129,6 +130,35 @@ def test_sums_equal_numpys_and_are_the_same_bits_everywhere(p2p_client, algorith
             bound = 2 * (n - 1) / n * size * 4
             sent = [r["stats"][-1].bytes_sent for r in results]
             assert max(sent) <= bound * 1.001 + 64, (sent, bound)
+
+
+def _set_transport(transport: str) -> str:
+    old = dask.config.get("dasktf.p2p.transport")
+    dask.config.set({"dasktf.p2p.transport": transport})
+    return old
+
+
+@pytest.mark.timeout(240)
+def test_the_event_loop_transport_gives_the_direct_sockets_bits(client):
+    """``dasktf.p2p.transport: loop`` (what TLS clusters use) and the direct sockets
+    (the default on plain TCP) sum to the same bits, every algorithm, a large and a
+    small buffer (the loop path is what a TLS cluster runs: test_security's TLS run
+    trains equal to the plain one)."""
+    register(client)
+    n = 3
+    for size in (5, 300_000):
+        for algorithm in ("ring", "direct", "doubling"):
+            digests = {}
+            for transport in ("auto", "loop"):
+                olds = client.run(_set_transport, transport)
+                try:
+                    results = _run_sums(client, n, size, steps=2, algorithm=algorithm)
+                finally:
+                    for w, old in olds.items():
+                        client.run(_set_transport, old, workers=[w])
+                digests[transport] = [r["digests"] for r in results]
+                assert [r["direct"] for r in results] == [transport == "auto"] * n
+            assert digests["auto"] == digests["loop"], (size, algorithm)
 
 
 @pytest.mark.timeout(240)

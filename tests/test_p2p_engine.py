@@ -29,7 +29,7 @@ from dasktf.diagnostics.events import TOPIC, unpack
 from dasktf.run.checkpoint import list_checkpoints
 from dasktf.run.engine import resolve_engine
 from dasktf.run.options import TrainOptions
-from dasktf.testing import kill_worker_at_update, own_cluster
+from dasktf.testing import kill_worker_at_update, own_cluster, wait_until
 from tests.conftest import relative_error
 from tests.test_batchnorm import ReadReplicas, _bn, _shifted, bn_model
 from tests.test_keras_parity import (
@@ -84,11 +84,11 @@ def test_p2p_matches_single_process_keras(client, small_digits, n_workers):
         assert history.history["bytes_bound_ratio"][-1] >= 0.99
 
 
-def _applied_updates_here() -> list[int]:
-    """On a worker: the updates each replica in this process has applied so far."""
-    from dasktf.runtime.replica import registered_replicas
+def _applied_updates_here(run_id: str) -> list[int]:
+    """On a worker: the updates its replicas of ``run_id`` have applied so far."""
+    from dasktf.runtime.replica import replicas_of
 
-    return [r.applied + 1 for r in registered_replicas().values()]
+    return [r.applied + 1 for r in replicas_of(run_id)]
 
 
 def _probe_at_step(update: int, dask_worker: Any = None) -> None:
@@ -105,7 +105,8 @@ def _probe_at_step(update: int, dask_worker: Any = None) -> None:
     def probe(replica: Any, u: int) -> None:
         if u != update:
             return
-        future = get_client().submit(_applied_updates_here, workers=[worker.address],
+        future = get_client().submit(_applied_updates_here, replica.run_id,
+                                     workers=[worker.address],
                                      allow_other_workers=False, pure=False)
         try:
             worker._dasktf_probe = future.result(timeout=30)
@@ -117,10 +118,7 @@ def _probe_at_step(update: int, dask_worker: Any = None) -> None:
 
 
 def _probe_result(dask_worker: Any = None) -> Any:
-    from dasktf.runtime.p2p import segment
-
-    segment.step_hooks[:] = [h for h in segment.step_hooks
-                             if not getattr(h, "dasktf_test_probe", False)]
+    _remove_test_hooks(dask_worker)
     return dask_worker._dasktf_probe
 
 
@@ -275,10 +273,40 @@ class StopAt(keras.callbacks.Callback):
             self.model.stop_training = True
 
 
+def _wait_for_stop_at(update: int, dask_worker: Any = None) -> None:
+    """On a worker: its replica's step of ``update`` waits (at most 30 s) until the
+    client's stop request reached this worker, so that a fast epoch cannot end
+    before the request arrives."""
+    from dasktf.runtime.p2p import segment
+    from dasktf.runtime.p2p.links import link
+
+    address = dask_worker.address
+
+    def wait(replica: Any, u: int) -> None:
+        if u == update:  # (the client hears the steps so far: the records go out)
+            replica.events.flush()
+            wait_until(lambda: link(replica.run_id, address).stop, 30, "the stop request")
+
+    wait.dasktf_test_probe = True  # type: ignore[attr-defined]
+    segment.step_hooks.append(wait)
+
+
+def _remove_test_hooks(dask_worker: Any = None) -> None:
+    from dasktf.runtime.p2p import segment
+
+    segment.step_hooks[:] = [h for h in segment.step_hooks
+                             if not getattr(h, "dasktf_test_probe", False)]
+
+
 def test_stop_training_stops_every_replica_after_the_same_update(client, digits):
-    history = dasktf.fit("mnist-mlp", digits.x_train, digits.y_train, client=client,
-                         n_workers=3, epochs=3, batch_size=16, seed=1, verbose=0,
-                         engine="p2p", callbacks=[StopAt(3)], slow_workers={1: 3.0})
+    workers = sorted(client.scheduler_info()["workers"])
+    client.run(_wait_for_stop_at, 40, workers=workers)
+    try:
+        history = dasktf.fit("mnist-mlp", digits.x_train, digits.y_train, client=client,
+                             n_workers=3, epochs=3, batch_size=16, seed=1, verbose=0,
+                             engine="p2p", callbacks=[StopAt(3)], slow_workers={1: 3.0})
+    finally:
+        client.run(_remove_test_hooks, workers=workers)
     assert len(history.history["loss"]) == 1  # the epoch ended early, the run stopped
     logs = list(history.applied_updates.values())
     assert all(log == logs[0] for log in logs) and logs[0] == list(range(len(logs[0])))

@@ -52,18 +52,23 @@ _IOV = 64
 _BYE = _FRAME.pack(0, 0)
 
 
-def take_socket(comm: Comm) -> socket.socket | None:
-    """The TCP socket under ``comm``, taken from Tornado (``comm`` is aborted), or
-    ``None`` (and ``comm`` untouched) when it is not a plain TCP comm."""
+def take_socket(comm: Comm) -> tuple[socket.socket, bytes] | None:
+    """The TCP socket under ``comm``, taken from Tornado (``comm`` is aborted), with
+    what Tornado had already read from it and nobody consumed; ``None`` (and
+    ``comm`` untouched) when it is not a plain TCP comm."""
     from distributed.comm.tcp import TCP, TLS
 
     if not isinstance(comm, TCP) or isinstance(comm, TLS) or comm.stream is None:
         return None
-    fd = os.dup(comm.stream.socket.fileno())
+    stream = comm.stream
+    # (an idle Tornado stream reads what arrives, to notice a close)
+    buffered = bytes(getattr(stream, "_read_buffer", b"")[
+        :getattr(stream, "_read_buffer_size", 0)])
+    fd = os.dup(stream.socket.fileno())
     comm.abort()  # closes Tornado's descriptor only: the connection lives on in ours
     sock = socket.socket(fileno=fd)
     sock.setblocking(False)
-    return sock
+    return sock, buffered
 
 
 def frames(key: Key, payload: Any) -> list[memoryview]:
@@ -206,13 +211,22 @@ class Links:
             self._readers[source] = _Reader(sock)
         readers = {r.sock.fileno(): (source, r) for source, r in self._readers.items()}
         writers = {self._out[d].fileno(): d for d, q in self._queues.items() if q}
+        # poll, not select: a busy worker's descriptors may number past FD_SETSIZE
+        poller = select.poll()
+        wake = self._wake_r.fileno()
+        for fd in {wake, *readers, *writers}:
+            poller.register(fd, (select.POLLIN if fd in readers or fd == wake else 0)
+                            | (select.POLLOUT if fd in writers else 0))
         try:
-            readable, writable, _ = select.select(
-                [self._wake_r.fileno(), *readers], list(writers), [], max(timeout, 0))
+            events = poller.poll(max(timeout, 0) * 1000)
         except (OSError, ValueError):  # a socket closed under us: the group ends
             return
+        readable = [fd for fd, ev in events if ev & ~select.POLLOUT and
+                    (fd in readers or fd == wake)]
+        writable = [fd for fd, ev in events if fd in writers and
+                    ev & (select.POLLOUT | select.POLLERR | select.POLLHUP)]
         for fd in readable:
-            if fd == self._wake_r.fileno():
+            if fd == wake:
                 try:
                     while self._wake_r.recv(4096):
                         pass

@@ -48,7 +48,7 @@ class Mailbox:
         self._step = -1
         self.duplicates = 0
         #: called (outside the lock) when a message comes or the group fails: a
-        #: training thread that waits in ``select`` rather than on the condition
+        #: training thread that waits in ``poll`` rather than on the condition
         #: (:mod:`dasktf.runtime.p2p.direct`) is woken by it
         self.wakers: list[Callable[[], None]] = []
 

@@ -197,19 +197,31 @@ class P2PPlugin(WorkerPlugin):
             pass
 
     async def direct(self, comm: Comm, group: str, source: int) -> None:
-        """A peer's connection for the direct transport: once answered, its socket
-        goes to this member's training thread."""
+        """A peer's connection for the direct transport: its socket goes to this
+        member's training thread, then the peer hears ``READY`` on it.
+
+        The order matters: Tornado reads whatever arrives on an idle connection into
+        a buffer of its own (to notice a close), so nothing may reach a socket
+        before it leaves Tornado. The peer sends nothing after its request until it
+        read ``READY``, which goes out on the raw socket once this end left Tornado;
+        the peer's end left Tornado as its request was written.
+        """
         ep = self.endpoint(group)
-        await comm.write("closed" if ep is None else "OK")
-        if ep is None or ep.links is None:
+        taken = take_socket(comm)
+        if taken is None:  # not plain TCP (the peer asked wrongly): the comm stays ours
+            await comm.write("closed")
             return
-        sock = take_socket(comm)
-        if sock is not None:
-            ep.links.arrived(int(source), sock)
+        sock, buffered = taken
+        if ep is None or ep.links is None or buffered:  # (buffered: the peer broke
+            _send_byte(sock, CLOSED)                    # the protocol)
+            sock.close()
+            return
+        _send_byte(sock, READY)
+        ep.links.arrived(int(source), sock)
 
     def open_direct(self, ep: Endpoint, rank: int) -> socket.socket:
         """A direct socket to member ``rank`` (from the training thread: waits,
-        bounded, while the loop opens it).
+        bounded, while the loop opens it and the peer says it is ready).
 
         Raises
         ------
@@ -217,23 +229,36 @@ class P2PPlugin(WorkerPlugin):
             The peer could not be reached, or closed the group.
         """
         timeout = config.get_seconds("p2p.timeout")
-        return self.submit(self._open_direct(ep, ep.members[rank], timeout)).result(timeout)
+        address = ep.members[rank]
+        sock, buffered = self.submit(self._open_direct(ep, address, timeout)).result(timeout)
+        try:
+            sock.settimeout(timeout)
+            answer = buffered[:1] or sock.recv(1)
+        except OSError:
+            sock.close()
+            raise
+        if answer != READY:
+            sock.close()
+            raise ConnectionError(
+                f"peer {address} refused a direct connection for group {ep.gid} "
+                f"({'it closed the group' if answer == CLOSED else 'no answer'})")
+        sock.setblocking(False)
+        return sock
 
     async def _open_direct(self, ep: Endpoint, address: str, timeout: float
-                           ) -> socket.socket:
+                           ) -> tuple[socket.socket, bytes]:
         comm = await connect(address, timeout=timeout, **self.worker.connection_args)
         try:
             await comm.write({"op": "dasktf_p2p_direct", "group": ep.gid,
                               "source": ep.rank, "reply": False})
-            answer = await comm.read()
         except BaseException:
             comm.abort()
             raise
-        sock = take_socket(comm) if answer == "OK" else None
-        if sock is None:
+        taken = take_socket(comm)  # (READY, if it came already, is in the buffer)
+        if taken is None:
             comm.abort()
-            raise ConnectionError(f"peer {address} answered {answer!r} for group {ep.gid}")
-        return sock
+            raise ConnectionError(f"the comm to {address} is not plain TCP")
+        return taken
 
     async def watch(self, group: str, watcher: str) -> str:
         ep = self.endpoint(group)
@@ -348,6 +373,17 @@ class P2PPlugin(WorkerPlugin):
                 config.get_seconds("p2p.timeout"))
         except (OSError, asyncio.TimeoutError):
             pass  # that one is gone too: its own watchers will say so
+
+
+#: the one byte a peer answers a direct connection with, on the raw socket
+READY, CLOSED = b"R", b"C"
+
+
+def _send_byte(sock: socket.socket, byte: bytes) -> None:
+    try:
+        sock.send(byte)
+    except OSError:
+        pass  # the peer is gone: its wait for the byte fails
 
 
 def _error(ep: Endpoint, reason: str, lost: str | None) -> Exception:
