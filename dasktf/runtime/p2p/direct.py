@@ -9,12 +9,16 @@ message straight into a socket, and the receiver's training thread reads it
 while it waits, as MPI's and NCCL's progress engines do.
 
 The connections are Dask's: the sender opens one with ``distributed.comm.connect``
-to the peer worker's own listener (its handshake, its connection arguments), asks
-for ``dasktf_p2p_direct``, and once the peer replied both ends take the socket
-out of Tornado's hands (a duplicate of the descriptor; the comm is then aborted,
-which closes Tornado's descriptor without shutting the connection down). Nothing
-new listens, nothing is bound beyond the workers' addresses. Plain TCP only: a
-TLS comm's socket carries TLS records, so a TLS cluster keeps the event loop path.
+to the peer worker's own listener (its handshake, its connection arguments) and
+asks for ``dasktf_p2p_direct``; both ends take the socket out of Tornado's hands
+(a duplicate of the descriptor; the comm is then aborted, which closes Tornado's
+descriptor without shutting the connection down). An idle Tornado stream reads
+whatever arrives into a buffer of its own, so nothing may reach a socket before it
+left Tornado: the request is the sender's last write through Tornado, the receiver
+takes its end first and answers ``READY`` on the raw socket, and the sender sends
+only after reading it (:meth:`P2PPlugin.direct`). Nothing new listens, nothing is
+bound beyond the workers' addresses. Plain TCP only: a TLS comm's socket carries
+TLS records, so a TLS cluster keeps the event loop path.
 
 Sends never block: a message is queued and written as far as the kernel takes it;
 the rest goes out while this member waits for a message (:meth:`Links.progress`
