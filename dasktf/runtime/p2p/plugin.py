@@ -36,6 +36,7 @@ import concurrent.futures
 import logging
 import socket
 import threading
+import time
 from collections import deque
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
@@ -230,10 +231,18 @@ class P2PPlugin(WorkerPlugin):
         """
         timeout = config.get_seconds("p2p.timeout")
         address = ep.members[rank]
-        sock, buffered = self.submit(self._open_direct(ep, address, timeout)).result(timeout)
+        # Every wait here also ends when the group fails (a lost member: Dask's
+        # connect retries a refused address until its timeout).
+        opening = self.submit(self._open_direct(ep, address, timeout))
+        concurrent.futures.wait([opening, ep.mailbox.failed], timeout,
+                                concurrent.futures.FIRST_COMPLETED)
+        if not opening.done():
+            opening.cancel()
+            raise ConnectionError(f"no direct connection to {address} for group "
+                                  f"{ep.gid}: {ep.mailbox.failure or 'timed out'}")
+        sock, buffered = opening.result()
         try:
-            sock.settimeout(timeout)
-            answer = buffered[:1] or sock.recv(1)
+            answer = buffered[:1] or _await_byte(sock, timeout, ep.mailbox)
         except OSError:
             sock.close()
             raise
@@ -377,6 +386,19 @@ class P2PPlugin(WorkerPlugin):
 
 #: the one byte a peer answers a direct connection with, on the raw socket
 READY, CLOSED = b"R", b"C"
+
+
+def _await_byte(sock: socket.socket, timeout: float, mailbox: Mailbox) -> bytes:
+    """One byte from ``sock`` (``b""``: closed), waiting at most ``timeout`` and no
+    longer than the group stands."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end and mailbox.failure is None:
+        sock.settimeout(min(0.1, max(end - time.monotonic(), 0.001)))
+        try:
+            return sock.recv(1)
+        except TimeoutError:
+            continue
+    return b""
 
 
 def _send_byte(sock: socket.socket, byte: bytes) -> None:
