@@ -23,7 +23,9 @@ import numpy as np
 from dasktf import config
 from dasktf.cluster.devices import compute_device
 from dasktf.data.feeds import read_feeds
+from dasktf.data.shards import Shard
 from dasktf.data.structure import Nest, concat, first_leaf, leaves, map_nest, take
+from dasktf.runtime.keras_step import MetricEvaluator
 
 if TYPE_CHECKING:
     from dasktf.models import CompileRecipe
@@ -45,6 +47,7 @@ class InferenceModel:
         self.device = compute_device()
         with tf.device(self.device):
             self.model = package.build(recipe)
+        self.evaluator = MetricEvaluator(self.model)
         self._forwards: dict[Any, Any] = {}
         #: Metric states live in the model: one evaluation at a time per model.
         self.lock = threading.Lock()
@@ -83,10 +86,10 @@ class InferenceModel:
         """The compiled loss and metric states on these rows, as Keras' ``evaluate``
         leaves them (additive totals: :func:`~dasktf.runtime.keras_step.merge_metric_states`
         sums them across partitions)."""
-        with self.lock:
-            self.model.evaluate(map_nest(_tensor, x), map_nest(_tensor, y),
-                                sample_weight=w, batch_size=batch_size, verbose=0)
-            return [np.asarray(v.numpy()) for m in self.model.metrics for v in m.variables]
+        import tensorflow as tf
+
+        with self.lock, tf.device(self.device):
+            return self.evaluator.states(Shard(x, y, w), batch_size)
 
 
 def _tensor(a: np.ndarray) -> Any:

@@ -34,11 +34,12 @@ from dasktf.data.structure import first_leaf
 from dasktf.exceptions import ReplicaError
 from dasktf.models import CompileRecipe
 from dasktf.runtime.keras_step import (
+    MetricEvaluator,
     SignatureFunction,
     batch_args,
     batch_signature,
     build_metrics,
-    keras_ready,
+    metric_states,
     weigh_output_losses,
 )
 from dasktf.runtime.rounds import LocalSpec, Rounds
@@ -142,6 +143,7 @@ class Replica:
         compile_loss = getattr(model, "_compile_loss", None)
         self.output_loss_trackers = list(getattr(compile_loss, "metrics", None) or [])
         self.weighted = probe.w is not None
+        self.evaluator = MetricEvaluator(model)
         self._gradient_fn = SignatureFunction(self.batch_gradient, batch_signature(probe))
         # A fixed signature: a Python int count would retrace for every new value
         # (the short last batch of each epoch, for one).
@@ -458,19 +460,15 @@ class Replica:
         return states
 
     def metric_states(self) -> list[np.ndarray]:
-        return [np.asarray(v.numpy()) for m in self.model.metrics for v in m.variables]
+        return metric_states(self.model)
 
     def evaluate(self) -> list[np.ndarray] | None:
+        """The metric states on this replica's validation rows (Keras' evaluate's),
+        ``None`` without any; the metrics are left holding them."""
         if self.val_shard is None or len(self.val_shard) == 0:
             return None
-        self.model.evaluate(
-            keras_ready(self.val_shard.x),
-            self.val_shard.y,
-            sample_weight=self.val_shard.w,
-            batch_size=self.eval_batch_size,
-            verbose=0,
-        )
-        return self.metric_states()
+        with _on(self.device):
+            return self.evaluator.states(self.val_shard, self.eval_batch_size)
 
 
 def non_trainable_floats(model: Any) -> list[Any]:
