@@ -334,7 +334,7 @@ def measure(client: Any, n: int, mode: str, sched_pid: int,
 def time_submits(total: list[float]) -> Any:
     """Count the client's CPU in building and sending task graphs (the submit):
     wraps the engines' submit methods for the benchmark; returns the undo."""
-    from dasktf.engines.graph.batch import TaskBatch
+    from dasktf.engines.batch import TaskBatch
     from dasktf.engines.graph.steps import SyncEngine
     from dasktf.engines.holder.engine import AsyncEngine
 

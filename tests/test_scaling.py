@@ -25,16 +25,27 @@ class GraphCounter(SchedulerPlugin):
 
     def __init__(self) -> None:
         self.graphs: list[int] = []
+        self.segments: list[int] = []
 
     def update_graph(self, scheduler, *, tasks=(), **kwargs) -> None:
         steps = [k for k in tasks if isinstance(k, str) and k.startswith("dasktf-step-")]
         if steps:
             self.graphs.append(len(steps))
+        segments = [k for k in tasks
+                    if isinstance(k, str) and k.startswith("dasktf-segment-")]
+        if segments:
+            self.segments.append(len(segments))
 
 
 def _graphs(dask_scheduler=None) -> list[int]:
     plugin = dask_scheduler.plugins[GraphCounter.name]
     out, plugin.graphs = list(plugin.graphs), []
+    return out
+
+
+def _segments(dask_scheduler=None) -> list[int]:
+    plugin = dask_scheduler.plugins[GraphCounter.name]
+    out, plugin.segments = list(plugin.segments), []
     return out
 
 
@@ -62,6 +73,20 @@ def test_a_window_of_steps_reaches_the_scheduler_as_one_graph(client, digits):
     # the graph's shape changes nothing that trains
     for a, b in zip(per_step, windowed, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_p2p_segment_reaches_the_scheduler_as_one_graph(client, digits):
+    """The N tasks of a p2p segment are one update-graph message, not N (the
+    scheduler's largest cost per epoch at 32 workers)."""
+    x, y = digits.x_train[:480].reshape(-1, 64), digits.y_train[:480]
+    client.register_plugin(GraphCounter())
+    client.run_on_scheduler(_segments)  # forget earlier runs'
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10, activation="softmax")])
+    history = dasktf.fit(model, x, y, client=client, n_workers=3, epochs=3, batch_size=48,
+                         optimizer="sgd", verbose=0, engine="p2p",
+                         loss="sparse_categorical_crossentropy")
+    assert history.engine == "p2p"
+    assert client.run_on_scheduler(_segments) == [3, 3, 3]  # a graph of 3 an epoch
 
 
 def test_the_client_hears_one_replica_s_loss_not_every_worker_s_records(client, digits):

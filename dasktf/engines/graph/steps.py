@@ -14,7 +14,7 @@ with one worker the sum is skipped and a step is one hop, and so it is with two
 (lossless): each step sums the pair itself (a direct exchange, dasktf.engines.graph.topology).
 Gradients go worker to worker, never through the client, and the client keeps
 ``dasktf.submit-ahead`` steps in flight, sending ``dasktf.submit-window`` of them to
-the scheduler as one graph (:mod:`dasktf.engines.graph.batch`).
+the scheduler as one graph (:mod:`dasktf.engines.batch`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from dasktf import config
 from dasktf.cluster.waits import RunContext, wait_for
 from dasktf.engines.base import Capabilities, Engine
-from dasktf.engines.graph.batch import Pending, TaskBatch, resolve
+from dasktf.engines.batch import Pending, TaskBatch, resolve
 from dasktf.runtime.reconcile import set_learning_rate
 from dasktf.runtime.replica import EpochReport
 from dasktf.runtime.tasks import end_epoch_task, epoch_stats_task, step_task

@@ -34,7 +34,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from dasktf.cluster.waits import RunContext
-from dasktf.engines.graph.batch import Pending
+from dasktf.engines.batch import Pending
 from dasktf.engines.graph.steps import SyncEngine
 from dasktf.engines.mirrored import mirrored_epoch_logs
 from dasktf.runtime.servers import ps_apply_task, server_workers

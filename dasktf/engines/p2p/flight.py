@@ -19,6 +19,7 @@ from distributed import wait
 
 from dasktf import config
 from dasktf.cluster.waits import RunContext, call_watched, wait_for
+from dasktf.engines.batch import TaskBatch
 from dasktf.runtime.p2p.links import request_stop
 from dasktf.runtime.p2p.plugin import abort_group
 from dasktf.runtime.p2p.segment import Segment, SegmentResult, segment_task
@@ -46,13 +47,16 @@ class Flight:
         ``i``, pinned), wait for it calling ``tick`` meanwhile, and read the results."""
         ctx = self.ctx
         self.members, self.gid = list(ctx.workers), segment.group.gid
-        self.futures = [
-            ctx.client.submit(segment_task, ctx.run_id, segment, key=f"{key}-{i}",
-                              # the replica and shard live on this worker alone
-                              workers=[w], allow_other_workers=False, pure=False,
-                              resources=ctx.resources)
-            for i, w in enumerate(self.members)
-        ]
+        # One update-graph message for the N tasks (N submits were N messages, the
+        # scheduler's largest cost per epoch: benchmarks/scale.py); each pinned
+        # where its replica and shard live.
+        batch = TaskBatch(ctx.client)
+        tasks = [batch.add(segment_task, ctx.run_id, segment, key=f"{key}-{i}",
+                           workers=[w], resources=ctx.resources)
+                 for i, w in enumerate(self.members)]
+        batch.want(tasks)
+        futures_by_key = batch.flush()
+        self.futures = [futures_by_key[t.key] for t in tasks]
         what = (f"steps {segment.first + 1}-{segment.last + 1} of epoch "
                 f"{segment.epoch + 1}")
         wait_for(ctx, self.futures, what, tick=tick)
