@@ -259,7 +259,7 @@ class Replica:
                     with _on(self.device):
                         flat, loss_sum = self._apply_gradient_fn(
                             summed.total, np.float32(summed.count), *batch_args(batch))
-                    return GradientSum(flat.numpy(), len(batch), float(loss_sum))
+                    return GradientSum(np.asarray(flat), len(batch), float(loss_sum))
         self.apply(summed)
         return self._gradient_of(batch)
 
@@ -375,7 +375,9 @@ class Replica:
             return GradientSum(None, 0, 0.0)
         with _on(self.device):
             flat, loss_sum = self._gradient_fn(*batch_args(batch))
-        return GradientSum(flat.numpy(), len(batch), float(loss_sum))
+        # a read-only view of the tensor, not Tensor.numpy()'s copy: nothing writes
+        # into a gradient (the codecs and the sums make new arrays)
+        return GradientSum(np.asarray(flat), len(batch), float(loss_sum))
 
     def record_step(
         self,

@@ -69,8 +69,8 @@ def allreduce_step(group: Group, grad: GradientSum, step: int, *, size: int | No
                               np.asarray(votes, np.float64).ravel()])
     out, sums = group.allreduce(total, step, scalars)
     assert sums is not None
-    if scaled:
-        out /= np.float32(scale)
+    if scaled:  # (a new array: a received one may be read-only)
+        out = out / np.float32(scale)
     count = round(float(sums[0]))
     summed = GradientSum(out if count else None, count, float(sums[1]),
                          grad.compute_seconds, grad.update, float(sums[2]))
