@@ -6,9 +6,11 @@ from __future__ import annotations
 import time
 
 import keras
+import numpy as np
 import pytest
 
 import dasktf
+from dasktf.diagnostics.events import TOPIC, unpack
 from dasktf.testing import own_cluster
 
 from .test_fault import ACCURACY, _options
@@ -60,4 +62,14 @@ def test_async_run_grows_from_two_to_three_workers_at_once(digits):
         owed = {(w, p, s) for w in (0, 1) for p in range(epochs) for s in range(steps)}
         assert {i for i in items if i[1] < epochs} == owed
         assert history.history["val_accuracy"][-1] > ACCURACY
+        # every epoch has its own figures (one batch of results heard together once
+        # finished two epochs, and the second had none: an IndexError)
+        assert len(history.history["loss"]) == epochs
+        assert all(np.isfinite(history.history["loss"]))
+        # the join reached the dashboard's store too (its int-keyed "left" was
+        # refused as not msgpack-friendly, the record lost with a warning)
+        joins = [r for e in client.get_events(TOPIC) for r in unpack(e)
+                 if r.get("kind") == "worker_joined" and r.get("run") == history.run_id]
+        assert [r["worker_address"] for r in joins] == joined
+        assert joins[0]["left"] == {str(k): v for k, v in grew["left"].items()}
     assert time.monotonic() - start < 150

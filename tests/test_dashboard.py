@@ -244,6 +244,12 @@ def test_dashboard_started_late_shows_the_earlier_points(client, digits, browser
     training = Training(client, digits, batch_size=24, mode="async", slow_workers={0: 3.0},
                         epochs=3)
     run = wait_until(lambda: _updates_of_new_run(client, known, 40), 90, "40 updates")
+    # Each record reaches the scheduler once, in its worker's next flush: wait until
+    # the straggler's first ones are in (the fast workers' updates can reach 40
+    # within one flush interval), so none can arrive after the truncation below.
+    wait_until(lambda: {1, 2, 3} <= set(
+        metrics.fetch(client, run)["series"]["loss"]["data"]["update"]), 30,
+        "the first three updates in the store")
     # Empty the scheduler's event log: the page must rebuild the run from the store.
     client.run_on_scheduler(lambda dask_scheduler: dask_scheduler._broker.truncate(TOPIC))
     # (the run goes on publishing, but the first updates are gone from the log)

@@ -175,9 +175,25 @@ def send_records(worker: Any, records: list[dict[str, Any]], topic: str = TOPIC,
 
 
 def publish(client: Client, *records: dict[str, Any]) -> None:
-    """Publish a few client-side records (run start, epoch ends): one message."""
+    """Publish a few client-side records (run start, epoch ends): one message.
+
+    Made msgpack-friendly first (Dask refuses a dict with keys that are not
+    strings, or NumPy numbers, and the record would be lost): keys become strings,
+    NumPy numbers and arrays Python ones."""
     if records and config.get("metrics"):
-        client.log_event(TOPIC, {"records": list(records)})
+        client.log_event(TOPIC, {"records": [plain(r) for r in records]})
+
+
+def plain(value: Any) -> Any:
+    """``value`` with msgpack's types only: dicts keyed by strings, lists, Python
+    numbers (NumPy scalars and arrays converted)."""
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    if hasattr(value, "tolist") and hasattr(value, "dtype"):  # NumPy scalar or array
+        return plain(value.tolist())
+    return value
 
 
 def unpack(event: Any) -> list[dict[str, Any]]:

@@ -439,7 +439,7 @@ class AsyncEngine(Recovery, Engine):
         self.send_non_trainable()
         _, val_states, weights = self.holder.evaluate().result(timeout=timeout)
         self.take_restore_point()
-        return EpochReport(self.holder_worker, self.run_state.tally.take_epoch_states(),
+        return EpochReport(self.holder_worker, self.run_state.tally.take_epoch_states(epoch),
                            val_states, weights)
 
     def epoch_logs(self, seconds: float) -> dict[str, float]:

@@ -89,7 +89,8 @@ class Tally:
         self.tasks = {"computed": 0, "stopped": 0}
         self.discarded = 0
         self.epoch_dropped = 0
-        self.epoch_states: list[np.ndarray] | None = None
+        #: summed metric states by the epoch they count in (:meth:`add`)
+        self.epoch_states: dict[int, list[np.ndarray]] = {}
         self.epoch_bytes: list[list[int]] = []
         #: each identity's latest moving statistics (StepResult.non_trainable)
         self.non_trainable: dict[int, list[np.ndarray]] = {}
@@ -109,15 +110,17 @@ class Tally:
             self.epoch_dropped += 1
         return True
 
-    def add(self, result: StepResult) -> bool:
-        """Add a counted result's metric states and records; whether it applied an
-        update (the run's ``applied``-th)."""
+    def add(self, result: StepResult, epoch: int) -> bool:
+        """Add a counted result's metric states (to ``epoch``'s) and records;
+        whether it applied an update (the run's ``applied``-th)."""
         assert result.outcome is not None
         if result.metric_states is not None:
-            if self.epoch_states is None:
-                self.epoch_states = [np.array(s, copy=True) for s in result.metric_states]
+            states = self.epoch_states.get(epoch)
+            if states is None:
+                self.epoch_states[epoch] = [np.array(s, copy=True)
+                                            for s in result.metric_states]
             else:
-                for total, s in zip(self.epoch_states, result.metric_states, strict=False):
+                for total, s in zip(states, result.metric_states, strict=False):
                     total += s
         self.epoch_records.extend(result.outcome.records)
         if result.outcome.status != "applied":
@@ -147,10 +150,13 @@ class Tally:
             "examples_per_sec": examples / seconds if seconds > 0 else 0.0,
         }
 
-    def take_epoch_states(self) -> list[np.ndarray]:
-        """The epoch's summed metric states (additive totals); starts the next."""
-        states, self.epoch_states = self.epoch_states or [], None
-        return states
+    def take_epoch_states(self, epoch: int) -> list[np.ndarray]:
+        """Epoch ``epoch``'s summed metric states (additive totals), with any left
+        of earlier epochs; those counted for later epochs stay for them."""
+        taken = [self.epoch_states.pop(e) for e in sorted(self.epoch_states) if e <= epoch]
+        if len(taken) <= 1:
+            return taken[0] if taken else []
+        return [np.sum(parts, axis=0) for parts in zip(*taken, strict=False)]
 
     def take_epoch_bytes(self) -> list[list[int]]:
         """The epoch's per-task byte counts (per holder); starts the next."""

@@ -386,7 +386,18 @@ class AsyncState:
         for record in outcome.records:
             record.epoch = self.current_epoch
             self._applied(record)
-        return [StepApplied(self.tally.applied - 1)] if self.tally.add(result) else []
+        applied = self.tally.add(result, self._epoch_of(result))
+        return [StepApplied(self.tally.applied - 1)] if applied else []
+
+    def _epoch_of(self, result: StepResult) -> int:
+        """The epoch whose figures a counted result's metric states go to: its
+        shard pass's, or the current one if that epoch was reported already.
+
+        Not simply the current epoch: workers run ahead into later passes, and one
+        batch of results heard together can finish two epochs (a lagging shard's
+        last batch of pass e after the others' whole pass e + 1), which left the
+        second with no figures at all."""
+        return max(result.shard_pass, self.current_epoch)
 
     def _applied(self, record: UpdateRecord) -> None:
         """Mark ``record``'s batch applied to its shard: once."""
@@ -458,6 +469,11 @@ class QuorumState(AsyncState):
 
     def epoch_done(self, epoch: int) -> bool:
         return self.tally.applied >= (epoch + 1) * self.steps_per_epoch
+
+    def _epoch_of(self, result: StepResult) -> int:
+        """The epoch of the next applied step by count (a quorum epoch is
+        ``steps_per_epoch`` applied steps, whatever the passes)."""
+        return max(self.tally.applied // self.steps_per_epoch, self.current_epoch)
 
     def budget(self) -> tuple[dict[int, int] | None, int | None]:
         if self.epochs is None:
