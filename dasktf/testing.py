@@ -162,20 +162,26 @@ def _arm_kill(update: int, where: str) -> None:
     group.send_hooks.append(at_send)
 
 
-def _set_delay(factor: float) -> float:
+def _set_delay(delay: dict[str, float]) -> dict[str, float]:
     from dasktf.runtime.replica import WORKER_DELAY
 
-    old, WORKER_DELAY["factor"] = WORKER_DELAY["factor"], float(factor)
+    old = dict(WORKER_DELAY)
+    WORKER_DELAY.update(delay)
     return old
 
 
 @contextmanager
-def delay_worker(client: Client, address: str, factor: float) -> Iterator[None]:
-    """Within the block, the worker at ``address`` takes ``factor`` x its compute
-    time per step (it sleeps, freeing its core, as a worker on a busy node would)."""
+def delay_worker(client: Client, address: str, factor: float = 1.0, *,
+                 seconds: float = 0.0) -> Iterator[None]:
+    """Within the block, each step of the worker at ``address`` after its first
+    takes ``factor`` x its compute time, and at least ``seconds`` (it sleeps,
+    freeing its core, as a worker on a busy node or a slow device would)."""
     if not factor >= 1:
         raise ValueError(f"factor must be >= 1; got {factor!r}.")
-    old = client.run(_set_delay, factor, workers=[address])[address]
+    if not seconds >= 0:
+        raise ValueError(f"seconds must be >= 0; got {seconds!r}.")
+    delay = {"factor": float(factor), "seconds": float(seconds)}
+    old = client.run(_set_delay, delay, workers=[address])[address]
     try:
         yield
     finally:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from dasktf import config
 from dasktf.callbacks import History, LearningRateRelay, ProgressBar
+from dasktf.cluster.liveness import LivenessWatch
 from dasktf.cluster.local import (
     alive_workers,
 )
@@ -93,6 +94,9 @@ class Run:
         self.begin_at = (0, 0)
         self.shared: SharedModel | None = None
         self._factory: Any = None
+        #: the scheduler's failure detector, armed for the run's workers once they
+        #: have built their replicas (dasktf.cluster.liveness)
+        self.liveness: LivenessWatch | None = None
 
     def fit(self, plugin: Any = None) -> History:
         """Set the run up (:meth:`set_up`, registering ``plugin`` on the workers),
@@ -336,7 +340,9 @@ class Run:
 
         try:
             enter_phase("the first step", self.ctx.workers)
+            self.liveness = LivenessWatch(self.client, self.run_id)
             for epoch in range(first_epoch, epochs):
+                self.liveness.watch(self.ctx.workers)  # after any loss or growth
                 cb.on_epoch_begin(epoch)
                 relay.relay(engine)  # LearningRateScheduler, ReduceLROnPlateau, ...
                 start = time.perf_counter()
@@ -371,9 +377,10 @@ class Run:
             history.applied_updates = engine.applied_logs()
             guard.finish(self.model, engine)
         except BaseException as exc:
-            if isinstance(exc, WorkerLostError) and exc.phase is None and not first:
-                exc.phase = "the first step"  # before the engine finished a step
-                exc.args = (f"{exc.args[0]} (phase: the first step)", *exc.args[1:])
+            if isinstance(exc, WorkerLostError) and exc.phase is None:
+                # before the engine finished a step, or after (on_worker_loss="raise")
+                exc.phase = "the first step" if not first else "training"
+                exc.args = (f"{exc.args[0]} (phase: {exc.phase})", *exc.args[1:])
             self.publish(run_end_record(self.run_id, exc))
             lost = guard.scheduler_lost(exc)
             if lost is not None:
@@ -469,6 +476,8 @@ class Run:
         """The end of the run, whatever happened: the engine closed, the replicas
         and shards released, the membership no longer listened to."""
         try:
+            if self.liveness is not None:
+                self.liveness.close()
             if self.engine is not None:
                 self.engine.close()
         finally:

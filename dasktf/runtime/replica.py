@@ -48,8 +48,9 @@ from dasktf.transport import ModelRef, seed_states
 from dasktf.wire.messages import GradientSum
 
 logger = logging.getLogger(__name__)
-#: A whole-process slow-down set by :func:`dasktf.testing.delay_worker`.
-WORKER_DELAY: dict[str, float] = {"factor": 1.0}
+#: A whole-process slow-down set by :func:`dasktf.testing.delay_worker`: each step
+#: takes ``factor`` times its compute, and at least ``seconds``.
+WORKER_DELAY: dict[str, float] = {"factor": 1.0, "seconds": 0.0}
 
 
 @dataclass(frozen=True)
@@ -543,8 +544,9 @@ def straggle(replica: Replica, compute_seconds: float) -> None:
     mostly tracing, a one-off cost every worker pays.
     """
     factor = max(replica.slow_factor, WORKER_DELAY["factor"])
-    if factor > 1.0 and replica.traced:
-        time.sleep((factor - 1.0) * compute_seconds)
+    pause = max((factor - 1.0) * compute_seconds, WORKER_DELAY["seconds"] - compute_seconds)
+    if pause > 0 and replica.traced:
+        time.sleep(pause)
     replica.traced = True
 
 

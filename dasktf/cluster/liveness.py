@@ -1,0 +1,338 @@
+"""Tell a stalled or vanished worker from a slow step, and remove it from the cluster.
+
+A SIGKILLed worker's connections close at once, and the scheduler drops it within
+milliseconds. A host that freezes (a paused VM, a stopped process) or drops off the
+network (no RST ever comes) closes nothing: its TCP connections stay open, Dask
+notices only after ``distributed.comm.timeouts.tcp`` (30 s) or
+``distributed.scheduler.worker-ttl`` (5 minutes), and a peer waiting for its message
+waits as long. A step that takes a minute looks the same to anyone who waits for
+the step, so the signal must come from somewhere the step does not block: the
+worker's event loop, which keeps answering while its training thread computes.
+
+:class:`LivenessPlugin` (on the scheduler) watches the workers of the runs that
+asked (:class:`LivenessWatch`, armed by a run once its replicas are built, so that
+no worker is watched while ``import tensorflow`` holds its event loop):
+
+- every worker's event loop heartbeats the scheduler (Dask's own, every 0.5 s up to
+  10 workers: ``heartbeat_interval``); a heartbeat is a sign of life;
+- a worker silent for ``suspect_after`` is *probed*: a fresh connection to its
+  listener and an ``echo`` through its event loop, every ``dasktf.liveness-interval``.
+  A fresh connection, because the heartbeat's own connection may hold a message
+  the kernel is retransmitting with exponential backoff: after a 3 s flap its next
+  try can come 6 s after the flap began, while a new connection answers as soon as
+  the link is back;
+- a worker with no sign of life for ``dasktf.liveness-timeout`` is *declared lost*:
+  an ``unresponsive`` record on :data:`~dasktf.cluster.membership.TOPIC`, then
+  ``Scheduler.remove_worker(close=True)`` (its nanny, if it has one, is asked to kill
+  it, as Dask's own worker-ttl restarts it). The run hears of it through its
+  :class:`~dasktf.cluster.membership.MembershipWatcher` as of a SIGKILLed worker and
+  recovers the same way. If the process wakes up, it is told it was removed (its
+  next heartbeat answers ``missing`` and the queued ``close`` arrives) and shuts
+  down; what it sends meanwhile is refused by the run's identities (a p2p group id,
+  a holder's list of lost workers).
+
+Silence only counts while the detector itself runs: a scheduler whose event loop
+was held (a large graph, a loaded machine) does not declare its workers lost for the
+heartbeats it had not read yet. The timeout grows with Dask's heartbeat interval
+(at least three of them: 0.5 s up to 10 workers, ``n / 200 + 1`` s past 200).
+
+The rules are :class:`SilenceTracker`'s, which does no I/O (tested without a
+cluster); the plugin feeds it the signs and carries out what it returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from distributed.diagnostics.plugin import SchedulerPlugin
+
+from dasktf import config
+from dasktf.cluster.membership import TOPIC
+
+if TYPE_CHECKING:
+    from distributed import Client, Scheduler
+
+logger = logging.getLogger(__name__)
+
+PLUGIN_NAME = "dasktf-liveness"
+#: the scheduler handler a run arms and disarms its watch with
+HANDLER = "dasktf_liveness"
+#: probes in flight to one worker at most (each bounded by its own timeout)
+MAX_PROBES = 4
+
+
+def heartbeat_interval(n_workers: int) -> float:
+    """Dask's heartbeat interval for a cluster of ``n_workers`` (as
+    ``distributed.scheduler.heartbeat_interval`` computes it)."""
+    if n_workers <= 10:
+        return 0.5
+    if n_workers < 50:
+        return 1.0
+    if n_workers < 200:
+        return 2.0
+    return n_workers / 200 + 1
+
+
+@dataclass
+class Silence:
+    """What the detector knows of one watched worker."""
+
+    #: the newest sign of life (scheduler wall clock)
+    heard: float
+    #: seconds of detector time since then (only while the detector ran)
+    silent: float = 0.0
+    #: the probes in flight
+    probes: int = 0
+
+
+@dataclass
+class Verdict:
+    """One tick's decisions."""
+
+    probe: list[str] = field(default_factory=list)
+    #: ``(worker, seconds silent)``
+    lost: list[tuple[str, float]] = field(default_factory=list)
+
+
+class SilenceTracker:
+    """The detector's rules, without I/O.
+
+    Parameters
+    ----------
+    interval
+        Seconds between ticks; a tick later than twice this counts only twice this
+        towards anyone's silence (the detector was held, not the workers).
+    """
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self.watched: dict[str, Silence] = {}
+        #: per worker, the timeout of each run watching it
+        self.timeouts: dict[str, dict[str, float]] = {}
+        self._last_tick: float | None = None
+
+    def watch(self, run: str, workers: list[str], timeout: float, now: float) -> None:
+        """Watch ``workers`` for ``run`` (replacing its earlier list)."""
+        self.unwatch(run)
+        for w in workers:
+            self.timeouts.setdefault(w, {})[run] = timeout
+            self.watched.setdefault(w, Silence(heard=now))
+
+    def unwatch(self, run: str) -> None:
+        for w in list(self.timeouts):
+            self.timeouts[w].pop(run, None)
+            if not self.timeouts[w]:
+                del self.timeouts[w]
+                self.watched.pop(w, None)
+
+    def forget(self, worker: str) -> None:
+        """``worker`` left the cluster (by itself or declared lost)."""
+        self.timeouts.pop(worker, None)
+        self.watched.pop(worker, None)
+
+    def pause(self) -> None:
+        """The next tick starts the clock afresh."""
+        self._last_tick = None
+
+    def runs_of(self, worker: str) -> list[str]:
+        return sorted(self.timeouts.get(worker, {}))
+
+    def limits(self, worker: str, n_workers: int) -> tuple[float, float]:
+        """(timeout, suspect after) for ``worker`` in a cluster of ``n_workers``."""
+        heartbeat = heartbeat_interval(n_workers)
+        timeout = max(min(self.timeouts[worker].values()), 3 * heartbeat)
+        return timeout, min(timeout / 2, max(1.0, 2 * heartbeat))
+
+    def tick(self, now: float, signs: dict[str, float], n_workers: int) -> Verdict:
+        """Advance to ``now`` with each watched worker's newest sign of life."""
+        step = 0.0 if self._last_tick is None else max(0.0, now - self._last_tick)
+        step = min(step, 2 * self.interval)
+        self._last_tick = now
+        verdict = Verdict()
+        for w, s in self.watched.items():
+            heard = signs.get(w, s.heard)
+            if heard > s.heard:
+                s.heard = heard
+                s.silent = min(max(0.0, now - heard), s.silent + step)
+            else:
+                s.silent += step
+            timeout, suspect = self.limits(w, n_workers)
+            if s.silent >= timeout:
+                verdict.lost.append((w, s.silent))
+            elif s.silent >= suspect and s.probes < MAX_PROBES:
+                s.probes += 1
+                verdict.probe.append(w)
+        return verdict
+
+    def probe_ended(self, worker: str) -> None:
+        """One of ``worker``'s probes ended (answered or not)."""
+        silence = self.watched.get(worker)
+        if silence is not None:
+            silence.probes = max(0, silence.probes - 1)
+
+
+class LivenessPlugin(SchedulerPlugin):
+    """The scheduler side: feeds :class:`SilenceTracker` Dask's heartbeats and its
+    own probes, and removes the workers it declares lost (see the module)."""
+
+    name = PLUGIN_NAME
+    idempotent = True  # every run registers it; the first one stays
+
+    def __init__(self) -> None:
+        self.scheduler: Scheduler | None = None
+        self.tracker: SilenceTracker | None = None
+        #: per worker, the newest probe answer (scheduler wall clock)
+        self.answered: dict[str, float] = {}
+        #: probes and removals under way (held: the loop keeps only weak references)
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self, scheduler: Scheduler) -> None:
+        from tornado.ioloop import PeriodicCallback
+
+        self.scheduler = scheduler
+        interval = config.get_seconds("liveness-interval")
+        self.tracker = SilenceTracker(interval)
+        scheduler.handlers[HANDLER] = self.handle
+        callback = PeriodicCallback(self._tick, interval * 1000)
+        scheduler.periodic_callbacks[PLUGIN_NAME] = callback
+        callback.start()
+
+    async def close(self) -> None:
+        if self.scheduler is not None:
+            callback = self.scheduler.periodic_callbacks.pop(PLUGIN_NAME, None)
+            if callback is not None:
+                callback.stop()
+
+    def handle(self, run: str, workers: list[str] | None = None,
+               timeout: float | None = None) -> str:
+        """Watch ``workers`` for ``run`` with ``timeout`` (seconds), or stop watching
+        for it (``workers=None``)."""
+        assert self.tracker is not None
+        if workers is None or not timeout:
+            self.tracker.unwatch(run)
+        else:
+            known = [w for w in workers if w in self.scheduler.workers]  # type: ignore[union-attr]
+            self.tracker.watch(run, known, float(timeout), time.time())
+        return "OK"
+
+    def remove_worker(self, scheduler: Scheduler, worker: str, **kwargs: Any) -> None:
+        if self.tracker is not None:
+            self.tracker.forget(worker)
+        self.answered.pop(worker, None)
+
+    def _tick(self) -> None:
+        scheduler, tracker = self.scheduler, self.tracker
+        assert scheduler is not None and tracker is not None
+        if not tracker.watched:
+            tracker.pause()  # nothing watched: no time passes for anyone
+            return
+        signs = {}
+        for w in tracker.watched:
+            ws = scheduler.workers.get(w)
+            if ws is not None:
+                signs[w] = max(ws.last_seen, self.answered.get(w, 0.0))
+        verdict = tracker.tick(time.time(), signs, len(scheduler.workers))
+        for w in verdict.probe:
+            self._start(self._probe(w))
+        for w, silent in verdict.lost:
+            runs = tracker.runs_of(w)
+            tracker.forget(w)
+            self._start(self._declare_lost(w, silent, runs))
+
+    def _start(self, coroutine: Any) -> None:
+        task = asyncio.ensure_future(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _probe(self, worker: str) -> None:
+        """A fresh connection to ``worker``'s listener and an echo from its event
+        loop, bounded; an answer is a sign of life."""
+        from distributed.comm import connect
+        from distributed.core import send_recv
+
+        assert self.scheduler is not None
+        timeout = min(2.0, config.get_seconds("liveness-timeout") / 2)
+        try:
+            async def echo() -> None:
+                comm = await connect(worker, timeout=timeout,
+                                     **self.scheduler.connection_args)  # type: ignore[union-attr]
+                try:
+                    await send_recv(comm, op="echo", data=b"")
+                finally:
+                    comm.abort()
+
+            await asyncio.wait_for(echo(), timeout)
+            self.answered[worker] = time.time()
+        except Exception:  # noqa: BLE001 - no answer is what a probe measures
+            pass
+        finally:
+            if self.tracker is not None:
+                self.tracker.probe_ended(worker)
+
+    async def _declare_lost(self, worker: str, silent: float, runs: list[str]) -> None:
+        scheduler = self.scheduler
+        assert scheduler is not None
+        ws = scheduler.workers.get(worker)
+        if ws is None:
+            return  # it left by itself meanwhile
+        nanny = ws.nanny
+        logger.warning("dasktf: worker %s answered nothing for %.1fs (runs %s); "
+                       "removing it from the cluster", worker, silent, runs)
+        scheduler.log_event(TOPIC, {
+            "action": "unresponsive", "worker": worker, "silent": silent,
+            "runs": runs, "time": time.time()})
+        await scheduler.remove_worker(
+            worker, stimulus_id=f"dasktf-liveness-{time.time()}", close=True)
+        if nanny:  # as Dask's worker-ttl does: the nanny kills it (and restarts one)
+            try:
+                await asyncio.wait_for(scheduler.rpc(nanny).kill(timeout=1), 3)
+            except Exception:
+                logger.debug("dasktf: the nanny of %s did not answer", worker,
+                             exc_info=True)
+
+
+class LivenessWatch:
+    """The client side of one run: arms the scheduler's detector for the run's
+    workers (:meth:`watch`, again whenever they change) and disarms it
+    (:meth:`close`). ``dasktf.liveness-timeout`` ``0``/``off`` turns it off."""
+
+    def __init__(self, client: Client, run: str) -> None:
+        self.client = client
+        self.run = run
+        self.timeout = _timeout()
+        self.armed = False
+        self._workers: list[str] | None = None
+        if self.timeout:
+            client.register_plugin(LivenessPlugin(), name=PLUGIN_NAME)
+
+    def watch(self, workers: list[str]) -> None:
+        """Watch ``workers`` (the run's, now); a no-op when they did not change."""
+        if not self.timeout or self._workers == list(workers):
+            return
+        self._workers = list(workers)
+        self._call(workers=list(workers), timeout=self.timeout)
+        self.armed = True
+
+    def close(self) -> None:
+        if self.armed:
+            self.armed = False
+            self._call(workers=None)
+
+    def _call(self, **kwargs: Any) -> None:
+        client = self.client
+        try:
+            client.sync(getattr(client.scheduler, HANDLER), run=self.run, **kwargs)
+        except Exception:
+            logger.warning("run %s: the scheduler's liveness detector did not answer",
+                           self.run, exc_info=True)
+
+
+def _timeout() -> float:
+    value = config.get("liveness-timeout")
+    if value in (None, False, 0, "0", "off", "none"):
+        return 0.0
+    return config.get_seconds("liveness-timeout")

@@ -1,0 +1,161 @@
+"""The liveness detector's rules (dasktf.cluster.liveness.SilenceTracker), no cluster,
+and its work on a real one: a frozen worker removed, a long step never taken for one.
+
+Faults across hosts (a vanished host, link down, a flap) are in tests/test_hosts.py.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+import dasktf
+from dasktf.cluster.liveness import MAX_PROBES, SilenceTracker, heartbeat_interval
+from dasktf.testing import delay_worker, own_cluster, worker_pids
+
+TICK = 0.25
+
+
+def _run(tracker, signs_at, until, n_workers=3, start=1000.0):
+    """Tick from ``start`` to ``until`` seconds later; ``signs_at(t)`` gives the
+    signs at relative time t. Returns {worker: time declared lost} and the probes."""
+    lost, probes = {}, []
+    t = 0.0
+    while t <= until:
+        verdict = tracker.tick(start + t, {w: start + s for w, s in signs_at(t).items()},
+                               n_workers)
+        probes += [(t, w) for w in verdict.probe]
+        for w, _silent in verdict.lost:
+            lost[w] = t
+            tracker.forget(w)
+        t = round(t + TICK, 6)
+    return lost, probes
+
+
+def test_a_worker_that_heartbeats_is_never_lost_and_a_silent_one_is_at_the_timeout():
+    tracker = SilenceTracker(TICK)
+    tracker.watch("run", ["a", "b"], 4.5, 1000.0)
+
+    def signs(t):  # a heartbeats every 0.5 s; b's last heartbeat is at 1.0 s
+        return {"a": t - t % 0.5, "b": min(1.0, t - t % 0.5)}
+
+    lost, probes = _run(tracker, signs, 20.0)
+    assert lost == {"b": pytest.approx(1.0 + 4.5, abs=TICK)}
+    assert {w for _, w in probes} == {"b"}  # only the silent one is probed
+    first_probe = min(t for t, _ in probes)
+    assert first_probe == pytest.approx(1.0 + 1.0, abs=TICK)  # suspect after 1 s
+
+
+def test_probes_in_flight_are_capped():
+    tracker = SilenceTracker(TICK)
+    tracker.watch("run", ["a"], 4.5, 1000.0)
+    _, probes = _run(tracker, lambda t: {}, 3.0)
+    assert len(probes) == MAX_PROBES  # none of them answered (nor ended)
+
+
+def test_an_answer_after_a_flap_clears_the_silence():
+    """Silent from 0.5 s to 3.6 s (a 3 s flap; the probe answers once the link is
+    back): never declared lost."""
+    tracker = SilenceTracker(TICK)
+    tracker.watch("run", ["a"], 4.5, 1000.0)
+
+    def signs(t):
+        last = t - t % 0.5
+        return {"a": 0.5 if 0.5 <= last < 3.6 else last}
+
+    lost, _ = _run(tracker, signs, 10.0)
+    assert lost == {}
+
+
+def test_a_held_detector_does_not_count_its_own_stall_as_silence():
+    """The scheduler's loop held for 10 s (the heartbeats queued unread): a tick that
+    late adds two ticks of silence, not ten seconds."""
+    tracker = SilenceTracker(TICK)
+    tracker.watch("run", ["a"], 4.5, 1000.0)
+    assert tracker.tick(1000.0, {"a": 1000.0}, 3).lost == []
+    assert tracker.tick(1010.0, {"a": 1000.0}, 3).lost == []
+    assert tracker.watched["a"].silent == pytest.approx(2 * TICK)
+
+
+def test_the_timeout_is_at_least_three_heartbeats_of_a_large_cluster():
+    tracker = SilenceTracker(TICK)
+    tracker.watch("run", ["a"], 4.5, 1000.0)
+    assert tracker.limits("a", 3) == (4.5, 1.0)
+    assert heartbeat_interval(1000) == 6.0
+    timeout, suspect = tracker.limits("a", 1000)
+    assert timeout == 18.0 and suspect == 9.0
+
+
+def test_runs_watching_one_worker_take_the_shorter_timeout_and_unwatch_cleanly():
+    tracker = SilenceTracker(TICK)
+    tracker.watch("r1", ["a", "b"], 10.0, 1000.0)
+    tracker.watch("r2", ["a"], 5.0, 1000.0)
+    assert tracker.limits("a", 3)[0] == 5.0 and tracker.limits("b", 3)[0] == 10.0
+    assert tracker.runs_of("a") == ["r1", "r2"]
+    tracker.unwatch("r2")
+    assert tracker.limits("a", 3)[0] == 10.0
+    tracker.unwatch("r1")
+    assert tracker.watched == {}
+
+
+# -- on a real cluster --------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_frozen_worker_is_removed_within_the_timeout(digits):
+    """SIGSTOP of one of three loopback workers in the last epoch (graph engine: its
+    steps are long enough to land in): removed by the detector, recovered."""
+    import keras
+
+    class Freeze(keras.callbacks.Callback):
+        def __init__(self, pid, step):
+            super().__init__()
+            self.pid, self.step, self.seen, self.at = pid, step, 0, None
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.seen += 1
+            if self.at is None and self.seen == self.step:
+                self.at = time.time()
+                os.kill(self.pid, signal.SIGSTOP)
+
+    with own_cluster(3) as (_cluster, client):
+        workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        pid, _nanny = worker_pids(client, workers[2])
+        steps = -(-len(digits.x_train) // 64)
+        freeze = Freeze(pid, steps + 3)
+        try:
+            history = dasktf.fit("mnist-mlp", digits.x_train, digits.y_train,
+                                 client=client, n_workers=3, epochs=2, batch_size=64,
+                                 engine="graph", seed=1, verbose=0, callbacks=[freeze])
+        finally:
+            if freeze.at is not None:  # its nanny kills it; never leave it stopped
+                try:
+                    os.kill(pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+        (recovery,) = history.recoveries
+        assert recovery["lost"] == [workers[2]] and recovery["steps_lost"] == 0
+        records = [r for e in client.get_events("dasktf-membership") for r in [e[1]]
+                   if r.get("action") == "unresponsive"]
+        assert [r["worker"] for r in records] == [workers[2]]
+        assert 4.5 <= records[0]["silent"] < 6
+        for log in history.applied_updates.values():
+            assert log == list(range(2 * steps))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_long_step_is_not_a_loss(client, small_digits):
+    """A step of one worker takes 15 s (3x the liveness timeout; its event loop
+    answers while its training thread computes): nobody is declared lost."""
+    x, y = small_digits
+    worker = sorted(client.scheduler_info(n_workers=-1)["workers"])[1]
+    start = time.monotonic()
+    with delay_worker(client, worker, seconds=15):  # its steps after the first
+        history = dasktf.fit("mnist-mlp", x[:96], y[:96], client=client, n_workers=3,
+                             epochs=1, batch_size=48, verbose=0)
+    assert time.monotonic() - start > 15  # the second step was long
+    assert history.recoveries == []
+    assert len(client.scheduler_info(n_workers=-1)["workers"]) == 3
