@@ -153,9 +153,10 @@ class FaultAt(keras.callbacks.Callback):
     fault that takes time does not hold the run's loop); ``at`` is its time, and
     :meth:`check` raises what the fault raised."""
 
-    def __init__(self, fault, epoch: int = EPOCHS - 1, delay: float = 0.3) -> None:
+    def __init__(self, fault, epoch: int = EPOCHS - 1, delay: float = 0.3,
+                 then=None) -> None:
         super().__init__()
-        self.fault, self.epoch, self.delay = fault, epoch, delay
+        self.fault, self.epoch, self.delay, self.then = fault, epoch, delay, then
         self.at: float | None = None
         self.error: BaseException | None = None
         self.done = threading.Event()
@@ -168,6 +169,8 @@ class FaultAt(keras.callbacks.Callback):
                     time.sleep(self.delay)
                     self.at = time.time()
                     self.fault()
+                    if self.then is not None:
+                        self.then()
                 except BaseException as exc:  # noqa: BLE001 - check() raises it in the test
                     self.error = exc
                 finally:
@@ -242,7 +245,12 @@ def test_a_frozen_worker_is_removed_and_the_run_equals_the_uninterrupted_one(
     want = _uninterrupted(client, mnist, engine, **kw)
     host = cluster.net.hosts[2]
     victim, proc = cluster.worker_of(client, host), cluster.procs[2]
-    fault = FaultAt(lambda: freeze(proc))
+
+    def wake_once_removed() -> None:  # while the survivors go on training
+        wait_until(lambda: victim not in cluster.workers(client), 30, "the removal")
+        thaw(proc)
+
+    fault = FaultAt(lambda: freeze(proc), then=wake_once_removed)
     history = _fit(client, mnist, [fault], **kw)
     _recovered(client, history, fault, victim)
     units = EPOCHS * (STEPS // kw.get("local_steps", 1))
@@ -253,8 +261,8 @@ def test_a_frozen_worker_is_removed_and_the_run_equals_the_uninterrupted_one(
         # which is not the lost worker's own trajectory of H steps (docs/local_steps.md)
         got = _flat(history.model.get_weights())
         assert relative_error(got, _flat(want)) < 1e-5
-    # woken up, it learns it was removed and shuts down; it never rejoins
-    thaw(proc)
+    # woken up mid-run, what it sent was refused (the weights above); it learnt it
+    # was removed and shut down, and never rejoined
     proc.wait(timeout=60)
     assert victim not in cluster.workers(client)
 
