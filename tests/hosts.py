@@ -19,6 +19,10 @@ crosses the bridge, so a fault on one host's link is that host's alone:
 - :func:`freeze` / :func:`thaw`: SIGSTOP / SIGCONT of a process started in a host
   (its connections stay open; nothing answers).
 
+:class:`HostCluster` starts a ``dask scheduler`` on the bridge and a ``dask worker
+--no-nanny`` in every host; :class:`FaultAt` is a Keras callback that brings a fault
+at a moment of a run.
+
 Everything it makes is named with one prefix (``dtf`` and the pid) and removed by
 :meth:`HostNetwork.close` (the fixture's finalizer, also after a failure, and
 ``atexit``); :func:`remove_stale` removes what an earlier, killed test process
@@ -29,14 +33,20 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+
+import keras
+
+from dasktf.testing import wait_until
 
 SUBNET = "198.18.0"
 BRIDGE_ADDRESS = f"{SUBNET}.1"
@@ -257,3 +267,93 @@ def freeze(proc: subprocess.Popen) -> None:
 def thaw(proc: subprocess.Popen) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.kill(proc.pid, signal.SIGCONT)
+
+
+class HostCluster:
+    """A scheduler on the bridge and one worker per host (replaced when lost)."""
+
+    def __init__(self, net: HostNetwork, tmp: str, security_args: list[str]) -> None:
+        self.net, self.security_args = net, security_args
+        self.procs: dict[int, subprocess.Popen] = {}
+        file = os.path.join(tmp, "scheduler.json")
+        self.scheduler = net.spawn(
+            [sys.executable, "-m", "distributed.cli.dask_scheduler", "--host",
+             BRIDGE_ADDRESS, "--port", "0", "--no-dashboard", "--scheduler-file", file,
+             *security_args], env=_ENV)
+        wait_until(lambda: os.path.exists(file) and os.path.getsize(file) > 0, 60,
+                   "the scheduler's file")
+        time.sleep(0.2)  # written, then flushed
+        with open(file) as f:
+            self.address = json.load(f)["address"]
+
+    def ensure_workers(self, client) -> None:
+        """A worker on every host whose worker is not running, or not in the
+        cluster any more (removed while frozen: woken up, it shuts down)."""
+        listed = " ".join(self.workers(client))
+        for host in self.net.hosts:
+            proc = self.procs.get(host.index)
+            alive = proc is not None and proc.poll() is None
+            if alive and f"//{host.address}:" not in listed:
+                thaw(proc)
+                proc.kill()
+                proc.wait(timeout=30)
+                alive = False
+            if not alive:
+                self.procs[host.index] = self.net.spawn(
+                    [sys.executable, "-m", "distributed.cli.dask_worker", self.address,
+                     "--host", host.address, "--nthreads", "1", "--no-nanny",
+                     "--no-dashboard", "--preload", "dasktf.cluster.quiet",
+                     *self.security_args], host=host, env=_ENV)
+
+    def workers(self, client) -> list[str]:
+        return sorted(client.scheduler_info(n_workers=-1)["workers"])
+
+    def worker_of(self, client, host: Host) -> str:
+        return next(w for w in self.workers(client) if f"//{host.address}:" in w)
+
+    def close(self) -> None:
+        for proc in [self.scheduler, *self.procs.values()]:
+            thaw(proc)
+            proc.kill()
+            proc.wait(timeout=30)
+
+
+_ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"}
+
+
+class FaultAt(keras.callbacks.Callback):
+    """Runs ``fault()`` ``delay`` seconds into epoch ``epoch`` (in a thread, so a
+    fault that takes time does not hold the run's loop); ``at`` is its time, and
+    :meth:`check` raises what the fault raised."""
+
+    def __init__(self, fault, epoch: int, delay: float = 0.3,
+                 then=None) -> None:
+        super().__init__()
+        self.fault, self.epoch, self.delay, self.then = fault, epoch, delay, then
+        self.at: float | None = None
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == self.epoch and self.thread is None:
+            def run() -> None:
+                try:
+                    time.sleep(self.delay)
+                    self.at = time.time()
+                    self.fault()
+                    if self.then is not None:
+                        self.then()
+                except BaseException as exc:  # noqa: BLE001 - check() raises it in the test
+                    self.error = exc
+                finally:
+                    self.done.set()
+
+            self.thread = threading.Thread(target=run, daemon=True)
+            self.thread.start()
+
+    def check(self) -> None:
+        """The fault happened, and did what it does without an error."""
+        assert self.done.wait(timeout=30), "the fault never ran"
+        if self.error is not None:
+            raise self.error

@@ -17,14 +17,9 @@ equal to the uninterrupted one with no recovery. Every test is bounded in time.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import threading
 import time
 
-import keras
+import dask
 import numpy as np
 import pytest
 
@@ -32,8 +27,8 @@ import dasktf
 from dasktf.testing import wait_until
 from tests.conftest import MNIST, relative_error
 from tests.hosts import (
-    BRIDGE_ADDRESS,
-    Host,
+    FaultAt,
+    HostCluster,
     HostNetwork,
     freeze,
     netem_available,
@@ -52,59 +47,11 @@ LIVENESS = 4.5  # dasktf.liveness-timeout's default
 NOTICED_WITHIN = LIVENESS + 3.0
 
 
-class HostCluster:
-    """A scheduler on the bridge and one worker per host (replaced when lost)."""
-
-    def __init__(self, net: HostNetwork, tmp: str, security_args: list[str]) -> None:
-        self.net, self.security_args = net, security_args
-        self.procs: dict[int, subprocess.Popen] = {}
-        file = os.path.join(tmp, "scheduler.json")
-        self.scheduler = net.spawn(
-            [sys.executable, "-m", "distributed.cli.dask_scheduler", "--host",
-             BRIDGE_ADDRESS, "--port", "0", "--no-dashboard", "--scheduler-file", file,
-             *security_args], env=_ENV)
-        wait_until(lambda: os.path.exists(file) and os.path.getsize(file) > 0, 60,
-                   "the scheduler's file")
-        time.sleep(0.2)  # written, then flushed
-        with open(file) as f:
-            self.address = json.load(f)["address"]
-
-    def ensure_workers(self, client) -> None:
-        """A worker on every host whose worker is not running, or not in the
-        cluster any more (removed while frozen: woken up, it shuts down)."""
-        listed = " ".join(self.workers(client))
-        for host in self.net.hosts:
-            proc = self.procs.get(host.index)
-            alive = proc is not None and proc.poll() is None
-            if alive and f"//{host.address}:" not in listed:
-                thaw(proc)
-                proc.kill()
-                proc.wait(timeout=30)
-                alive = False
-            if not alive:
-                self.procs[host.index] = self.net.spawn(
-                    [sys.executable, "-m", "distributed.cli.dask_worker", self.address,
-                     "--host", host.address, "--nthreads", "1", "--no-nanny",
-                     "--no-dashboard", "--preload", "dasktf.cluster.quiet",
-                     *self.security_args], host=host, env=_ENV)
-
-    def workers(self, client) -> list[str]:
-        return sorted(client.scheduler_info(n_workers=-1)["workers"])
-
-    def worker_of(self, client, host: Host) -> str:
-        return next(w for w in self.workers(client) if f"//{host.address}:" in w)
-
-    def close(self) -> None:
-        for proc in [self.scheduler, *self.procs.values()]:
-            thaw(proc)
-            proc.kill()
-            proc.wait(timeout=30)
-
-
-_ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1",
-        # A test of its own: the liveness detector's default, whatever the machine's
-        # config says.
-        "DASK_DASKTF__LIVENESS_TIMEOUT": f"{LIVENESS}s"}
+@pytest.fixture(scope="module", autouse=True)
+def liveness_default():
+    """The liveness detector's default here, whatever the machine's config says."""
+    with dask.config.set({"dasktf.liveness-timeout": f"{LIVENESS}s"}):
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -146,44 +93,6 @@ def mnist():
         x = f["x_train"][:ROWS].reshape(ROWS, -1).astype("float32") / 255.0
         y = f["y_train"][:ROWS].astype("int64")
     return x, y
-
-
-class FaultAt(keras.callbacks.Callback):
-    """Runs ``fault()`` ``delay`` seconds into epoch ``epoch`` (in a thread, so a
-    fault that takes time does not hold the run's loop); ``at`` is its time, and
-    :meth:`check` raises what the fault raised."""
-
-    def __init__(self, fault, epoch: int = EPOCHS - 1, delay: float = 0.3,
-                 then=None) -> None:
-        super().__init__()
-        self.fault, self.epoch, self.delay, self.then = fault, epoch, delay, then
-        self.at: float | None = None
-        self.error: BaseException | None = None
-        self.done = threading.Event()
-        self.thread: threading.Thread | None = None
-
-    def on_epoch_begin(self, epoch, logs=None):
-        if epoch == self.epoch and self.thread is None:
-            def run() -> None:
-                try:
-                    time.sleep(self.delay)
-                    self.at = time.time()
-                    self.fault()
-                    if self.then is not None:
-                        self.then()
-                except BaseException as exc:  # noqa: BLE001 - check() raises it in the test
-                    self.error = exc
-                finally:
-                    self.done.set()
-
-            self.thread = threading.Thread(target=run, daemon=True)
-            self.thread.start()
-
-    def check(self) -> None:
-        """The fault happened, and did what it does without an error."""
-        assert self.done.wait(timeout=30), "the fault never ran"
-        if self.error is not None:
-            raise self.error
 
 
 def _fit(client, data, callbacks=(), **kw):
@@ -250,7 +159,7 @@ def test_a_frozen_worker_is_removed_and_the_run_equals_the_uninterrupted_one(
         wait_until(lambda: victim not in cluster.workers(client), 30, "the removal")
         thaw(proc)
 
-    fault = FaultAt(lambda: freeze(proc), then=wake_once_removed)
+    fault = FaultAt(epoch=EPOCHS - 1, fault=lambda: freeze(proc), then=wake_once_removed)
     history = _fit(client, mnist, [fault], **kw)
     _recovered(client, history, fault, victim)
     units = EPOCHS * (STEPS // kw.get("local_steps", 1))
@@ -278,7 +187,7 @@ def test_a_host_gone_from_the_network_is_noticed_in_seconds(client, cluster, mni
     host = net.hosts[2]
     victim = cluster.worker_of(client, host)
     act = net.vanish if fault_kind == "vanished" else net.link_down
-    fault = FaultAt(lambda: act(host))
+    fault = FaultAt(epoch=EPOCHS - 1, fault=lambda: act(host))
     history = _fit(client, mnist, [fault])
     _recovered(client, history, fault, victim)
     got = _flat(history.model.get_weights())
@@ -292,7 +201,7 @@ def test_an_async_run_loses_a_frozen_worker_and_applies_every_batch_once(
         client, cluster, mnist):
     host = cluster.net.hosts[2]
     victim, proc = cluster.worker_of(client, host), cluster.procs[2]
-    fault = FaultAt(lambda: freeze(proc), delay=1.0)
+    fault = FaultAt(epoch=EPOCHS - 1, fault=lambda: freeze(proc), delay=1.0)
     history = _fit(client, mnist, [fault], mode="async")
     (recovery,) = history.recoveries
     assert recovery["lost"] == [victim]
@@ -323,7 +232,7 @@ def test_a_three_second_flap_is_not_a_loss(client, cluster, mnist):
         with net.flap(host, 3.0):
             pass
 
-    fault = FaultAt(flap)
+    fault = FaultAt(epoch=EPOCHS - 1, fault=flap)
     history = _fit(client, mnist, [fault])
     assert fault.at is not None
     assert history.recoveries == []
@@ -352,7 +261,7 @@ def test_with_on_worker_loss_raise_a_frozen_worker_is_named_with_the_phase(
         client, cluster, mnist):
     host = cluster.net.hosts[2]
     victim, proc = cluster.worker_of(client, host), cluster.procs[2]
-    fault = FaultAt(lambda: freeze(proc))
+    fault = FaultAt(epoch=EPOCHS - 1, fault=lambda: freeze(proc))
     with pytest.raises(dasktf.WorkerLostError) as info:
         _fit(client, mnist, [fault], on_worker_loss="raise")
     assert info.value.workers == [victim]

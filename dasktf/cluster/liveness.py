@@ -237,7 +237,8 @@ class LivenessPlugin(SchedulerPlugin):
                 signs[w] = max(ws.last_seen, self.answered.get(w, 0.0))
         verdict = tracker.tick(time.time(), signs, len(scheduler.workers))
         for w in verdict.probe:
-            self._start(self._probe(w))
+            timeout, _ = tracker.limits(w, len(scheduler.workers))
+            self._start(self._probe(w, min(2.0, timeout / 2)))
         for w, silent in verdict.lost:
             runs = tracker.runs_of(w)
             tracker.forget(w)
@@ -248,14 +249,13 @@ class LivenessPlugin(SchedulerPlugin):
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _probe(self, worker: str) -> None:
+    async def _probe(self, worker: str, timeout: float) -> None:
         """A fresh connection to ``worker``'s listener and an echo from its event
-        loop, bounded; an answer is a sign of life."""
+        loop, within ``timeout``; an answer is a sign of life."""
         from distributed.comm import connect
         from distributed.core import send_recv
 
         assert self.scheduler is not None
-        timeout = min(2.0, config.get_seconds("liveness-timeout") / 2)
         try:
             async def echo() -> None:
                 comm = await connect(worker, timeout=timeout,
