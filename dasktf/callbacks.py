@@ -4,7 +4,9 @@ dasktf calls standard ``keras.callbacks.Callback`` hooks (``on_train_begin``,
 ``on_epoch_begin``, ``on_train_batch_end``, ``on_epoch_end``, ``on_train_end``) with
 ``logs`` already merged across replicas, so Keras callbacks such as ``EarlyStopping``,
 ``CSVLogger`` or ``LambdaCallback`` work unchanged. ``self.model`` is the client-side
-model, which receives the trained weights at every epoch end. :func:`check_callbacks`
+model, which receives the trained weights at every epoch end, and the trained
+optimizer's state too where a callback saves it (:func:`saves_optimizer`:
+``ModelCheckpoint``). :func:`check_callbacks`
 refuses, before a run starts, what would fail mid-run or cannot mean in a dasktf run
 what it means in Keras (``BackupAndRestore``).
 """
@@ -45,6 +47,17 @@ def check_callbacks(callbacks: Any) -> list[keras.callbacks.Callback]:
     for i, callback in enumerate(callbacks):
         _check_callback(i, callback)
     return list(callbacks)
+
+
+def saves_optimizer(callbacks: Sequence[Any]) -> bool:
+    """Whether a callback saves the client's model whole at epoch ends, optimizer
+    included: a ``ModelCheckpoint`` that saves the model (not only its weights)
+    once per epoch. Only then does the run give the client's model the trained
+    optimizer's state at each epoch end (one read of it from the workers or the
+    parameter holder); weights alone reach it whatever the callbacks."""
+    return any(isinstance(c, keras.callbacks.ModelCheckpoint)
+               and not c.save_weights_only and c.save_freq == "epoch"
+               for c in callbacks)
 
 
 def _check_callback(index: int, callback: Any) -> None:

@@ -323,7 +323,8 @@ class Engine:
     def final_state(self) -> dict[str, Any] | None:
         """After :meth:`finish`: the training state whose optimizer variables the
         client's model takes (``history.model`` then resumes like a model Keras
-        trained); ``None`` when there is none to give."""
+        trained); ``None`` when there is none to give. Also read at an epoch end
+        when a callback saves the client's model whole (``ModelCheckpoint``)."""
         return None
 
     def close(self) -> None:

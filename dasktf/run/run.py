@@ -9,7 +9,7 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from dasktf import config
-from dasktf.callbacks import History, LearningRateRelay, ProgressBar
+from dasktf.callbacks import History, LearningRateRelay, ProgressBar, saves_optimizer
 from dasktf.cluster.local import (
     alive_workers,
 )
@@ -317,6 +317,7 @@ class Run:
         self.model.stop_training = False
         engine.stop_on_nonfinite = any(isinstance(c, keras.callbacks.TerminateOnNaN)
                                        for c in cbs)
+        saves_whole = saves_optimizer(cbs)
         cb.on_train_begin()
         #: the engine's losses before the first step completed (its recoveries)
         first: list[int] = []
@@ -347,6 +348,8 @@ class Run:
                 logs.update(engine.epoch_logs(seconds))  # bytes, staleness, drops
                 self.model.set_weights(reports[0].weights)
                 set_seed_states(self.model, tuple(reports[0].seeds or ()), 0)
+                if saves_whole:  # ModelCheckpoint: the optimizer's state too
+                    guard.optimizer_to_model(engine)
                 cb.on_epoch_end(epoch, logs)
                 relay.relay(engine)  # ReduceLROnPlateau: before the checkpoint
                 last_update = (epoch + 1) * engine.units(self.ctx.steps_per_epoch) - 1
