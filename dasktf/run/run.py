@@ -317,7 +317,6 @@ class Run:
         self.model.stop_training = False
         engine.stop_on_nonfinite = any(isinstance(c, keras.callbacks.TerminateOnNaN)
                                        for c in cbs)
-        saves_whole = saves_optimizer(cbs)
         cb.on_train_begin()
         #: the engine's losses before the first step completed (its recoveries)
         first: list[int] = []
@@ -348,7 +347,7 @@ class Run:
                 logs.update(engine.epoch_logs(seconds))  # bytes, staleness, drops
                 self.model.set_weights(reports[0].weights)
                 set_seed_states(self.model, tuple(reports[0].seeds or ()), 0)
-                if saves_whole:  # ModelCheckpoint: the optimizer's state too
+                if saves_optimizer(cbs, logs):  # ModelCheckpoint: the optimizer too
                     guard.optimizer_to_model(engine)
                 cb.on_epoch_end(epoch, logs)
                 relay.relay(engine)  # ReduceLROnPlateau: before the checkpoint
