@@ -124,6 +124,10 @@ class Checkpoint:
     fields: dict[str, Any]
     #: called with the path once saved (the engine may keep it as a restore point)
     kept: Callable[[str], None] = _ignore
+    #: ``state["optimizer"]`` is the model's own optimizer's, which the checkpoint's
+    #: ``.keras`` then holds (``False``: an outer optimizer's, rounds of local steps
+    #: on a parameter holder; the ``.keras`` holds a fresh optimizer)
+    model_optimizer: bool = True
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from dasktf.callbacks import adopt_learning_rate
-from dasktf.engines.base import Engine, RunHooks, Saved, StateLostError
+from dasktf.engines.base import Checkpoint, Engine, RunHooks, Saved, StateLostError
 from dasktf.run import checkpoint as ckpt
 from dasktf.runtime.replica import non_trainable_floats
 from dasktf.transport import keras_archive
@@ -220,19 +220,20 @@ class RunGuard:
             "wall_time": time.time(),
         }
         self.last_checkpoint = ckpt.save_checkpoint(self.options.checkpoint_dir, cut.state,
-                                                    meta, model=self._archive(cut.state))
+                                                    meta, model=self._archive(cut))
         cut.kept(str(self.last_checkpoint))
         logger.info("checkpoint %s", self.last_checkpoint)
         return self.last_checkpoint
 
-    def _archive(self, state: dict[str, Any]) -> bytes:
-        """The client's model holding ``state`` (weights, the optimizer's variables
-        but its learning rate, which stays the client's), as Keras saves it: the
-        checkpoint's ``.keras``. The client's model keeps that state (it is the
-        newest the run has; its epoch end brings the next)."""
+    def _archive(self, cut: Checkpoint) -> bytes:
+        """The client's model holding ``cut``'s state (weights, the optimizer's
+        variables but its learning rate, which stays the client's), as Keras saves
+        it: the checkpoint's ``.keras``. The client's model keeps that state (it is
+        the newest the run has; its epoch end brings the next)."""
         model = self.run.model
-        model.set_weights(state["weights"])
-        adopt_optimizer(model, state["optimizer"], learning_rate=False)
+        model.set_weights(cut.state["weights"])
+        if cut.model_optimizer:
+            adopt_optimizer(model, cut.state["optimizer"], learning_rate=False)
         return keras_archive(model)
 
     def end_epoch(self, engine: Engine, epoch: int) -> None:
