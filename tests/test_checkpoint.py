@@ -103,6 +103,23 @@ def test_each_checkpoint_holds_the_model_as_keras_saves_it(client, digits, tmp_p
         assert load_latest(tmp_path)[2] == paths[1]
 
 
+def test_an_async_run_in_rounds_keeps_the_outer_optimizer_out_of_the_keras_file(
+        client, digits, tmp_path):
+    """Async rounds of local steps: the holder's optimizer is the outer one (here an
+    Adam like the model's own); the .keras holds the model's optimizer fresh, not
+    the outer one's state under its name."""
+    _fit(client, digits.x_train, digits.y_train, epochs=1, mode="async", local_steps=2,
+         outer_optimizer=keras.optimizers.Adam(0.01), checkpoint_dir=str(tmp_path))
+    path = list_checkpoints(tmp_path)[0]
+    state, _ = read_checkpoint(path)
+    assert int(np.ravel(state["optimizer"][0])[0]) > 0  # the outer Adam's iterations
+    model = _loaded_model(keras_file(path))
+    assert len(model.optimizer.variables) == len(state["optimizer"])
+    assert int(model.optimizer.iterations.numpy()) == 0
+    for got, want in zip(model.get_weights(), state["weights"], strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
 #: A writer that saves one checkpoint, then a second one during which it blocks
 #: (as a slow disk would) at the ``stage``-th fsync: 1 the .npz's temporary file, 2
 #: the .keras', 3 the manifest's. The test SIGKILLs it there.

@@ -234,6 +234,8 @@ class RunGuard:
         model.set_weights(cut.state["weights"])
         if cut.model_optimizer:
             adopt_optimizer(model, cut.state["optimizer"], learning_rate=False)
+        elif not model.optimizer.built:  # saved fresh, whole: it loads without a warning
+            model.optimizer.build(model.trainable_variables)
         return keras_archive(model)
 
     def end_epoch(self, engine: Engine, epoch: int) -> None:
