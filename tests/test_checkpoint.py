@@ -168,11 +168,13 @@ def test_a_writer_killed_mid_checkpoint_leaves_the_previous_one_loadable(tmp_pat
     assert state["applied"] == 0 and manifest["next_epoch"] == 1
     assert keras_file(path).read_bytes() == b"first" * 1000
     np.testing.assert_array_equal(state["weights"][0], 1.0)
-    # The next checkpoint written there removes what the killed writer left.
+    # The next checkpoint written there removes what the killed writer left, and
+    # nothing else.
+    (tmp_path / ".notes.tmp-1").write_text("the user's")
     save_checkpoint(tmp_path, {**state, "applied": 5}, {"next_epoch": 3}, model=b"third")
-    assert not list(tmp_path.glob(".*"))
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        f"ckpt-{n:09d}{suffix}" for n in (1, 6) for suffix in (".json", ".npz", ".keras"))
+        [".notes.tmp-1", *(f"ckpt-{n:09d}{suffix}" for n in (1, 6)
+                           for suffix in (".json", ".npz", ".keras"))])
 
 
 def test_resume_from_a_corrupt_newest_checkpoint_reproduces_the_uninterrupted_run(

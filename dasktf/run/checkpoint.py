@@ -129,9 +129,10 @@ def _clean(directory: Path) -> None:
     processes, and data files whose manifest was never written. Called by a writer
     after its own manifest is in place (a folder has one writer at a time)."""
     mine = f"{_TMP}{os.getpid()}"
-    for tmp in directory.glob(f".*{_TMP}*"):
-        if not tmp.name.endswith(mine):
-            tmp.unlink(missing_ok=True)
+    for pattern in (f".{_PREFIX}*{_TMP}*", f".{FINAL_MODEL}{_TMP}*"):
+        for tmp in directory.glob(pattern):
+            if not tmp.name.endswith(mine):
+                tmp.unlink(missing_ok=True)
     for pattern in (f"{_PREFIX}*.npz", f"{_PREFIX}*.keras"):
         for data in directory.glob(pattern):
             if not data.with_suffix(".json").exists():
