@@ -4,13 +4,16 @@ dasktf calls standard ``keras.callbacks.Callback`` hooks (``on_train_begin``,
 ``on_epoch_begin``, ``on_train_batch_end``, ``on_epoch_end``, ``on_train_end``) with
 ``logs`` already merged across replicas, so Keras callbacks such as ``EarlyStopping``,
 ``CSVLogger`` or ``LambdaCallback`` work unchanged. ``self.model`` is the client-side
-model, which receives the trained weights at every epoch end. :func:`check_callbacks`
+model, which receives the trained weights at every epoch end, and the trained
+optimizer's state too where a callback saves it (:func:`saves_optimizer`:
+``ModelCheckpoint``). :func:`check_callbacks`
 refuses, before a run starts, what would fail mid-run or cannot mean in a dasktf run
 what it means in Keras (``BackupAndRestore``).
 """
 
 from __future__ import annotations
 
+import numbers
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -45,6 +48,34 @@ def check_callbacks(callbacks: Any) -> list[keras.callbacks.Callback]:
     for i, callback in enumerate(callbacks):
         _check_callback(i, callback)
     return list(callbacks)
+
+
+def saves_optimizer(callbacks: Sequence[Any], logs: dict[str, Any]) -> bool:
+    """Whether a callback saves the client's model whole at this epoch end (its
+    ``logs``), optimizer included: a ``ModelCheckpoint`` that saves the model (not
+    only its weights) once per epoch, and with ``save_best_only`` only when its
+    monitored value improved. Only then does the run give the client's model the
+    trained optimizer's state (one read of it from the workers or the parameter
+    holder); weights alone reach it at every epoch end whatever the callbacks."""
+    return any(isinstance(c, keras.callbacks.ModelCheckpoint)
+               and not c.save_weights_only and c.save_freq == "epoch"
+               and _improves(c, logs) for c in callbacks)
+
+
+def _improves(checkpoint: Any, logs: dict[str, Any]) -> bool:
+    """Whether ``ModelCheckpoint.on_epoch_end(logs)`` will save: always unless
+    ``save_best_only``, then when its monitored value improves (Keras'
+    ``_is_improvement``, which changes nothing; when in doubt: it will)."""
+    if not checkpoint.save_best_only:
+        return True
+    current = logs.get(checkpoint.monitor)
+    improvement = getattr(checkpoint, "_is_improvement", None)
+    if improvement is None or not isinstance(current, numbers.Real):
+        return True
+    try:
+        return bool(improvement(current, checkpoint.best))
+    except Exception:  # noqa: BLE001 - Keras' own check will tell; read the state
+        return True
 
 
 def _check_callback(index: int, callback: Any) -> None:

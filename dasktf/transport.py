@@ -26,7 +26,7 @@ each its own), and ``ref.model()`` the process's one cached model for inference:
 Keras 3.15's public ``keras.saving.save_model`` / ``load_model`` take paths only
 (``save_model`` checks the file name's extension); the functions they call,
 ``keras.src.saving.saving_lib.save_model`` / ``load_model``, take file objects.
-:func:`_write` and :func:`_read` use those and fall back to a temporary
+:func:`keras_archive` and :func:`_read` use those and fall back to a temporary
 ``.keras`` file where they are missing.
 """
 
@@ -110,7 +110,7 @@ class ModelPackage:
             A subclassed model that neither Keras nor its factory rebuilds.
         """
         try:
-            archive = _write(model)
+            archive = keras_archive(model)
         except Exception as exc:
             raise ValueError(
                 f"The model {getattr(model, 'name', '')!r} cannot be saved as Keras saves "
@@ -393,7 +393,9 @@ def _quiet_keras() -> Iterator[None]:
         yield
 
 
-def _write(model: Any) -> bytes:
+def keras_archive(model: Any) -> bytes:
+    """``model`` as ``model.save("m.keras")`` writes it (its optimizer's variables
+    included), in memory."""
     lib = _saving_lib()
     with _quiet_keras():
         if lib is not None:

@@ -117,6 +117,59 @@ def test_model_checkpoint_file_loads_and_predicts_as_the_trained_model(
                                   history.model.predict(digits.x_test, verbose=0))
 
 
+def _loaded(path):
+    """``keras.models.load_model(path)`` and the warnings it gave."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = keras.models.load_model(path)
+    return model, [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("best_only, mode, saved_after", [
+    (False, "auto", 2),  # saved at each epoch end: the file is the second's
+    (True, "min", 2),  # the loss falls: each epoch is the best so far
+    (True, "max", 1),  # only the first epoch is "best": the second saves nothing
+])
+def test_model_checkpoint_saves_the_trained_optimizer_as_keras_fit_does(
+        client, digits, tmp_path, best_only, mode, saved_after):
+    """The file ModelCheckpoint writes during ``dasktf.fit`` holds the trained
+    optimizer (iterations = updates so far, Adam's moments): what Keras' own
+    ``fit`` writes for the same run (``shuffle=False``: Keras' global batches),
+    also when ``save_best_only`` skips an epoch (the run then reads no optimizer
+    state for it)."""
+    x, y = digits.x_train[:300].reshape(300, -1), digits.y_train[:300]
+    keras.utils.set_random_seed(7)
+    reference = keras.Sequential([keras.Input((64,)),
+                                  keras.layers.Dense(24, activation="sigmoid"),
+                                  keras.layers.Dense(10, activation="softmax")])
+    ours = keras.models.clone_model(reference)
+    ours.set_weights(reference.get_weights())
+    for m in (reference, ours):
+        m.compile(optimizer=keras.optimizers.Adam(1e-2), loss="sparse_categorical_crossentropy")
+    paths = {who: str(tmp_path / f"{who}.keras") for who in ("keras", "dasktf")}
+
+    def saver(who):
+        return keras.callbacks.ModelCheckpoint(paths[who], monitor="loss", mode=mode,
+                                               save_best_only=best_only)
+
+    reference.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0,
+                  callbacks=[saver("keras")])
+    dasktf.fit(ours, x, y, client=client, n_workers=2, epochs=2, batch_size=64,
+               shuffle=False, verbose=0, callbacks=[saver("dasktf")])
+    want, _ = _loaded(paths["keras"])
+    got, warned = _loaded(paths["dasktf"])
+    assert not [m for m in warned if "Skipping variable loading" in m], warned
+    assert int(want.optimizer.iterations.numpy()) == 5 * saved_after  # 5 steps an epoch
+    assert int(got.optimizer.iterations.numpy()) == 5 * saved_after
+    assert len(got.optimizer.variables) == len(want.optimizer.variables)
+    for g, w in zip(got.optimizer.variables, want.optimizer.variables, strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-6)
+    for g, w in zip(got.get_weights(), want.get_weights(), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)
+
+
 class WeightSnapshots(keras.callbacks.Callback):
     """The client model's weights at each epoch end, before later callbacks act."""
 

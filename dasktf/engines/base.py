@@ -124,6 +124,10 @@ class Checkpoint:
     fields: dict[str, Any]
     #: called with the path once saved (the engine may keep it as a restore point)
     kept: Callable[[str], None] = _ignore
+    #: ``state["optimizer"]`` is the model's own optimizer's, which the checkpoint's
+    #: ``.keras`` then holds (``False``: an outer optimizer's, rounds of local steps
+    #: on a parameter holder; the ``.keras`` holds a fresh optimizer)
+    model_optimizer: bool = True
 
 
 @dataclass(frozen=True)
@@ -323,7 +327,8 @@ class Engine:
     def final_state(self) -> dict[str, Any] | None:
         """After :meth:`finish`: the training state whose optimizer variables the
         client's model takes (``history.model`` then resumes like a model Keras
-        trained); ``None`` when there is none to give."""
+        trained); ``None`` when there is none to give. Also read at an epoch end
+        when a callback saves the client's model whole (``ModelCheckpoint``)."""
         return None
 
     def close(self) -> None:

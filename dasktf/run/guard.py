@@ -20,9 +20,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from dasktf.callbacks import adopt_learning_rate
-from dasktf.engines.base import Engine, RunHooks, Saved, StateLostError
+from dasktf.engines.base import Checkpoint, Engine, RunHooks, Saved, StateLostError
 from dasktf.run import checkpoint as ckpt
 from dasktf.runtime.replica import non_trainable_floats
+from dasktf.transport import keras_archive
 
 if TYPE_CHECKING:
     from distributed import Client
@@ -219,10 +220,23 @@ class RunGuard:
             "wall_time": time.time(),
         }
         self.last_checkpoint = ckpt.save_checkpoint(self.options.checkpoint_dir, cut.state,
-                                                    meta)
+                                                    meta, model=self._archive(cut))
         cut.kept(str(self.last_checkpoint))
         logger.info("checkpoint %s", self.last_checkpoint)
         return self.last_checkpoint
+
+    def _archive(self, cut: Checkpoint) -> bytes:
+        """The client's model holding ``cut``'s state (weights, the optimizer's
+        variables but its learning rate, which stays the client's), as Keras saves
+        it: the checkpoint's ``.keras``. The client's model keeps that state (it is
+        the newest the run has; its epoch end brings the next)."""
+        model = self.run.model
+        model.set_weights(cut.state["weights"])
+        if cut.model_optimizer:
+            adopt_optimizer(model, cut.state["optimizer"], learning_rate=False)
+        elif not model.optimizer.built:  # saved fresh, whole: it loads without a warning
+            model.optimizer.build(model.trainable_variables)
+        return keras_archive(model)
 
     def end_epoch(self, engine: Engine, epoch: int) -> None:
         if (self.options.checkpoint_dir is not None
@@ -241,17 +255,20 @@ class RunGuard:
         saves and resumes like a model Keras trained), then the final checkpoint."""
         state = engine.final_state()
         if state is not None:
-            model.optimizer.build(model.trainable_variables)
-            variables = model.optimizer.variables
-            if len(variables) == len(state["optimizer"]):
-                for v, value in zip(variables, state["optimizer"], strict=True):
-                    v.assign(value)
-            else:  # a LossScaleOptimizer on the workers (mixed_float16)
-                logger.debug("optimizer state not copied: %d variables against %d",
-                             len(variables), len(state["optimizer"]))
+            adopt_optimizer(model, state["optimizer"])
         if self.options.checkpoint_dir is not None:
             path = Path(self.options.checkpoint_dir) / ckpt.FINAL_MODEL
-            model.save(path)
+            ckpt.write_file(path, keras_archive(model))  # a kill mid-write: none or whole
+
+    def optimizer_to_model(self, engine: Engine) -> None:
+        """At an epoch end, before the callbacks: the trained optimizer's state into
+        the client's model, for a callback that saves it whole
+        (:func:`~dasktf.callbacks.saves_optimizer`: ``ModelCheckpoint``). Its
+        weights are the epoch's report's, already there. The learning rate stays
+        the client's: it is what callbacks set and the relay compares with."""
+        state = engine.final_state()
+        if state is not None:
+            adopt_optimizer(self.run.model, state["optimizer"], learning_rate=False)
 
     # -- elastic growth / rebalancing at an epoch boundary --------------------------
     def maybe_reform(self, engine: Engine) -> bool:
@@ -296,6 +313,26 @@ class RunGuard:
                       "warmup_steps": WARMUP_STEPS, "wall_time": time.time()})
         self.announce(f"learning rate {old:.4g} -> {new:.4g} over {WARMUP_STEPS} "
                        f"warm-up steps (linear scaling, {n} workers, batch {batch})")
+
+
+def adopt_optimizer(model: Any, values: list[Any], learning_rate: bool = True) -> bool:
+    """Give the client's model's optimizer the trained one's variables (``values``,
+    in ``optimizer.variables``' order: ``iterations``, the learning rate, the
+    slots), so it saves and goes on as the optimizer Keras' ``fit`` would have
+    trained; ``learning_rate=False`` leaves its learning rate. Whether it could: a
+    ``LossScaleOptimizer`` on the workers (``mixed_float16``) has other variables."""
+    optimizer = model.optimizer
+    if not optimizer.built:
+        optimizer.build(model.trainable_variables)
+    variables = optimizer.variables
+    if len(variables) != len(values):
+        logger.debug("optimizer state not copied: %d variables against %d",
+                     len(variables), len(values))
+        return False
+    for v, value in zip(variables, values, strict=True):
+        if learning_rate or not v.path.endswith("learning_rate"):
+            v.assign(value)
+    return True
 
 
 def _statistics(model: Any, weights: list[np.ndarray]) -> list[np.ndarray] | None:

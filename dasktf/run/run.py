@@ -9,7 +9,7 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from dasktf import config
-from dasktf.callbacks import History, LearningRateRelay, ProgressBar
+from dasktf.callbacks import History, LearningRateRelay, ProgressBar, saves_optimizer
 from dasktf.cluster.liveness import LivenessWatch
 from dasktf.cluster.local import (
     alive_workers,
@@ -353,6 +353,8 @@ class Run:
                 logs.update(engine.epoch_logs(seconds))  # bytes, staleness, drops
                 self.model.set_weights(reports[0].weights)
                 set_seed_states(self.model, tuple(reports[0].seeds or ()), 0)
+                if saves_optimizer(cbs, logs):  # ModelCheckpoint: the optimizer too
+                    guard.optimizer_to_model(engine)
                 cb.on_epoch_end(epoch, logs)
                 relay.relay(engine)  # ReduceLROnPlateau: before the checkpoint
                 last_update = (epoch + 1) * engine.units(self.ctx.steps_per_epoch) - 1

@@ -466,7 +466,8 @@ class AsyncEngine(Recovery, Engine):
                   "async": {"version": snapshot["version"],
                             "done": self.run_state.progress(snapshot["items"])}}
         return Checkpoint(cut_state(snapshot), fields,
-                          kept=lambda where: self.take_restore_point(snapshot, where))
+                          kept=lambda where: self.take_restore_point(snapshot, where),
+                          model_optimizer=self.local is None)  # rounds: the outer one
 
     def resume(self, saved: Saved) -> Resumed:
         """Load an async run's cut into the holder and the cursors, and the model's
