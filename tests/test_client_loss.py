@@ -12,6 +12,7 @@ run (up to its checkpoint's cut) and the resumed one.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -67,8 +68,11 @@ def _kill_mid_run(address: str, options: dict) -> None:
     """Run the fit in a client process of its own; SIGKILL it once a checkpoint
     after the first epoch's end exists."""
     directory = options["checkpoint_dir"]
+    # its workers release what it left there 1 s after it is gone (default 30 s)
+    env = {**os.environ, "DASK_DASKTF__CLIENT_LOST_TIMEOUT": "1s"}
     proc = subprocess.Popen([sys.executable, "-c", _CLIENT, address, json.dumps(options)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env)
 
     def past_first_epoch() -> bool:
         if proc.poll() is not None:
@@ -95,12 +99,21 @@ def _flat(weights):
     return np.concatenate([np.ravel(w) for w in weights])
 
 
+def _replicas_held() -> int:
+    from dasktf.runtime.replica import registered_replicas
+
+    return len(registered_replicas())
+
+
 def test_sync_client_killed_mid_run_resumes_to_the_uninterrupted_weights(
         workers, digits, tmp_path):
     cluster, client = workers
     killed = tmp_path / "killed"
     _kill_mid_run(cluster.scheduler_address, {**OPTIONS, "checkpoint_dir": str(killed)})
     assert not (killed / FINAL_MODEL).exists()  # it did not finish
+    # the orphaned replicas are released on the workers once the client is gone
+    wait_until(lambda: not any(client.run(_replicas_held).values()), 30,
+               "the killed client's replicas released")
     _, manifest, _ = load_latest(killed)
     assert manifest["next_epoch"] < EPOCHS
 

@@ -36,6 +36,12 @@ was held (a large graph, a loaded machine) does not declare its workers lost for
 heartbeats it had not read yet. The timeout grows with Dask's heartbeat interval
 (at least three of them: 0.5 s up to 10 workers, ``n / 200 + 1`` s past 200).
 
+The same registration tells the scheduler which client owns the run: a client that
+leaves the cluster (killed, its machine gone) and does not come back within
+``dasktf.client-lost-timeout`` leaves orphans on the workers (replicas, shards, the
+model's package), which nobody would ever release; the plugin then runs the
+run's clean-up on its workers and stops watching them.
+
 The rules are :class:`SilenceTracker`'s, which does no I/O (tested without a
 cluster); the plugin feeds it the signs and carries out what it returns.
 """
@@ -44,7 +50,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import pickle
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -175,6 +183,19 @@ class SilenceTracker:
             silence.probes = max(0, silence.probes - 1)
 
 
+@dataclass
+class Lease:
+    """A run as the scheduler knows it: its client, its workers, and the clean-up
+    (a pickled function and its args, run on the workers) if the client is lost
+    for ``grace`` seconds."""
+
+    client: str
+    workers: list[str]
+    cleanup: bytes | None
+    cleanup_args: bytes | None
+    grace: float
+
+
 class LivenessPlugin(SchedulerPlugin):
     """The scheduler side: feeds :class:`SilenceTracker` Dask's heartbeats and its
     own probes, and removes the workers it declares lost (see the module)."""
@@ -189,6 +210,8 @@ class LivenessPlugin(SchedulerPlugin):
         self.answered: dict[str, float] = {}
         #: probes and removals under way (held: the loop keeps only weak references)
         self._tasks: set[asyncio.Task[None]] = set()
+        #: run id -> who runs it, on which workers, and what to do if it is lost
+        self.leases: dict[str, Lease] = {}
 
     async def start(self, scheduler: Scheduler) -> None:
         from tornado.ioloop import PeriodicCallback
@@ -208,16 +231,50 @@ class LivenessPlugin(SchedulerPlugin):
                 callback.stop()
 
     def handle(self, run: str, workers: list[str] | None = None,
-               timeout: float | None = None) -> str:
-        """Watch ``workers`` for ``run`` with ``timeout`` (seconds), or stop watching
-        for it (``workers=None``)."""
-        assert self.tracker is not None
-        if workers is None or not timeout:
+               timeout: float | None = None, client: str | None = None,
+               cleanup: bytes | None = None, cleanup_args: bytes | None = None,
+               grace: float | None = None) -> str:
+        """Watch ``workers`` for ``run`` with ``timeout`` (seconds; none: only the
+        lease), owned by ``client`` whose loss runs ``cleanup`` on them after
+        ``grace``; or forget the run (``workers=None``)."""
+        assert self.tracker is not None and self.scheduler is not None
+        if workers is None:
             self.tracker.unwatch(run)
-        else:
-            known = [w for w in workers if w in self.scheduler.workers]  # type: ignore[union-attr]
+            self.leases.pop(run, None)
+            return "OK"
+        known = [w for w in workers if w in self.scheduler.workers]
+        if timeout:
             self.tracker.watch(run, known, float(timeout), time.time())
+        if client is not None:
+            self.leases[run] = Lease(client, list(workers), cleanup, cleanup_args,
+                                     float(grace) if grace is not None else 30.0)
         return "OK"
+
+    def remove_client(self, scheduler: Scheduler, client: str) -> None:
+        for run, lease in self.leases.items():
+            if lease.client == client:
+                self._start(self._orphaned(run, lease))
+
+    async def _orphaned(self, run: str, lease: Lease) -> None:
+        """``run``'s client left: unless it is back after the lease's grace, the
+        run's clean-up runs on its workers, and they are no longer watched."""
+        scheduler = self.scheduler
+        assert scheduler is not None and self.tracker is not None
+        await asyncio.sleep(lease.grace)
+        if lease.client in scheduler.clients or self.leases.get(run) is not lease:
+            return  # it reconnected, or the run ended meanwhile
+        del self.leases[run]
+        self.tracker.unwatch(run)
+        if lease.cleanup is not None:
+            alive = [w for w in lease.workers if w in scheduler.workers]
+            logger.warning("dasktf: the client of run %s left; releasing its state on "
+                           "%s", run, alive)
+            msg = {"op": "run", "function": lease.cleanup, "args": lease.cleanup_args,
+                   "wait": True}
+            try:
+                await scheduler.broadcast(msg=msg, workers=alive, on_error="ignore")
+            except Exception:  # a worker gone meanwhile has nothing left
+                logger.debug("dasktf: releasing run %s failed", run, exc_info=True)
 
     def remove_worker(self, scheduler: Scheduler, worker: str, **kwargs: Any) -> None:
         if self.tracker is not None:
@@ -298,23 +355,32 @@ class LivenessPlugin(SchedulerPlugin):
 class LivenessWatch:
     """The client side of one run: arms the scheduler's detector for the run's
     workers (:meth:`watch`, again whenever they change) and disarms it
-    (:meth:`close`). ``dasktf.liveness-timeout`` ``0``/``off`` turns it off."""
+    (:meth:`close`). ``dasktf.liveness-timeout`` ``0``/``off`` turns the detector
+    off. ``on_client_lost``: ``(function, args)`` the scheduler runs on the run's
+    workers if this client leaves the cluster for ``dasktf.client-lost-timeout``
+    (the run's clean-up: nobody else would release what it left there)."""
 
-    def __init__(self, client: Client, run: str) -> None:
+    def __init__(self, client: Client, run: str, *,
+                 on_client_lost: tuple[Callable[..., Any], tuple[Any, ...]] | None = None
+                 ) -> None:
         self.client = client
         self.run = run
         self.timeout = _timeout()
         self.armed = False
         self._workers: list[str] | None = None
-        if self.timeout:
-            client.register_plugin(LivenessPlugin(), name=PLUGIN_NAME)
+        self._lease: dict[str, Any] = {
+            "client": client.id, "grace": config.get_seconds("client-lost-timeout")}
+        if on_client_lost is not None:
+            function, args = on_client_lost
+            self._lease.update(cleanup=pickle.dumps(function), cleanup_args=pickle.dumps(args))
+        client.register_plugin(LivenessPlugin(), name=PLUGIN_NAME)
 
     def watch(self, workers: list[str]) -> None:
         """Watch ``workers`` (the run's, now); a no-op when they did not change."""
-        if not self.timeout or self._workers == list(workers):
+        if self._workers == list(workers):
             return
         self._workers = list(workers)
-        self._call(workers=list(workers), timeout=self.timeout)
+        self._call(workers=list(workers), timeout=self.timeout, **self._lease)
         self.armed = True
 
     def close(self) -> None:
@@ -326,7 +392,7 @@ class LivenessWatch:
         client = self.client
         try:
             client.sync(getattr(client.scheduler, HANDLER), run=self.run, **kwargs)
-        except Exception:
+        except Exception:  # a lost scheduler is the run's to report
             logger.warning("run %s: the scheduler's liveness detector did not answer",
                            self.run, exc_info=True)
 

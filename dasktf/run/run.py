@@ -340,7 +340,9 @@ class Run:
 
         try:
             enter_phase("the first step", self.ctx.workers)
-            self.liveness = LivenessWatch(self.client, self.run_id)
+            key = self.shared.ref.key if self.shared is not None else None
+            self.liveness = LivenessWatch(  # + the clean-up, should this client be lost
+                self.client, self.run_id, on_client_lost=(release_replicas, (self.run_id, key)))
             for epoch in range(first_epoch, epochs):
                 self.liveness.watch(self.ctx.workers)  # after any loss or growth
                 cb.on_epoch_begin(epoch)
