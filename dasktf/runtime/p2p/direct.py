@@ -58,7 +58,6 @@ from dasktf.runtime.p2p.mailbox import Key
 if TYPE_CHECKING:
     from distributed.comm import Comm
 
-
 #: a message: its head's bytes and its out-of-band buffers' count, then each
 #: buffer's length, the head (the key and the payload, pickled), the buffers
 _FRAME = struct.Struct("!II")
