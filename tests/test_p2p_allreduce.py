@@ -70,6 +70,7 @@ def _sum_task(gid, members, size, steps, seed, codec=None, algorithm=None,
             out["stats"].append(group.last)
             if keep_outputs:
                 out["outputs"].append(total)
+    out["transports"] = sorted({stats.transport for stats in out["stats"]})
     return out
 
 
@@ -307,7 +308,8 @@ def _fault_task(gid, members, victim, when, exit_file):
                 group.send = send_then_die
             group.allreduce(_inputs(1, rank, step, 50_000), step, algorithm="ring")
     except PeerLostError as e:
-        return {"error": e, "at": time.time()}
+        return {"error": e, "at": time.time(),
+                "transport": group.last.transport if group.last else None}
     finally:
         group.close()
     return {"error": None, "at": time.time()}
@@ -321,9 +323,15 @@ def _exit(path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("when", ["before", "during"])
-def test_a_killed_peer_fails_the_others_fast_naming_it(when, tmp_path):
-    with _cluster(3) as cluster, Client(cluster) as client:
+@pytest.mark.parametrize("when, tls", [("before", False), ("during", False),
+                                       ("during", True)],
+                         ids=["before", "during", "during-tls"])
+def test_a_killed_peer_fails_the_others_fast_naming_it(when, tls, tmp_path):
+    from distributed.security import Security
+
+    security = Security.temporary() if tls else None
+    with _cluster(3, security=security) as cluster, \
+            Client(cluster, security=security) as client:
         client.wait_for_workers(3, timeout=60)
         register(client)
         members = _members(client, 3)
@@ -340,6 +348,8 @@ def test_a_killed_peer_fails_the_others_fast_naming_it(when, tmp_path):
             assert isinstance(error, PeerLostError), r
             assert error.address == victim and error.workers == [victim]
             assert error.step == 2 and victim in str(error), str(error)
+            # (under TLS too, on the training threads' own TLS sockets)
+            assert r["transport"] == "direct", r
             # noticed by the closed connection, not the 120 s timeout
             print(f"noticed {r['at'] - died:.3f}s after the exit")
             assert r["at"] - died < 10, r["at"] - died
@@ -468,12 +478,54 @@ def test_tls_gives_the_same_bits_and_nothing_new_listens():
                 results = _run_sums(client, 3, size, algorithm="ring", keep_outputs=False)
                 results += _run_sums(client, 3, 16, algorithm="doubling",
                                      keep_outputs=False)
+                # (4.8 MB: sends the kernel takes in parts, TLS records held back)
+                results += _run_sums(client, 3, SIZES[2], steps=2, algorithm="direct",
+                                     keep_outputs=False)
             assert watch.seen and watch.seen <= baseline, watch.seen - baseline
             assert not watch.beyond_loopback(), sorted(watch.seen)
             assert len({r["digests"][-1] for r in results[:3]}) == 1
+            assert len({r["digests"][-1] for r in results[6:]}) == 1
             digests[name] = [r["digests"] for r in results]
+            # every collective on the training threads' own sockets, TLS ones too:
+            # a fallback to the event loop (a Tornado whose buffer direct._unread
+            # cannot read) fails here rather than going unseen
+            assert [r["transports"] for r in results] == [["direct"]] * 9, results
     # the same algorithm adds the same numbers in the same order over either transport
     assert digests["tls"] == digests["plain"]
+
+
+def _no_unread_here() -> None:
+    """On a worker: as if its Tornado kept its read buffer where ``_unread`` cannot
+    read it (a Tornado upgrade): its sockets cannot leave Tornado."""
+    from dasktf.runtime.p2p import direct
+
+    direct._unread_kept = direct._unread  # (restored by _unread_back)
+    direct._unread = lambda stream: None
+
+
+def _unread_back() -> None:
+    from dasktf.runtime.p2p import direct
+
+    direct._unread = getattr(direct, "_unread_kept", direct._unread)
+
+
+@pytest.mark.timeout(240)
+def test_a_socket_that_cannot_leave_tornado_takes_the_loop_and_says_so(client):
+    """One member's sockets cannot leave Tornado: its messages, and its peers' to it,
+    take the event loop (the group's stats say which), to the same bits."""
+    register(client)
+    members = _members(client, 3)
+    before = _run_sums(client, 3, 300_000, steps=2, algorithm="direct", keep_outputs=False)
+    client.run(_no_unread_here, workers=[members[1]])
+    try:
+        after = _run_sums(client, 3, 300_000, steps=2, algorithm="direct",
+                          keep_outputs=False)
+    finally:
+        client.run(_unread_back, workers=[members[1]])
+    assert [r["transports"] for r in before] == [["direct"]] * 3
+    # rank 1 sends on the loop; 0 and 2 send to each other directly, to it on the loop
+    assert [r["transports"] for r in after] == [["mixed"], ["loop"], ["mixed"]]
+    assert [r["digests"] for r in after] == [r["digests"] for r in before]
 
 
 # -- the algorithms alone (threads in one process: every group size quickly) -----------------

@@ -420,6 +420,12 @@ def test_p2p_listens_on_nothing_new(client, small_digits):
     assert {(ip, port) for ip, port, _ in watch.seen} <= before, sorted(watch.seen)
 
 
+def _transports() -> dict[str, int]:
+    from dasktf.runtime.p2p.group import collectives_by_transport
+
+    return dict(collectives_by_transport)
+
+
 @pytest.mark.timeout(240)
 def test_a_tls_cluster_trains_and_equals_the_plain_one(client, small_digits):
     from distributed.security import Security
@@ -432,7 +438,12 @@ def test_a_tls_cluster_trains_and_equals_the_plain_one(client, small_digits):
         assert trainer.client.scheduler.address.startswith("tls://127.0.0.1:")
         tls = trainer.fit(x, y, **{k: v for k, v in kw.items() if k not in ("seed",
                                                                             "engine")})
+        used = trainer.client.run(_transports)
     assert all(w.startswith("tls://") for w in tls.workers) and tls.engine == "p2p"
+    # every step's all-reduce (10: 250 rows, batch 50, 2 epochs) went on the
+    # training threads' own TLS sockets
+    assert len(used) == 2 and all(set(u) == {"direct"} and u["direct"] >= 10
+                                  for u in used.values()), used
     plain = dasktf.fit("mnist-mlp", x, y, client=client, n_workers=2, **kw)
     assert relative_error(_flat(tls.model.get_weights()),
                           _flat(plain.model.get_weights())) < 1e-6

@@ -17,8 +17,17 @@ whatever arrives into a buffer of its own, so nothing may reach a socket before 
 left Tornado: the request is the sender's last write through Tornado, the receiver
 takes its end first and answers ``READY`` on the raw socket, and the sender sends
 only after reading it (:meth:`P2PPlugin.direct`). Nothing new listens, nothing is
-bound beyond the workers' addresses. Plain TCP only: a TLS comm's socket carries
-TLS records, so a TLS cluster keeps the event loop path.
+bound beyond the workers' addresses.
+
+Under TLS the socket is the ``ssl.SSLSocket`` of Dask's own TLS comm, taken over
+whole: its session (the handshake Dask made, the peer's certificate checked as
+Dask checks it) carries on in the training thread, which encrypts and decrypts
+there. It cannot be duplicated (the session lives in the object), so Tornado's
+``close`` must leave it open: a file made with ``makefile()`` keeps the
+descriptor open through ``socket.close()`` (the rule ``socket.close`` documents)
+until the file is closed too (:class:`Channel`). Where the comm is neither, or
+this Tornado keeps its buffer elsewhere (:func:`_unread`), the pair falls back to
+the event loop path, and says so.
 
 Sends never block: a message is queued and written as far as the kernel takes it;
 the rest goes out while this member waits for a message (:meth:`Links.progress`
@@ -29,10 +38,13 @@ with every byte handed to the kernel, so the caller may reuse its buffers.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import pickle
 import select
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -54,25 +66,132 @@ _IOV = 64
 #: the last frame a member sends a peer as it leaves the group (an empty head): a
 #: closed connection after it is a departure, without it a lost process
 _BYE = _FRAME.pack(0, 0)
+#: under TLS, consecutive buffers smaller than this are sent as one (each ``send``
+#: of an ``SSLSocket`` is at least one record: a record and a call per small part)
+_SMALL = 16384
 
 
-def take_socket(comm: Comm) -> tuple[socket.socket, bytes] | None:
-    """The TCP socket under ``comm``, taken from Tornado (``comm`` is aborted), with
-    what Tornado had already read from it and nobody consumed; ``None`` (and
-    ``comm`` untouched) when it is not a plain TCP comm."""
-    from distributed.comm.tcp import TCP, TLS
+class Channel:
+    """One direct connection's socket, out of Tornado's hands: plain TCP, or the TLS
+    comm's ``ssl.SSLSocket`` (its session carries on here). Would-block is
+    ``BlockingIOError`` either way."""
 
-    if not isinstance(comm, TCP) or isinstance(comm, TLS) or comm.stream is None:
+    def __init__(self, sock: socket.socket, hold: io.IOBase | None = None) -> None:
+        self.sock = sock
+        self.tls = isinstance(sock, ssl.SSLSocket)
+        #: (TLS) keeps the descriptor open through Tornado's ``sock.close()``
+        self._hold = hold
+        #: (TLS) one thread at a time in the TLS object: a group closed from the
+        #: event loop writes its goodbye while the training thread may still be in
+        #: a write (two threads in one OpenSSL object is undefined; on a plain socket
+        #: it only interleaves bytes of a failing group)
+        self._lock = threading.Lock() if self.tls else contextlib.nullcontext()
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def recv_into(self, view: memoryview) -> int:
+        """Bytes read into ``view`` (0: the peer closed)."""
+        try:
+            with self._lock:
+                return self.sock.recv_into(view)
+        except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
+            raise BlockingIOError from None
+
+    def send(self, buffers: list[memoryview]) -> int:
+        """Bytes of ``buffers`` the kernel took. Under TLS the first buffer only,
+        whole (OpenSSL, unless told otherwise, writes all of it or nothing; a retry
+        after would-block must pass the same bytes again, which the caller's queue
+        does)."""
+        if not self.tls:
+            return self.sock.sendmsg(buffers)
+        try:
+            with self._lock:
+                return self.sock.send(buffers[0])
+        except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
+            raise BlockingIOError from None
+
+    def pack(self, buffers: list[memoryview]) -> list[memoryview]:
+        """``buffers`` as queued: under TLS the small neighbours joined (copied), so a
+        message's head is one record rather than three."""
+        if not self.tls:
+            return buffers
+        out: list[memoryview] = []
+        small: list[memoryview] = []
+        for b in buffers:
+            if b.nbytes < _SMALL:
+                small.append(b)
+                continue
+            if small:
+                out.append(memoryview(b"".join(small)))
+                small = []
+            out.append(b)
+        if small:
+            out.append(memoryview(b"".join(small)))
+        return out
+
+    def pending(self) -> int:
+        """Decrypted bytes the TLS object holds: readable now whatever ``poll`` says."""
+        return self.sock.pending() if self.tls else 0
+
+    def close(self) -> None:
+        with self._lock:
+            try:
+                self.sock.close()
+            finally:
+                if self._hold is not None:
+                    self._hold.close()  # (the descriptor closes with the last of the two)
+
+
+def take_socket(comm: Comm) -> tuple[Channel, bytes] | None:
+    """The socket under ``comm``, taken from Tornado (``comm`` is aborted), with what
+    Tornado had already read from it and nobody consumed; ``None`` (and ``comm``
+    untouched) when it cannot be (not a TCP or TLS comm; :func:`_unread`)."""
+    if not detachable(comm):
         return None
     stream = comm.stream
-    # (an idle Tornado stream reads what arrives, to notice a close)
-    buffered = bytes(getattr(stream, "_read_buffer", b"")[
-        :getattr(stream, "_read_buffer_size", 0)])
-    fd = os.dup(stream.socket.fileno())
-    comm.abort()  # closes Tornado's descriptor only: the connection lives on in ours
-    sock = socket.socket(fileno=fd)
-    sock.setblocking(False)
-    return sock, buffered
+    assert stream is not None
+    buffered = _unread(stream)
+    assert buffered is not None
+    sock = stream.socket
+    if isinstance(sock, ssl.SSLSocket):
+        # The TLS session lives in this object: it is kept, not duplicated. Tornado's
+        # close (the abort) calls ``sock.close()``, which leaves the descriptor open
+        # while a file made with makefile() is open: ``Channel.close`` closes both.
+        hold = sock.makefile("rb", buffering=0)
+        comm.abort()
+        channel = Channel(sock, hold)
+    else:
+        fd = os.dup(sock.fileno())
+        comm.abort()  # closes Tornado's descriptor only: the connection lives on in ours
+        channel = Channel(socket.socket(fileno=fd))
+    channel.sock.setblocking(False)
+    return channel, buffered
+
+
+def detachable(comm: Comm) -> bool:
+    """Whether :func:`take_socket` can take ``comm``'s socket (the same answer until
+    ``comm`` is used by anyone else)."""
+    from distributed.comm.tcp import TCP
+
+    stream = getattr(comm, "stream", None)
+    return (isinstance(comm, TCP) and stream is not None
+            and isinstance(getattr(stream, "socket", None), socket.socket)
+            and _unread(stream) is not None)
+
+
+def _unread(stream: Any) -> bytes | None:
+    """What Tornado read from ``stream``'s socket and nobody consumed (an idle
+    Tornado stream reads what arrives, to notice a close; under TLS: decrypted);
+    ``None`` where this Tornado keeps it otherwise, and the pair then uses the event
+    loop. The one place that reads Tornado's private attributes (Tornado 6)."""
+    try:
+        buf, size = stream._read_buffer, stream._read_buffer_size
+        if not isinstance(buf, bytearray | memoryview) or not isinstance(size, int):
+            return None
+        return bytes(buf[:size])
+    except AttributeError:
+        return None
 
 
 def frames(key: Key, payload: Any) -> list[memoryview]:
@@ -90,7 +209,7 @@ def frames(key: Key, payload: Any) -> list[memoryview]:
 class _Reader:
     """One peer's incoming bytes, read straight into each part's own buffer."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: Channel) -> None:
         self.sock = sock
         #: the peer said goodbye: its closed connection is no loss
         self.departed = False
@@ -147,23 +266,27 @@ class Links:
     Parameters
     ----------
     connect
-        ``connect(rank)``: a socket to that peer (blocks while Dask opens it).
+        ``connect(rank)``: a socket to that peer (blocks while Dask opens it);
+        ``None``: that peer takes this member's messages through the event loop
+        (:meth:`send` says so).
     deliver
         ``deliver(source, key, payload)``: file a message read from rank ``source``.
     lost
         ``lost(rank, error)``: the peer's connection closed (fail the group).
     """
 
-    def __init__(self, connect: Callable[[int], socket.socket],
+    def __init__(self, connect: Callable[[int], Channel | None],
                  deliver: Callable[[int, Key, Any], None],
                  lost: Callable[[int, BaseException], None]) -> None:
         self._connect = connect
         self._deliver = deliver
         self._lost = lost
-        self._out: dict[int, socket.socket] = {}
+        self._out: dict[int, Channel] = {}
+        #: the peers this member sends to through the event loop (see ``connect``)
+        self.loop: set[int] = set()
         self._queues: dict[int, deque[memoryview]] = {}
         self._readers: dict[int, _Reader] = {}
-        self._arrived: list[tuple[int, socket.socket]] = []
+        self._arrived: list[tuple[int, Channel]] = []
         self._lock = threading.Lock()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -171,7 +294,7 @@ class Links:
         self.closed = False
 
     # -- any thread ----------------------------------------------------------------
-    def arrived(self, source: int, sock: socket.socket) -> None:
+    def arrived(self, source: int, sock: Channel) -> None:
         """A peer's connection to us (from the worker's event loop)."""
         with self._lock:
             if self.closed:
@@ -189,16 +312,26 @@ class Links:
             pass  # already woken (the buffer is full), or closed
 
     # -- the training thread ---------------------------------------------------------
-    def send(self, dest: int, key: Key, payload: Any) -> None:
+    def send(self, dest: int, key: Key, payload: Any) -> bool:
+        """Queue a message to ``dest`` and write what the kernel takes; ``False``:
+        not sent, ``dest`` takes this member's messages through the event loop."""
+        if dest in self.loop:
+            return False
         if dest not in self._out:
             try:
-                self._out[dest] = self._connect(dest)
+                channel = self._connect(dest)
             except OSError as e:  # (a timeout included) the group fails here
                 self._lost(dest, e)
-                return
+                return True
+            if channel is None:
+                self.loop.add(dest)
+                return False
+            self._out[dest] = channel
             self._queues[dest] = deque()
-        self._queues[dest].extend(f for f in frames(key, payload) if f.nbytes)
+        channel = self._out[dest]
+        self._queues[dest].extend(f for f in channel.pack(frames(key, payload)) if f.nbytes)
         self._write(dest)
+        return True
 
     def pending(self, dest: int | None = None) -> bool:
         """Bytes still queued (to ``dest``, or to anyone)."""
@@ -215,6 +348,9 @@ class Links:
             self._readers[source] = _Reader(sock)
         readers = {r.sock.fileno(): (source, r) for source, r in self._readers.items()}
         writers = {self._out[d].fileno(): d for d, q in self._queues.items() if q}
+        # (TLS) bytes already decrypted are readable whatever poll says of the socket
+        if any(r.sock.pending() for r in self._readers.values()):
+            timeout = 0
         # poll, not select: a busy worker's descriptors may number past FD_SETSIZE
         poller = select.poll()
         wake = self._wake_r.fileno()
@@ -225,8 +361,9 @@ class Links:
             events = poller.poll(max(timeout, 0) * 1000)
         except (OSError, ValueError):  # a socket closed under us: the group ends
             return
-        readable = [fd for fd, ev in events if ev & ~select.POLLOUT and
-                    (fd in readers or fd == wake)]
+        readable = {fd for fd, ev in events if ev & ~select.POLLOUT and
+                    (fd in readers or fd == wake)}
+        readable |= {fd for fd, (_, r) in readers.items() if r.sock.pending()}
         writable = [fd for fd, ev in events if fd in writers and
                     ev & (select.POLLOUT | select.POLLERR | select.POLLHUP)]
         for fd in readable:
@@ -299,7 +436,7 @@ class Links:
         queue, sock = self._queues[dest], self._out[dest]
         while queue:
             try:
-                n = sock.sendmsg(list(_head(queue, _IOV)))
+                n = sock.send(_head(queue, _IOV))
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as e:

@@ -55,6 +55,11 @@ if TYPE_CHECKING:
 #: worker there, in the middle of a collective.
 send_hooks: list[Callable[[Group, int, Key, concurrent.futures.Future[Any]], None]] = []
 
+#: How many collectives of this process's groups took each transport (``"direct"``,
+#: ``"loop"``, ``"mixed"``; ``CollectiveStats.transport``): a TLS run that fell back
+#: to the event loop shows here and in the log.
+collectives_by_transport: collections.Counter[str] = collections.Counter()
+
 
 @dataclass
 class CollectiveStats:
@@ -71,6 +76,10 @@ class CollectiveStats:
     bytes_sent: int
     bytes_received: int
     messages: int
+    #: how this member's messages went: ``"direct"`` (the training threads' own
+    #: sockets, plain TCP or TLS), ``"loop"`` (the workers' event loops), ``"mixed"``
+    #: (some peers each way: one's socket could not leave Tornado), ``""`` (none sent)
+    transport: str = ""
 
 
 class Group:
@@ -145,11 +154,12 @@ class Group:
             )
         ep.members, ep.rank = self.members, self.rank
         self._ep = ep
-        #: messages on sockets of the training threads' own (plain TCP), or through
-        #: the workers' event loops (TLS, or ``dasktf.p2p.transport: loop``)
+        #: messages on sockets of the training threads' own (plain TCP or TLS), or
+        #: through the workers' event loops (``dasktf.p2p.transport: loop``, other
+        #: comms, or a peer whose socket cannot leave Tornado: ``links.loop``)
         self.links = ep.links if (
             config.get("p2p.transport") == "auto" and ep.links is not None
-            and all(m.startswith("tcp://") for m in self.members)) else None
+            and all(m.startswith(("tcp://", "tls://")) for m in self.members)) else None
         #: (peer, collective, written) of the event loop's messages still in flight
         self._pending: collections.deque[
             tuple[str, int, concurrent.futures.Future[Any]]] = collections.deque()
@@ -159,6 +169,7 @@ class Group:
         self.bytes_sent = 0
         self.bytes_received = 0
         self._step_sent = self._step_received = self._messages = 0
+        self._step_direct = self._step_loop = 0
         self._wait = 0.0
         for source in sources(self.rank, self.size):
             ep.watches.append(self.plugin.submit(
@@ -210,6 +221,7 @@ class Group:
         if name == "auto":
             name = choose(flat.nbytes, self.size, self.threshold)
         self._step_sent = self._step_received = self._messages = 0
+        self._step_direct = self._step_loop = 0
         self._wait = 0.0
         start = time.perf_counter()
         if self.size == 1:
@@ -219,9 +231,13 @@ class Group:
             out, sc = RUNNERS[name](self, flat, scalars, self.coding, step)
             if self.links is not None:  # the caller may reuse what is still queued
                 self.links.flush(self.timeout, self.members.__getitem__, step)
+        transport = ("mixed" if self._step_direct and self._step_loop else
+                     "direct" if self._step_direct else "loop" if self._step_loop else "")
         self.last = CollectiveStats(step, name, flat.nbytes, time.perf_counter() - start,
                                     self._wait, self._step_sent, self._step_received,
-                                    self._messages)
+                                    self._messages, transport)
+        if transport:
+            collectives_by_transport[transport] += 1
         self._ep.completed = step
         return out, sc
 
@@ -232,8 +248,8 @@ class Group:
         self._step_sent += n
         self.bytes_sent += n
         self._messages += 1
-        if self.links is not None:
-            self.links.send(dest, key, payload)
+        if self.links is not None and self.links.send(dest, key, payload):
+            self._step_direct += 1
             if send_hooks:  # (tests) the message handed to the kernel, the peer's
                 self.links.flush(self.timeout, self.members.__getitem__, key.step)
                 future: concurrent.futures.Future[Any] = concurrent.futures.Future()
@@ -241,6 +257,7 @@ class Group:
                 for hook in send_hooks:
                     hook(self, dest, key, future)
             return
+        self._step_loop += 1
         future = self.plugin.post(self._ep, address, key, payload)
         self._pending.append((address, key.step, future))
         for hook in send_hooks:

@@ -34,7 +34,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import socket
 import threading
 import time
 from collections import deque
@@ -48,7 +47,7 @@ from distributed.protocol import to_serialize
 
 from dasktf import config
 from dasktf.exceptions import CollectiveAbortedError, PeerLostError
-from dasktf.runtime.p2p.direct import Links, take_socket
+from dasktf.runtime.p2p.direct import Channel, Links, detachable, take_socket
 from dasktf.runtime.p2p.mailbox import Key, Mailbox
 
 if TYPE_CHECKING:
@@ -205,24 +204,33 @@ class P2PPlugin(WorkerPlugin):
         a buffer of its own (to notice a close), so nothing may reach a socket
         before it leaves Tornado. The peer sends nothing after its request until it
         read ``READY``, which goes out on the raw socket once this end left Tornado;
-        the peer's end left Tornado as its request was written.
+        the peer's end left Tornado as its request was written. Where this end
+        cannot leave Tornado (:func:`~dasktf.runtime.p2p.direct.take_socket`), the
+        peer hears ``LOOP`` and sends through the event loop instead.
         """
         ep = self.endpoint(group)
         taken = take_socket(comm)
-        if taken is None:  # not plain TCP (the peer asked wrongly): the comm stays ours
-            await comm.write("closed")
+        if taken is None:  # the comm stays Tornado's: the answer goes through it
+            logger.warning("dasktf p2p group %s: the connection from rank %s cannot "
+                           "leave Tornado (%s); its messages take the event loop",
+                           group, source, type(comm).__name__)
+            stream = getattr(comm, "stream", None)
+            if stream is not None:
+                await stream.write(LOOP)
             return
         sock, buffered = taken
-        if ep is None or ep.links is None or buffered:  # (buffered: the peer broke
-            _send_byte(sock, CLOSED)                    # the protocol)
+        if ep is None or ep.links is None or buffered or sock.pending():
+            _send_byte(sock, CLOSED)  # (buffered: the peer broke the protocol)
             sock.close()
             return
         _send_byte(sock, READY)
         ep.links.arrived(int(source), sock)
 
-    def open_direct(self, ep: Endpoint, rank: int) -> socket.socket:
+    def open_direct(self, ep: Endpoint, rank: int) -> Channel | None:
         """A direct socket to member ``rank`` (from the training thread: waits,
-        bounded, while the loop opens it and the peer says it is ready).
+        bounded, while the loop opens it and the peer says it is ready); ``None``
+        where either end's socket cannot leave Tornado (messages to ``rank`` then
+        take the event loop: said in the log and in the group's stats).
 
         Raises
         ------
@@ -240,23 +248,38 @@ class P2PPlugin(WorkerPlugin):
             opening.cancel()
             raise ConnectionError(f"no direct connection to {address} for group "
                                   f"{ep.gid}: {ep.mailbox.failure or 'timed out'}")
-        sock, buffered = opening.result()
+        taken = opening.result()
+        if taken is None:
+            logger.warning("dasktf p2p group %s: the connection to %s cannot leave "
+                           "Tornado; this member's messages to it take the event loop",
+                           ep.gid, address)
+            return None
+        sock, buffered = taken
         try:
             answer = buffered[:1] or _await_byte(sock, timeout, ep.mailbox)
         except OSError:
             sock.close()
             raise
+        if answer == LOOP:  # (the peer's end stayed in Tornado, which closes it)
+            sock.close()
+            logger.warning("dasktf p2p group %s: %s cannot take a direct connection; "
+                           "this member's messages to it take the event loop",
+                           ep.gid, address)
+            return None
         if answer != READY:
             sock.close()
             raise ConnectionError(
                 f"peer {address} refused a direct connection for group {ep.gid} "
                 f"({'it closed the group' if answer == CLOSED else 'no answer'})")
-        sock.setblocking(False)
+        sock.sock.setblocking(False)
         return sock
 
     async def _open_direct(self, ep: Endpoint, address: str, timeout: float
-                           ) -> tuple[socket.socket, bytes]:
+                           ) -> tuple[Channel, bytes] | None:
         comm = await connect(address, timeout=timeout, **self.worker.connection_args)
+        if not detachable(comm):  # asked for nothing: the peer is not waiting on it
+            comm.abort()
+            return None
         try:
             await comm.write({"op": "dasktf_p2p_direct", "group": ep.gid,
                               "source": ep.rank, "reply": False})
@@ -264,9 +287,7 @@ class P2PPlugin(WorkerPlugin):
             comm.abort()
             raise
         taken = take_socket(comm)  # (READY, if it came already, is in the buffer)
-        if taken is None:
-            comm.abort()
-            raise ConnectionError(f"the comm to {address} is not plain TCP")
+        assert taken is not None  # (detachable above, and nobody read meanwhile)
         return taken
 
     async def watch(self, group: str, watcher: str) -> str:
@@ -384,13 +405,15 @@ class P2PPlugin(WorkerPlugin):
             pass  # that one is gone too: its own watchers will say so
 
 
-#: the one byte a peer answers a direct connection with, on the raw socket
-READY, CLOSED = b"R", b"C"
+#: the one byte a peer answers a direct connection with, on the raw socket (``LOOP``:
+#: through Tornado, whose socket that end could not take: use the event loop)
+READY, CLOSED, LOOP = b"R", b"C", b"L"
 
 
-def _await_byte(sock: socket.socket, timeout: float, mailbox: Mailbox) -> bytes:
-    """One byte from ``sock`` (``b""``: closed), waiting at most ``timeout`` and no
+def _await_byte(channel: Channel, timeout: float, mailbox: Mailbox) -> bytes:
+    """One byte from ``channel`` (``b""``: closed), waiting at most ``timeout`` and no
     longer than the group stands."""
+    sock = channel.sock
     end = time.monotonic() + timeout
     while time.monotonic() < end and mailbox.failure is None:
         sock.settimeout(min(0.1, max(end - time.monotonic(), 0.001)))
@@ -401,9 +424,9 @@ def _await_byte(sock: socket.socket, timeout: float, mailbox: Mailbox) -> bytes:
     return b""
 
 
-def _send_byte(sock: socket.socket, byte: bytes) -> None:
+def _send_byte(channel: Channel, byte: bytes) -> None:
     try:
-        sock.send(byte)
+        channel.sock.send(byte)
     except OSError:
         pass  # the peer is gone: its wait for the byte fails
 
