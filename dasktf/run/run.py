@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 import uuid
 from typing import TYPE_CHECKING, Any
@@ -55,6 +56,8 @@ if TYPE_CHECKING:
     from distributed import Client
 
 logger = logging.getLogger(__name__)
+#: held while a run seeds Keras and builds its model from the seed
+SEEDED_BUILD = threading.Lock()
 
 class Run:
     """One ``fit`` call: the replicas, the engine, the epoch loop and the clean-up."""
@@ -122,10 +125,13 @@ class Run:
         elif isinstance(o.model, keras.Model):
             model = o.model
         else:
-            keras.utils.set_random_seed(o.seed)
-            spec = model_spec(o.model, factory_input_shape(stats),
-                              num_outputs(self.placed.stats))
-            model = spec.build()
+            # Keras' seeds are the process's: two fits in threads of one client must
+            # not draw one's initial weights from the other's seed.
+            with SEEDED_BUILD:
+                keras.utils.set_random_seed(o.seed)
+                spec = model_spec(o.model, factory_input_shape(stats),
+                                  num_outputs(self.placed.stats))
+                model = spec.build()
             self._factory = spec.build  # what rebuilds a subclassed model it makes
         check_trainable_by_dasktf(model)
         probe_x = stats.probe(2)[0]
