@@ -20,6 +20,8 @@ from typing import Any
 
 import keras
 
+from dasktf import compat
+
 
 def check_callbacks(callbacks: Any) -> list[keras.callbacks.Callback]:
     """The callbacks a run will drive, as a list, checked before any worker is used.
@@ -69,7 +71,7 @@ def _improves(checkpoint: Any, logs: dict[str, Any]) -> bool:
     if not checkpoint.save_best_only:
         return True
     current = logs.get(checkpoint.monitor)
-    improvement = getattr(checkpoint, "_is_improvement", None)
+    improvement = compat.improvement_check(checkpoint)
     if improvement is None or not isinstance(current, numbers.Real):
         return True
     try:
@@ -246,7 +248,7 @@ def client_learning_rate(model: Any) -> float | None:
     optimizer steps, from its own iteration count: nothing to carry)."""
     optimizer = getattr(model, "optimizer", None)
     inner = getattr(optimizer, "inner_optimizer", optimizer)  # a LossScaleOptimizer
-    if not isinstance(getattr(inner, "_learning_rate", None), keras.Variable):
+    if not compat.holds_learning_rate(inner):
         return None
     return float(inner.learning_rate.numpy())
 

@@ -21,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from dasktf import compat
+
 ModelLike = Any  # keras.Model | Callable[..., keras.Model] | str
 
 
@@ -100,9 +102,8 @@ def is_plain_graph(model: Any) -> bool:
     """A ``keras.Sequential`` or ``keras.Model(inputs, outputs)``, not a subclass:
     its config alone rebuilds it (a subclass may build itself in ``__init__``)."""
     import keras
-    from keras.src.models.functional import Functional
 
-    return type(model) in (keras.Sequential, Functional)
+    return type(model) in (keras.Sequential, compat.functional_class())
 
 
 def custom_objects(model: Any) -> dict[str, Any]:
@@ -120,7 +121,7 @@ def custom_objects(model: Any) -> dict[str, Any]:
             return
         found[keras.saving.get_registered_name(target)] = target
 
-    for layer in model._flatten_layers(include_self=True, recursive=True):
+    for layer in compat.flatten_layers(model):
         add(layer)
         for value in vars(layer).values():
             if inspect.isfunction(value) or isinstance(
@@ -221,7 +222,7 @@ def compiled_args(model: Any) -> dict[str, Any] | None:
         return None
     # Keras keeps the compile arguments as given (what .keras files save);
     # get_compile_config() would serialize them and lose functions from the script.
-    given = dict(getattr(getattr(model, "_compile_config", None), "config", None) or {})
+    given = compat.compile_arguments(model)
     optimizer = model.optimizer
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         optimizer = optimizer.inner_optimizer

@@ -25,7 +25,7 @@ each its own), and ``ref.model()`` the process's one cached model for inference:
 
 Keras 3.15's public ``keras.saving.save_model`` / ``load_model`` take paths only
 (``save_model`` checks the file name's extension); the functions they call,
-``keras.src.saving.saving_lib.save_model`` / ``load_model``, take file objects.
+``keras.src.saving.saving_lib.save_model`` / ``load_model`` (:mod:`dasktf.compat`), take file objects.
 :func:`keras_archive` and :func:`_read` use those and fall back to a temporary
 ``.keras`` file where they are missing.
 """
@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from dasktf.compat import constructor_arguments, flatten_layers, keras_saving_lib
 from dasktf.models import custom_objects
 
 if TYPE_CHECKING:
@@ -174,7 +175,7 @@ class ModelPackage:
                 _load_weights(model, self.archive)
         set_seed_states(model, self.seeds, stream)
         if policy is not None and _all_float32(model):
-            for layer in model._flatten_layers(include_self=True, recursive=True):
+            for layer in flatten_layers(model):
                 layer.dtype_policy = policy
         if recipe is not None:
             continued = _same_optimizer(self.optimizer, recipe.optimizer)
@@ -234,8 +235,7 @@ def _class_factory(model: Any) -> Callable[[], Any]:
     arguments before they are recorded); :func:`_rebuilds` checks the result."""
     import functools
 
-    auto = getattr(model, "_auto_config", None)
-    return functools.partial(type(model), **(dict(auto.config) if auto else {}))
+    return functools.partial(type(model), **constructor_arguments(model))
 
 
 @dataclass(frozen=True)
@@ -370,19 +370,10 @@ def set_seed_states(model: Any, seeds: tuple[np.ndarray, ...], stream: int) -> N
 
 def _all_float32(model: Any) -> bool:
     return all(layer.dtype_policy.name == "float32"
-               for layer in model._flatten_layers(include_self=True, recursive=True))
+               for layer in flatten_layers(model))
 
 
 # -- Keras' .keras files, in memory --------------------------------------------------
-def _saving_lib() -> Any:
-    """Keras' saving library where it takes file objects, else ``None``."""
-    try:
-        from keras.src.saving import saving_lib
-    except ImportError:
-        return None
-    return saving_lib if hasattr(saving_lib, "_save_model_to_fileobj") else None
-
-
 @contextlib.contextmanager
 def _quiet_keras() -> Iterator[None]:
     """Keras' own saving warns where nothing is wrong: NumPy 2's ``copy keyword``
@@ -396,7 +387,7 @@ def _quiet_keras() -> Iterator[None]:
 def keras_archive(model: Any) -> bytes:
     """``model`` as ``model.save("m.keras")`` writes it (its optimizer's variables
     included), in memory."""
-    lib = _saving_lib()
+    lib = keras_saving_lib()
     with _quiet_keras():
         if lib is not None:
             buffer = io.BytesIO()
@@ -415,7 +406,7 @@ def _read(archive: bytes, objects: dict[str, Any]) -> Any:
     layer's function travels as code, as the script's classes do)."""
     import keras
 
-    lib = _saving_lib()
+    lib = keras_saving_lib()
     with _quiet_keras():
         if lib is not None:
             return lib.load_model(io.BytesIO(archive), custom_objects=objects,

@@ -46,14 +46,50 @@ _SCAN = r"""
 import ast, json, sys
 from pathlib import Path
 root = Path(sys.argv[1]); package = root / "dasktf"
-out = {"crossings": [], "modules": [], "classes": []}
-for path in sorted(package.rglob("*.py")):
+PUBLIC = {"_exit", "_asdict", "_replace", "_fields", "_make"}  # os._exit, namedtuples
+# Private names dasktf.compat wraps that dasktf also uses for names of its own: on
+# anything but ``self``, another library's.
+WRAPPED = {"_gather"}
+# Another library's private name used by ``node``: a ``keras.src`` (or any
+# ``x._private``) module imported, an imported ``_name``, ``obj._name`` or
+# ``getattr(obj, "_name")`` where dasktf defines no ``_name``.
+def foreign(node, own):
+    private = lambda n: n.startswith("_") and not n.startswith("__") and n not in PUBLIC
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+        modules = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                   else [] if node.level or (node.module or "").startswith("dasktf")
+                   else [node.module] + [f"{node.module}.{a.name}" for a in node.names])
+        return [f"imports {m}" for m in modules
+                if m.startswith("keras.src") or any(map(private, m.split(".")))][:1]
+    if isinstance(node, ast.Attribute) and private(node.attr) and (
+            node.attr not in own or node.attr in WRAPPED
+            and not (isinstance(node.value, ast.Name) and node.value.id == "self")):
+        return [f"uses .{node.attr}"]
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr", "setattr") and len(node.args) > 1
+            and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)
+            and private(node.args[1].value) and node.args[1].value not in own):
+        return [f"uses {node.func.id}(..., {node.args[1].value!r})"]
+    return []
+out = {"crossings": [], "modules": [], "classes": [], "foreign": []}
+trees = {path: ast.parse(path.read_text()) for path in sorted(package.rglob("*.py"))}
+# Underscore names dasktf itself defines (functions, classes, attributes it sets,
+# parameters): any other ``obj._name`` belongs to another library.
+own = {getattr(n, a) for t in trees.values() for n in ast.walk(t)
+       for a in ("name", "attr", "id", "arg", "asname")
+       if isinstance(getattr(n, a, None), str) and (
+           isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.arg,
+                          ast.alias))
+           or isinstance(getattr(n, "ctx", None), ast.Store))}
+for path in trees:
     parts = path.relative_to(root).with_suffix("").parts
     name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
     text = path.read_text()
     where = str(path.relative_to(root))
     out["modules"].append([where, text.count("\n")])
-    for node in ast.walk(ast.parse(text)):
+    for node in ast.walk(trees[path]):
+        if where != "dasktf/compat.py":
+            out["foreign"] += [f"{where}:{node.lineno} {use}" for use in foreign(node, own)]
         if (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
                 and node.module.startswith("dasktf") and node.module != name):
             out["crossings"] += [f"{where}:{node.lineno} takes {node.module}.{a.name}"
@@ -189,6 +225,16 @@ def test_no_import_circle_annotation_only_imports_included():
 def test_no_private_name_crosses_a_module():
     crossings = _scan()["crossings"]
     assert not crossings, "\n".join(crossings)
+
+
+def test_only_compat_touches_other_libraries_private_names():
+    """TensorFlow's, Keras', Tornado's, distributed's and dask's private names (and
+    ``keras.src``) are used in dasktf/compat.py only, each behind a function with a
+    fallback or an error naming the installed version, and a canary in
+    tests/test_compat.py; anywhere else a release could rename them unnoticed
+    (issue 37). A name dasktf defines itself is its own, whatever object holds it."""
+    foreign = _scan()["foreign"]
+    assert not foreign, "use dasktf.compat (docs/compat.md):\n" + "\n".join(foreign)
 
 
 def test_modules_and_classes_stay_readable():

@@ -24,7 +24,7 @@ from distributed import Client, LocalCluster
 from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.system import MEMORY_LIMIT
 
-from dasktf import config
+from dasktf import compat, config
 from dasktf.cluster import quiet
 from dasktf.cluster.devices import (
     GPU,
@@ -178,7 +178,7 @@ class GPUCluster(LocalCluster):
         kwargs.setdefault("memory_limit", MEMORY_LIMIT // len(gpus))
         super().__init__(n_workers=0, **kwargs)
         self.scale(len(gpus))
-        self.sync(self._correct_state)
+        compat.start_workers(self)
 
     def new_worker_spec(self) -> dict[str, dict[str, Any]]:
         free = [g for g in self.gpus if f"gpu-{g.index}" not in self.worker_spec]

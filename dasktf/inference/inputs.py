@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from dasktf import compat
 from dasktf.data.feeds import STRING, Feed, probe_rows, read_feeds
 from dasktf.data.partitions import is_dask_frame
 from dasktf.data.structure import Nest, is_nested, leaves, map_named, map_nest
@@ -62,7 +63,7 @@ def _probe_block(collection: Any, meta: tuple[Any, tuple[int, ...]], rows: int) 
     if is_dask_frame(collection):
         import pandas as pd
 
-        empty = collection._meta
+        empty = compat.meta(collection)
         frame = empty.to_frame() if empty.ndim == 1 else empty
         data = {c: _probe_column(frame[c].dtype, rows) for c in frame.columns}
         out = pd.DataFrame(data, columns=frame.columns)
@@ -177,7 +178,7 @@ def _from_numpy(array: np.ndarray) -> Any:
 
 
 def _frame_meta(frame: Any) -> tuple[Any, tuple[int, ...]]:
-    meta = frame._meta
+    meta = compat.meta(frame)
     return (None, (len(meta.columns),)) if meta.ndim == 2 else (meta.dtype, ())
 
 
@@ -200,9 +201,7 @@ def _is_text(dtype: Any) -> bool:
 def model_inputs(model: Any) -> Nest:
     """The model's input specs (``KerasTensor``) in the structure its call takes,
     or ``None`` where Keras does not know them (a subclassed model)."""
-    from keras.src.models.functional import Functional
-
-    if isinstance(model, Functional):
+    if isinstance(model, compat.functional_class()):
         return model.input
     try:
         inputs = model.inputs
@@ -298,8 +297,8 @@ def _feed(found: tuple[int, Any, Any], kt: Any, path: str, input_name: str | Non
     want = _shape(kt)
     text_input = kt.dtype == "string"
     if is_dask_frame(collection):
-        dtypes = (list(collection._meta.dtypes) if collection.ndim == 2
-                  else [collection._meta.dtype])
+        dtypes = (list(compat.meta(collection).dtypes) if collection.ndim == 2
+                  else [compat.meta(collection).dtype])
         _check_kinds(dtypes, text_input, path, input_name)
         # A whole frame: its columns as one float vector per row (or strings).
         dtype_name = STRING if text_input else str(np.dtype(kt.dtype))
@@ -313,7 +312,7 @@ def _feed(found: tuple[int, Any, Any], kt: Any, path: str, input_name: str | Non
 def _column_feed(position: int, frame: Any, column: str, kt: Any) -> Feed:
     path = f"x[column {column!r}]"
     text_input = kt.dtype == "string"
-    _check_kinds([frame._meta[column].dtype], text_input, path, str(kt.name))
+    _check_kinds([compat.meta(frame)[column].dtype], text_input, path, str(kt.name))
     _check_shape((), _shape(kt), path, str(kt.name))
     return Feed(position, column, STRING if text_input else str(np.dtype(kt.dtype)),
                 _shape(kt), path)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dasktf import config
+from dasktf import compat, config
 from dasktf.data.structure import Nest
 from dasktf.inference.inputs import InputPlan, plan_inputs, probe_outputs
 from dasktf.runtime.inference import pick_output, predict_frame_part, predict_part
@@ -211,7 +211,7 @@ def _as_frame(plan: InputPlan, shared: SharedModel, batch_size: int, outputs: Ne
     dtypes = np.result_type(*[p.dtype for _, p in paths])
     first = plan.collections[0]
     meta = pd.DataFrame({c: np.empty(0, dtypes) for c in columns}, columns=columns,
-                        index=first._meta.index)
+                        index=compat.meta(first).index)
     return dd.map_partitions(predict_frame_part, shared.future, plan.x, batch_size, columns,
                              *plan.collections, meta=meta, align_dataframes=False,
                              enforce_metadata=False)

@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from dasktf import config
+from dasktf import compat, config
 from dasktf.cluster.deadline import poll_until
 from dasktf.cluster.local import alive_workers
 from dasktf.cluster.waits import call_watched, lost_workers
@@ -184,8 +184,8 @@ def register_worker_plugin(ctx: RunContext, plugin: Any, what: str) -> None:
     for attempt in range(attempts):
         before = set(alive_workers(client))
         try:
-            call_watched(ctx, lambda: client._register_worker_plugin(
-                plugin, name, idempotent), what)
+            call_watched(ctx, lambda: compat.register_worker_plugin(
+                client, plugin, name, idempotent), what)
             return
         except OSError:
             if attempt + 1 == attempts or not _dropped(client, before):

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from dasktf import compat
 from dasktf.data.structure import map_nest
 
 if TYPE_CHECKING:
@@ -70,7 +71,7 @@ class SignatureFunction:
         concrete = self._concrete
         if concrete is None:
             concrete = self.function.get_concrete_function()
-            if callable(getattr(concrete, "_call_flat", None)):
+            if compat.can_call_flat(concrete):
                 # A parameter the signature leaves out (``w=None``: unweighted
                 # batches) flattens to a ``None`` that no argument fills.
                 self._specs = [spec for spec
@@ -84,7 +85,7 @@ class SignatureFunction:
             return self.function(*args)
         tensors = [tf.convert_to_tensor(a, spec.dtype)
                    for a, spec in zip(flat, self._specs, strict=True)]
-        return concrete._call_flat(tensors, concrete.captured_inputs)
+        return compat.call_flat(concrete, tensors)
 
 
 class MetricEvaluator:

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from dasktf import compat
 from dasktf.cluster.devices import (
     compute_device,
     precision_policy,
@@ -141,8 +142,7 @@ class Replica:
         self.stats_variables = non_trainable_floats(model)
         build_metrics(model, probe.x, probe.y, probe.w)
         self.loss_tracker = next(m for m in model.metrics if m.name == "loss")
-        compile_loss = getattr(model, "_compile_loss", None)
-        self.output_loss_trackers = list(getattr(compile_loss, "metrics", None) or [])
+        self.output_loss_trackers = compat.output_loss_metrics(model)
         self.weighted = probe.w is not None
         self.evaluator = MetricEvaluator(model)
         self._gradient_fn = SignatureFunction(self.batch_gradient, batch_signature(probe))

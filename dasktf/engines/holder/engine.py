@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dasktf import config
+from dasktf import compat, config
 from dasktf.cluster.deadline import Deadline
 from dasktf.cluster.waits import (
     RunContext,
@@ -376,7 +376,7 @@ class AsyncEngine(Recovery, Engine):
             while True:
                 if pending is None:
                     pending = asyncio.run_coroutine_threadsafe(
-                        client._gather(done), client.loop.asyncio_loop)
+                        compat.gather(client, done), client.loop.asyncio_loop)
                 try:
                     results = pending.result(timeout=poll)
                 except concurrent.futures.TimeoutError:

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from dasktf import compat
 from dasktf.cluster.waits import RunContext, call_watched
 from dasktf.engines.base import Capabilities, Engine, RunHooks
 from dasktf.engines.mirrored import (
@@ -133,8 +134,8 @@ class P2PEngine(Engine):
         """Put the collective handlers on every worker (idempotent: the first one
         registered stays; the scheduler gives it to workers that join)."""
         client = self.ctx.client
-        call_watched(self.ctx, lambda: client._register_worker_plugin(
-            P2PPlugin(), PLUGIN_NAME, True), "registering the p2p handlers")
+        call_watched(self.ctx, lambda: compat.register_worker_plugin(
+            client, P2PPlugin(), PLUGIN_NAME, True), "registering the p2p handlers")
 
     def run_epoch(self, epoch: int, on_step: Callable[[int], None] | None = None,
                   start: int = 0) -> list[EpochReport]:

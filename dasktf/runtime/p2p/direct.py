@@ -26,7 +26,7 @@ there. It cannot be duplicated (the session lives in the object), so Tornado's
 ``close`` must leave it open: a file made with ``makefile()`` keeps the
 descriptor open through ``socket.close()`` (the rule ``socket.close`` documents)
 until the file is closed too (:class:`Channel`). Where the comm is neither, or
-this Tornado keeps its buffer elsewhere (:func:`_unread`), the pair falls back to
+this Tornado keeps its buffer elsewhere (:func:`dasktf.compat.unread_bytes`), the pair falls back to
 the event loop path, and says so.
 
 Sends never block: a message is queued and written as far as the kernel takes it;
@@ -52,6 +52,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from dasktf.compat import unread_bytes
 from dasktf.exceptions import PeerTimeoutError
 from dasktf.runtime.p2p.mailbox import Key
 
@@ -146,12 +147,12 @@ class Channel:
 def take_socket(comm: Comm) -> tuple[Channel, bytes] | None:
     """The socket under ``comm``, taken from Tornado (``comm`` is aborted), with what
     Tornado had already read from it and nobody consumed; ``None`` (and ``comm``
-    untouched) when it cannot be (not a TCP or TLS comm; :func:`_unread`)."""
+    untouched) when it cannot be (not a TCP or TLS comm; :func:`dasktf.compat.unread_bytes`)."""
     if not detachable(comm):
         return None
     stream = comm.stream
     assert stream is not None
-    buffered = _unread(stream)
+    buffered = unread_bytes(stream)
     assert buffered is not None
     sock = stream.socket
     if isinstance(sock, ssl.SSLSocket):
@@ -177,21 +178,7 @@ def detachable(comm: Comm) -> bool:
     stream = getattr(comm, "stream", None)
     return (isinstance(comm, TCP) and stream is not None
             and isinstance(getattr(stream, "socket", None), socket.socket)
-            and _unread(stream) is not None)
-
-
-def _unread(stream: Any) -> bytes | None:
-    """What Tornado read from ``stream``'s socket and nobody consumed (an idle
-    Tornado stream reads what arrives, to notice a close; under TLS: decrypted);
-    ``None`` where this Tornado keeps it otherwise, and the pair then uses the event
-    loop. The one place that reads Tornado's private attributes (Tornado 6)."""
-    try:
-        buf, size = stream._read_buffer, stream._read_buffer_size
-        if not isinstance(buf, bytearray | memoryview) or not isinstance(size, int):
-            return None
-        return bytes(buf[:size])
-    except AttributeError:
-        return None
+            and unread_bytes(stream) is not None)
 
 
 def frames(key: Key, payload: Any) -> list[memoryview]:

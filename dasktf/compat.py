@@ -1,0 +1,204 @@
+"""The one module that touches other libraries' private names (issue 37).
+
+TensorFlow, Keras, Tornado, distributed and dask may rename any of these in a
+release. Each is used here only, behind a function whose docstring says which name,
+why dasktf needs it, and what happens without it: a fallback that keeps dasktf
+working (slower, or with a smaller feature), or an error naming the installed
+version and the fix. ``tests/test_compat.py`` has one canary per name, and
+``tests/test_layout.py`` refuses these names (and ``keras.src``) anywhere else.
+``pyproject.toml`` bounds the libraries at the newest versions the suite passed
+on; docs/compat.md says how to raise a bound. As ``distributed/compatibility.py``.
+
+A leaf: it imports no dasktf module, and TensorFlow or Keras only inside the
+functions that need them (the scheduler imports dasktf without TensorFlow).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable
+from importlib.metadata import version
+from typing import Any
+
+
+def _missing(library: str, name: str, needed_for: str) -> RuntimeError:
+    return RuntimeError(
+        f"dasktf needs {name} ({needed_for}), which {library} {version(library)} does "
+        f"not have. Install the {library} version pyproject.toml allows "
+        f"(pip install -e .), or see docs/compat.md to support this one."
+    )
+
+
+# -- TensorFlow -------------------------------------------------------------------
+def can_call_flat(concrete: Any) -> bool:
+    """Whether ``concrete`` (a ``ConcreteFunction``) has TensorFlow's private
+    ``_call_flat``: the call :class:`~dasktf.runtime.keras_step.SignatureFunction`
+    makes to skip the argument binding of every call (a small model's step is
+    dominated by it). Without it the ordinary ``tf.function`` call runs."""
+    return callable(getattr(concrete, "_call_flat", None))
+
+
+def call_flat(concrete: Any, tensors: list[Any]) -> Any:
+    """``concrete`` called with ``tensors`` already flat and converted: TensorFlow's
+    ``ConcreteFunction._call_flat`` (only where :func:`can_call_flat`)."""
+    return concrete._call_flat(tensors, concrete.captured_inputs)
+
+
+# -- Tornado ----------------------------------------------------------------------
+def unread_bytes(stream: Any) -> bytes | None:
+    """What Tornado read from ``stream``'s socket and nobody consumed (an idle
+    Tornado stream reads what arrives, to notice a close; under TLS: decrypted):
+    ``IOStream._read_buffer`` and ``_read_buffer_size`` (Tornado 6). The p2p
+    direct path takes the socket from Tornado and must keep these bytes (the
+    peer's handshake may be among them). ``None`` where this Tornado keeps them
+    otherwise: the pair then uses the event loop path, and says so."""
+    try:
+        buf, size = stream._read_buffer, stream._read_buffer_size
+        if not isinstance(buf, bytearray | memoryview) or not isinstance(size, int):
+            return None
+        return bytes(buf[:size])
+    except AttributeError:
+        return None
+
+
+# -- distributed and dask ---------------------------------------------------------
+def gather(client: Any, futures: list[Any]) -> Awaitable[Any]:
+    """A coroutine gathering ``futures``, to run on ``client``'s loop from another
+    thread (the holder engine awaits it a poll at a time): ``Client._gather``.
+    Without it: ``client.gather(futures, asynchronous=True)``, which returns the
+    same coroutine in the distributed releases that have ``_gather``."""
+    if hasattr(client, "_gather"):
+        return client._gather(futures)
+    return client.gather(futures, asynchronous=True)
+
+
+def register_worker_plugin(client: Any, plugin: Any, name: str,
+                           idempotent: bool) -> Awaitable[Any]:
+    """A coroutine registering ``plugin`` on every worker: distributed's
+    ``Client._register_worker_plugin``. The public ``register_plugin`` blocks the
+    calling thread; dasktf awaits this one a poll at a time on the client's loop
+    (``call_watched``), so that a worker lost meanwhile ends the wait. Without it:
+    a ``RuntimeError`` naming the installed distributed."""
+    register = getattr(client, "_register_worker_plugin", None)
+    if register is None:
+        raise _missing("distributed", "Client._register_worker_plugin",
+                       "registering a worker plugin while watching the workers")
+    return register(plugin, name, idempotent)
+
+
+def start_workers(cluster: Any) -> None:
+    """Wait until ``cluster`` (a ``SpecCluster``) started the workers its spec
+    names: distributed's ``SpecCluster._correct_state``, as ``LocalCluster`` does
+    on creation (``GPUCluster`` scales after it). Without it: the public
+    ``wait_for_workers``, for as many workers as the spec names."""
+    if hasattr(cluster, "_correct_state"):
+        cluster.sync(cluster._correct_state)
+    else:
+        cluster.wait_for_workers(len(cluster.worker_spec))
+
+
+def meta(collection: Any) -> Any:
+    """The empty pandas or NumPy object that stands for a dask collection's
+    partitions (its columns, dtypes, index): dask's ``_meta``, read to match a
+    collection to a model's inputs without computing anything. Without it: a
+    ``RuntimeError`` naming the installed dask."""
+    try:
+        return collection._meta
+    except AttributeError:
+        raise _missing("dask", "a collection's _meta", "its dtypes without computing "
+                       "it") from None
+
+
+# -- Keras --------------------------------------------------------------------------
+def flatten_layers(model: Any) -> list[Any]:
+    """``model`` and all its layers, nested ones included: Keras'
+    ``Layer._flatten_layers(include_self=True, recursive=True)`` (custom objects,
+    the dtype policy of every layer). Without it: ``model`` and its ``layers``,
+    walked down (the layers Keras lists publicly; a layer held otherwise is missed)."""
+    if hasattr(model, "_flatten_layers"):
+        return list(model._flatten_layers(include_self=True, recursive=True))
+    found: dict[int, Any] = {}
+
+    def walk(layer: Any) -> None:
+        if id(layer) not in found:
+            found[id(layer)] = layer
+            for inner in getattr(layer, "layers", None) or []:
+                walk(inner)
+
+    walk(model)
+    return list(found.values())
+
+
+def constructor_arguments(model: Any) -> dict[str, Any]:
+    """The constructor arguments Keras recorded for ``model``: ``_auto_config``
+    (dasktf rebuilds a subclassed model from its class). Without it: none (the
+    class's defaults; ``_rebuilds`` in transport.py checks the rebuilt model)."""
+    auto = getattr(model, "_auto_config", None)
+    return dict(auto.config) if auto else {}
+
+
+def compile_arguments(model: Any) -> dict[str, Any]:
+    """The arguments ``model`` was compiled with, as given: Keras'
+    ``_compile_config.config`` (``get_compile_config()`` serializes them, losing
+    the script's functions). Without it: none (the caller takes the optimizer and
+    the loss from the model)."""
+    return dict(getattr(getattr(model, "_compile_config", None), "config", None) or {})
+
+
+def output_loss_metrics(model: Any) -> list[Any]:
+    """The per-output loss trackers of a compiled model: Keras'
+    ``_compile_loss.metrics`` (each output's loss in the logs, as ``fit`` gives
+    them). Without it: none (only the total ``loss``)."""
+    return list(getattr(getattr(model, "_compile_loss", None), "metrics", None) or [])
+
+
+def holds_learning_rate(optimizer: Any) -> bool:
+    """Whether ``optimizer``'s learning rate is a variable (not a schedule or a
+    callable): Keras' ``Optimizer._learning_rate``. Without it: whether the public
+    ``learning_rate`` is a variable (Keras 3 gives a schedule's value as a tensor)."""
+    import keras
+
+    if hasattr(optimizer, "_learning_rate"):
+        return isinstance(optimizer._learning_rate, keras.Variable)
+    return isinstance(getattr(optimizer, "learning_rate", None), keras.Variable)
+
+
+def improvement_check(checkpoint: Any) -> Any:
+    """``ModelCheckpoint``'s ``_is_improvement(current, best)`` (it changes
+    nothing): whether a ``save_best_only`` checkpoint will save this epoch, so the
+    run fetches the optimizer's state only then. Without it: ``None``, and the run
+    fetches it at every epoch end (the checkpoint is always right)."""
+    return getattr(checkpoint, "_is_improvement", None)
+
+
+def functional_class() -> type:
+    """Keras' class of ``keras.Model(inputs, outputs)`` models:
+    ``keras.src.models.functional.Functional`` (their config alone rebuilds them;
+    their inputs are known). Without it: the ``keras.Model`` subclass named
+    ``Functional`` that Keras defines."""
+    try:
+        from keras.src.models.functional import Functional
+    except ImportError:
+        import keras
+
+        stack, seen = [keras.Model], set()
+        while stack:
+            cls = stack.pop()
+            if cls.__name__ == "Functional" and cls.__module__.startswith("keras"):
+                return cls
+            seen.add(cls)
+            stack += [c for c in cls.__subclasses__() if c not in seen]
+        raise _missing("keras", "keras.src.models.functional.Functional",
+                       "telling a functional model from a subclassed one") from None
+    return Functional
+
+
+def keras_saving_lib() -> Any:
+    """Keras' saving library where it writes and reads file objects
+    (``keras.src.saving.saving_lib`` with ``_save_model_to_fileobj``): a model's
+    ``.keras`` archive in memory. Without it: ``None``, and transport.py goes
+    through a temporary file."""
+    try:
+        from keras.src.saving import saving_lib
+    except ImportError:
+        return None
+    return saving_lib if hasattr(saving_lib, "_save_model_to_fileobj") else None

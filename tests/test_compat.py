@@ -1,0 +1,218 @@
+"""Canaries for the private names dasktf.compat uses (issue 37): one test per name,
+failing with the installed version when a release renames or drops it. Before
+raising a bound in pyproject.toml, run this file on the new version (docs/compat.md).
+No cluster: each test builds the smallest object that has the name."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from importlib.metadata import version
+
+import numpy as np
+import pytest
+
+from dasktf import compat
+
+
+def gone(library: str, name: str) -> str:
+    return (f"{library} {version(library)} has no {name}: dasktf.compat's fallback "
+            "now runs (see its docstring); fix compat.py, or keep the bound in "
+            "pyproject.toml below this version (docs/compat.md)")
+
+
+@pytest.fixture(scope="module")
+def keras():
+    import keras
+
+    return keras
+
+
+@pytest.fixture
+def nested(keras):
+    inner = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, name="inner_dense")],
+                             name="inner")
+    inputs = keras.Input((3,))
+    model = keras.Model(inputs, keras.layers.Dense(1, name="head")(inner(inputs)))
+    return model
+
+
+# -- TensorFlow -------------------------------------------------------------------
+def test_concrete_function_call_flat():
+    import tensorflow as tf
+
+    f = tf.function(lambda x: x * 2.0, input_signature=[tf.TensorSpec((2,), tf.float32)])
+    concrete = f.get_concrete_function()
+    assert compat.can_call_flat(concrete), gone("tensorflow-cpu", "ConcreteFunction._call_flat")
+    out = compat.call_flat(concrete, [tf.constant([1.0, 2.0])])
+    assert np.allclose(np.asarray(out), [2.0, 4.0])
+
+
+# -- Tornado ----------------------------------------------------------------------
+def _tornado_leftover() -> tuple[object, bytes | None]:
+    from tornado.iostream import IOStream
+
+    async def read() -> tuple[object, bytes | None]:
+        ours, theirs = socket.socketpair()
+        stream = IOStream(ours)
+        try:
+            theirs.sendall(b"hello world")
+            assert await stream.read_bytes(5) == b"hello"
+            return stream, compat.unread_bytes(stream)
+        finally:
+            stream.close()
+            theirs.close()
+
+    return asyncio.run(read())
+
+
+@pytest.mark.parametrize("name", ["_read_buffer", "_read_buffer_size"])
+def test_iostream_read_buffer(name):
+    """The p2p direct path keeps what Tornado read past a message; without these,
+    every pair falls back to the event loop path."""
+    stream, unread = _tornado_leftover()
+    assert hasattr(stream, name), gone("tornado", f"IOStream.{name}")
+    assert unread == b" world", gone("tornado", "the IOStream read buffer dasktf reads")
+
+
+# -- distributed and dask ---------------------------------------------------------
+def test_client_gather():
+    from distributed import Client
+
+    assert hasattr(Client, "_gather"), gone("distributed", "Client._gather")
+
+
+def test_client_register_worker_plugin():
+    import inspect
+
+    from distributed import Client
+
+    register = getattr(Client, "_register_worker_plugin", None)
+    assert register is not None, gone("distributed", "Client._register_worker_plugin")
+    params = list(inspect.signature(register).parameters)
+    assert params == ["self", "plugin", "name", "idempotent"], gone(
+        "distributed", f"Client._register_worker_plugin(plugin, name, idempotent): {params}")
+    assert inspect.iscoroutinefunction(register)
+
+
+def test_spec_cluster_correct_state():
+    from distributed import SpecCluster
+
+    assert hasattr(SpecCluster, "_correct_state"), gone("distributed",
+                                                        "SpecCluster._correct_state")
+
+
+def test_dask_collection_meta():
+    import dask.array as da
+    import dask.dataframe as dd
+    import pandas as pd
+
+    frame = dd.from_pandas(pd.DataFrame({"a": [1.0, 2.0], "b": ["x", "y"]}), npartitions=1)
+    assert hasattr(frame, "_meta"), gone("dask", "DataFrame._meta")
+    assert len(compat.meta(frame)) == 0 and list(compat.meta(frame).columns) == ["a", "b"]
+    array = da.ones((4, 3), dtype="float32", chunks=2)
+    assert hasattr(array, "_meta"), gone("dask", "Array._meta")
+    assert compat.meta(array).dtype == np.float32 and compat.meta(array).size == 0
+
+
+# -- Keras --------------------------------------------------------------------------
+def test_layer_flatten_layers(keras, nested):
+    model = nested
+    assert hasattr(model, "_flatten_layers"), gone("keras", "Layer._flatten_layers")
+    names = [layer.name for layer in compat.flatten_layers(model)]
+    assert names[0] == model.name and {"inner", "inner_dense", "head"} <= set(names)
+
+
+def test_layer_auto_config(keras):
+    class Wide(keras.layers.Layer):
+        def __init__(self, units=2, **kwargs):
+            super().__init__(**kwargs)
+            self.units = units
+
+    layer = Wide(units=5)
+    assert hasattr(layer, "_auto_config"), gone("keras", "Layer._auto_config")
+    assert compat.constructor_arguments(layer)["units"] == 5
+
+
+def test_saving_lib_save_model_to_fileobj(keras, nested):
+    lib = compat.keras_saving_lib()
+    assert lib is not None, gone("keras", "keras.src.saving.saving_lib._save_model_to_fileobj")
+    from dasktf.transport import keras_archive
+
+    assert keras_archive(nested)[:2] == b"PK"  # a .keras file: a zip
+
+
+def test_model_compile_loss(keras):
+    inputs = keras.Input((3,))
+    model = keras.Model(inputs, [keras.layers.Dense(1, name="a")(inputs),
+                                 keras.layers.Dense(1, name="b")(inputs)])
+    model.compile(optimizer="sgd", loss=["mse", "mae"])
+    model.evaluate(np.zeros((2, 3)), [np.zeros((2, 1)), np.zeros((2, 1))], verbose=0)
+    assert hasattr(model, "_compile_loss"), gone("keras", "Trainer._compile_loss")
+    assert len(compat.output_loss_metrics(model)) == 2, gone(
+        "keras", "Trainer._compile_loss.metrics (one per output)")
+
+
+def test_models_functional(keras):
+    try:
+        from keras.src.models.functional import Functional
+    except ImportError:
+        pytest.fail(gone("keras", "keras.src.models.functional.Functional"))
+    inputs = keras.Input((3,))
+    model = keras.Model(inputs, keras.layers.Dense(1)(inputs))
+    assert compat.functional_class() is Functional and type(model) is Functional
+
+
+def test_model_compile_config(keras):
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+
+    def loss(y, p):
+        return keras.ops.mean(keras.ops.abs(y - p))
+
+    model.compile(optimizer="sgd", loss=loss, metrics=["mae"])
+    assert hasattr(model, "_compile_config"), gone("keras", "Trainer._compile_config")
+    given = compat.compile_arguments(model)
+    assert given["loss"] is loss and given["metrics"] == ["mae"]
+
+
+def test_optimizer_learning_rate(keras):
+    optimizer = keras.optimizers.SGD(0.1)
+    assert hasattr(optimizer, "_learning_rate"), gone("keras", "Optimizer._learning_rate")
+    assert compat.holds_learning_rate(optimizer)
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.9)
+    assert not compat.holds_learning_rate(keras.optimizers.SGD(schedule))
+
+
+def test_model_checkpoint_is_improvement(keras, nested, tmp_path):
+    checkpoint = keras.callbacks.ModelCheckpoint(str(tmp_path / "m.keras"), monitor="loss",
+                                                 save_best_only=True, mode="min")
+    checkpoint.set_model(nested)
+    checkpoint.on_epoch_end(0, {"loss": 2.0})  # Keras sets its comparison here
+    improvement = compat.improvement_check(checkpoint)
+    assert improvement is not None, gone("keras", "ModelCheckpoint._is_improvement")
+    assert improvement(1.0, 2.0) and not improvement(3.0, 2.0)
+
+
+def test_the_fallbacks_where_a_name_is_gone():
+    """What dasktf does where a release dropped a name (an object without any)."""
+    bare = object()
+    assert not compat.can_call_flat(bare)
+    assert compat.unread_bytes(bare) is None  # the p2p pair takes the event loop path
+    assert compat.improvement_check(bare) is None
+    assert compat.constructor_arguments(bare) == {}
+    assert compat.compile_arguments(bare) == {}
+    assert compat.output_loss_metrics(bare) == []
+    assert not compat.holds_learning_rate(bare)
+    with pytest.raises(RuntimeError, match=rf"distributed {version('distributed')}"):
+        compat.register_worker_plugin(bare, None, "p", True)
+    with pytest.raises(RuntimeError, match=rf"dask {version('dask')}"):
+        compat.meta(bare)
+
+    class Layer:
+        def __init__(self, *layers):
+            self.layers = list(layers)
+
+    leaf = Layer()
+    top = Layer(Layer(leaf), leaf)
+    assert [id(x) for x in compat.flatten_layers(top)] == [
+        id(top), id(top.layers[0]), id(leaf)]
