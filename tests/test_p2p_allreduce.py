@@ -487,7 +487,7 @@ def test_tls_gives_the_same_bits_and_nothing_new_listens():
             assert len({r["digests"][-1] for r in results[6:]}) == 1
             digests[name] = [r["digests"] for r in results]
             # every collective on the training threads' own sockets, TLS ones too:
-            # a fallback to the event loop (a Tornado whose buffer direct._unread
+            # a fallback to the event loop (a Tornado whose buffer compat.unread_bytes
             # cannot read) fails here rather than going unseen
             assert [r["transports"] for r in results] == [["direct"]] * 9, results
     # the same algorithm adds the same numbers in the same order over either transport
@@ -495,18 +495,19 @@ def test_tls_gives_the_same_bits_and_nothing_new_listens():
 
 
 def _no_unread_here() -> None:
-    """On a worker: as if its Tornado kept its read buffer where ``_unread`` cannot
-    read it (a Tornado upgrade): its sockets cannot leave Tornado."""
+    """On a worker: as if its Tornado kept its read buffer where
+    ``compat.unread_bytes`` cannot read it (a Tornado upgrade): its sockets cannot
+    leave Tornado."""
     from dasktf.runtime.p2p import direct
 
-    direct._unread_kept = direct._unread  # (restored by _unread_back)
-    direct._unread = lambda stream: None
+    direct.unread_kept = direct.unread_bytes  # (restored by _unread_back)
+    direct.unread_bytes = lambda stream: None
 
 
 def _unread_back() -> None:
     from dasktf.runtime.p2p import direct
 
-    direct._unread = getattr(direct, "_unread_kept", direct._unread)
+    direct.unread_bytes = getattr(direct, "unread_kept", direct.unread_bytes)
 
 
 @pytest.mark.timeout(240)
