@@ -6,7 +6,8 @@
   grimp, with annotation-only imports counted too, that engines/, runtime/ and
   run/guard.py are in no circle and the guard imports only the engine contract;
   an AST scan of the whole package, every import counted, that there is no circle;
-* no module takes a ``_private`` name from another dasktf module;
+* no module takes a ``_private`` name from another dasktf module, and none but
+  dasktf/compat.py another library's (``keras.src``, ``obj._name``: issue 37);
 * no module over 600 lines, no class over 300 unless listed here with the reason;
 * ``fit`` and ``Trainer`` take the same options; the documented import paths work.
 """
