@@ -14,8 +14,11 @@ Kill a worker at a given step, or slow one down, on a real cluster::
     kill_worker_at_update(client, address, 40, "allreduce")   # engine="p2p": the
     trainer.fit(x, y, epochs=4)                               # worker kills itself
 
-A kill is a ``SIGKILL`` of the worker process (and, by default, of its nanny first, so
-that it is not restarted: a lost machine). Both need the worker on this host.
+A kill is a ``SIGKILL`` of the worker process, and of nothing else: by default its
+nanny, if it has one, is told first not to restart it and closes itself (a lost
+machine). The process that started a worker (a nanny's, which may host a whole
+``LocalCluster``, or, without a nanny, a script, a test harness or a job runner) is
+never signalled. It needs the worker on this host.
 
 :func:`own_cluster` starts a cluster of one's own (for a test that kills its
 workers), and :func:`wait_until` is the one bounded poll for an event that has no
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -40,34 +44,51 @@ if TYPE_CHECKING:
     from distributed import Client
 
 __all__ = ["KillWorkerAt", "delay_worker", "kill_worker", "kill_worker_at_update",
-           "own_cluster", "wait_until",
-           "worker_pids"]
+           "own_cluster", "wait_until", "worker_pids"]
 
 
 def _pids() -> tuple[int, int]:
     return os.getpid(), os.getppid()
 
 
+def _identity() -> tuple[int, str]:
+    return os.getpid(), socket.gethostname()
+
+
 def worker_pids(client: Client, address: str) -> tuple[int, int]:
-    """(worker pid, parent pid: its nanny's, if it has one) of the worker at ``address``."""
+    """(worker pid, parent pid) of the worker at ``address``. The parent is its
+    nanny's process when it has one, else whatever started it (a script, a harness):
+    never a process to kill for the worker's sake."""
     return client.run(_pids, workers=[address])[address]  # type: ignore[no-any-return]
 
 
 def kill_worker(client: Client, address: str, *, restart: bool = False) -> float:
     """SIGKILL the worker at ``address``; return ``time.time()`` of the kill.
 
-    ``restart=False`` kills its nanny first, so the worker stays dead (a lost
-    machine); ``restart=True`` leaves the nanny, which starts a fresh worker (a new
-    address: it joins the cluster as a new worker).
+    ``restart=False``: its nanny, if the scheduler knows of one, is told first not
+    to start a fresh worker and closes itself once the worker is dead (the worker
+    stays dead: a lost machine; a ``dask worker`` process exits with its nanny).
+    ``restart=True`` leaves the nanny, which starts a fresh worker (a new address: it
+    joins the cluster as a new worker). Only the worker process is ever signalled:
+    its parent may be a nanny sharing a process with others (a ``LocalCluster``'s,
+    in the client's process) or, without a nanny, the program that started it (a
+    script, a test harness, a job runner), none of them the worker's to kill.
+
+    Raises
+    ------
+    ValueError
+        The worker runs on another host than the caller (its pid means nothing here).
     """
-    pid, parent = worker_pids(client, address)
+    pid, host = client.run(_identity, workers=[address])[address]
+    if host != socket.gethostname():
+        raise ValueError(
+            f"The worker at {address} runs on host {host!r}, not on this one "
+            f"({socket.gethostname()!r}): kill_worker only kills workers on the "
+            "caller's host (as tests start them)."
+        )
     if not restart:
-        try:  # a nanny that is not told otherwise starts a fresh worker
-            client.run(_no_restart, nanny=True, workers=[address])
-        except Exception:  # noqa: BLE001 - no nanny: nothing restarts it anyway
-            pass
-        if parent not in (1, os.getpid()) and _is_nanny(parent):
-            os.kill(parent, signal.SIGKILL)  # a `dask worker` process of its own
+        # Sent by the scheduler to the worker's registered nanny only (none: {}).
+        client.run(_no_restart, nanny=True, workers=[address])
     killed = time.time()
     os.kill(pid, signal.SIGKILL)
     return killed
@@ -79,15 +100,6 @@ def _no_restart(dask_worker: Any = None) -> None:
     # A nanny closing gracefully closes itself when its worker exits, rather than
     # start a new one: the machine is gone.
     dask_worker.status = Status.closing_gracefully
-
-
-def _is_nanny(pid: int) -> bool:
-    """Only kill a parent that is a Python process other than ours (a nanny)."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"python" in f.read()
-    except OSError:
-        return False
 
 
 class KillWorkerAt(_Callback):  # type: ignore[misc]

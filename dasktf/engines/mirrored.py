@@ -6,24 +6,28 @@ every update and apply each once; recovering either from a lost worker is the sa
 walk once the survivors have stopped (each engine stops its own steps): fence and
 reconcile them (:func:`dasktf.runtime.reconcile.reconcile`), give the lost shards to
 the survivors carrying the fewest (:func:`adopt_shards`), publish what happened
-(:func:`report_recovery`). Neither engine family imports the other; both import this.
+(:func:`report_recovery`); a worker lost during that walk starts it again from
+both losses (:func:`recover_again`). Neither engine family imports the other; both import this.
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
 from dasktf.cluster.waits import wait_for
-from dasktf.exceptions import AllWorkersLostError
+from dasktf.exceptions import AllWorkersLostError, WorkerLostError
 from dasktf.runtime.reconcile import adopt_task
 
 if TYPE_CHECKING:
     from dasktf.cluster.waits import RunContext
     from dasktf.engines.base import RunHooks
     from dasktf.wire.packets import TrafficLog
+
+T = TypeVar("T")
 
 
 def all_lost(hooks: RunHooks, lost: list[str]) -> AllWorkersLostError:
@@ -38,6 +42,21 @@ def all_lost(hooks: RunHooks, lost: list[str]) -> AllWorkersLostError:
     )
 
 
+def recover_again(recover: Callable[[list[str]], T], lost: list[str]) -> T:
+    """``recover(lost)``, done again from every loss so far when another worker of
+    the run is lost during it (two workers killed together are not always noticed
+    together: the survivors' fence or a shard's reload then meets the second)."""
+    while True:
+        try:
+            return recover(lost)
+        except AllWorkersLostError:
+            raise
+        except WorkerLostError as again:
+            if set(again.workers) <= set(lost):
+                raise
+            lost = sorted(set(lost) | set(again.workers))
+
+
 def adopt_shards(ctx: RunContext, hooks: RunHooks, carried: dict[str, list[int]],
                  schedule: np.ndarray, lost: list[str], survivors: list[str]
                  ) -> list[tuple[int, str]]:
@@ -47,15 +66,20 @@ def adopt_shards(ctx: RunContext, hooks: RunHooks, carried: dict[str, list[int]]
     same. Returns ``(shard index, adopter)`` per shard moved."""
     moved: list[tuple[int, str]] = []
     for w in lost:
-        for index in carried.pop(w, []):
+        # a shard leaves ``carried[w]`` once adopted: an adopter lost meanwhile
+        # leaves it there for a recovery from both losses to hand out again
+        while carried.get(w):
+            index = carried[w][0]
             adopter = min(survivors, key=lambda s: len(carried[s]))
             shard, val = hooks.reload(index, adopter)  # type: ignore[misc]
             f = ctx.client.submit(adopt_task, ctx.run_id, index, shard, schedule[:, index],
                                   val, workers=[adopter], allow_other_workers=False,
                                   pure=False)
             wait_for(ctx, [f], f"reloading shard {index} on {adopter}")
+            carried[w].pop(0)
             carried[adopter].append(index)
             moved.append((index, adopter))
+        carried.pop(w, None)
     return moved
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -43,6 +44,7 @@ from dasktf.run.compiling import (
     factory_input_shape,
     num_outputs,
 )
+from dasktf.run.ending import END_PHASES, EndGuard
 from dasktf.run.engine import EngineInputs, make_engine, plan_engine
 from dasktf.run.guard import RunGuard
 from dasktf.run.inputs import RunInputs
@@ -328,6 +330,8 @@ class Run:
         engine.stop_on_nonfinite = any(isinstance(c, keras.callbacks.TerminateOnNaN)
                                        for c in cbs)
         cb.on_train_begin()
+        ending = EndGuard(self.ctx, inputs.fault.on_worker_loss, self.publish,
+                          guard.announce)
         #: the engine's losses before the first step completed (its recoveries)
         first: list[int] = []
 
@@ -364,15 +368,20 @@ class Run:
                 if saves_optimizer(cbs, logs):  # ModelCheckpoint: the optimizer too
                     guard.optimizer_to_model(engine)
                 cb.on_epoch_end(epoch, logs)
-                relay.relay(engine)  # ReduceLROnPlateau: before the checkpoint
                 last_update = (epoch + 1) * engine.units(self.ctx.steps_per_epoch) - 1
                 history.rounds.extend({"epoch": epoch, **r}
                                       for r in engine.round_records())
                 self.publish(epoch_record(self.run_id, epoch, last_update, logs))
-                if self.model.stop_training:
+                # ReduceLROnPlateau: before the checkpoint; after the last epoch, a
+                # loss there is the run's end's (dasktf.run.ending)
+                end_epoch = functools.partial(_end_epoch, relay, guard, engine, epoch,
+                                              self.model.stop_training)
+                if epoch + 1 < epochs and not self.model.stop_training:
+                    end_epoch()
+                else:
+                    ending.run(END_PHASES[0], end_epoch)
                     break
-                guard.end_epoch(engine, epoch)
-            outcome = engine.finish()  # drains what is in flight
+            outcome = ending.run(END_PHASES[1], engine.finish)  # drains what is in flight
             if outcome is not None:  # the master weights lived in the holders
                 self.model.set_weights(outcome.final_weights)
                 history.updates = outcome.updates
@@ -380,12 +389,12 @@ class Run:
                 history.gradient_tasks = outcome.gradient_tasks
                 history.holder_traffic = outcome.holder_traffic
             settled = first[0] if first else len(engine.losses)
+            history.applied_updates = ending.run(END_PHASES[2], engine.applied_logs)
+            ending.run(END_PHASES[3], functools.partial(guard.finish, self.model, engine))
             history.recoveries = [*setup.losses, *(
                 {**r, "phase": "the first step" if i < settled else "training"}
-                for i, r in enumerate(engine.losses))]
+                for i, r in enumerate(engine.losses)), *ending.losses]
             history.workers = list(self.ctx.workers)  # after any loss or growth
-            history.applied_updates = engine.applied_logs()
-            guard.finish(self.model, engine)
         except BaseException as exc:
             if isinstance(exc, WorkerLostError) and exc.phase is None:
                 # before the engine finished a step, or after (on_worker_loss="raise")
@@ -494,6 +503,15 @@ class Run:
             self.release(wait=config.get_seconds("poll-interval"))
             if self.ctx.watcher is not None:
                 self.ctx.watcher.close()
+
+
+def _end_epoch(relay: LearningRateRelay, guard: RunGuard, engine: Engine, epoch: int,
+               stopped: bool) -> None:
+    """What follows an epoch's callbacks: a learning rate they set carried to the
+    engine, then (unless they stopped the run) the guard's checkpoint and re-form."""
+    relay.relay(engine)
+    if not stopped:
+        guard.end_epoch(engine, epoch)
 
 
 class _LinePrinter(ProgressBar):

@@ -45,7 +45,12 @@ from distributed import Future
 from dasktf.cluster.waits import RunContext, wait_for
 from dasktf.engines.base import Capabilities, RunHooks
 from dasktf.engines.graph.topology import CommEngine
-from dasktf.engines.mirrored import adopt_shards, all_lost, report_recovery
+from dasktf.engines.mirrored import (
+    adopt_shards,
+    all_lost,
+    recover_again,
+    report_recovery,
+)
 from dasktf.exceptions import WorkerLostError
 from dasktf.runtime import reconcile
 from dasktf.runtime.reconcile import ramp_learning_rate, round_state, set_state_task
@@ -143,7 +148,8 @@ class ElasticSyncEngine(CommEngine):
             except WorkerLostError as exc:
                 if self.policy == "raise":
                     raise
-                start = self.recover(exc.workers, epoch)
+                start = recover_again(lambda lost: self.recover(lost, epoch),
+                                      exc.workers)
 
     def recover(self, lost: list[str], epoch: int) -> int:
         """Reconcile the survivors, hand out the lost shards; the step to resume at."""

@@ -27,6 +27,7 @@ applied once. The run re-forms at the epoch's end (a new group again).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -41,6 +42,7 @@ from dasktf.engines.mirrored import (
     adopt_shards,
     all_lost,
     mirrored_epoch_logs,
+    recover_again,
     report_recovery,
 )
 from dasktf.engines.p2p.flight import Flight
@@ -114,6 +116,9 @@ class P2PEngine(Engine):
         #: the last unit of the epoch ``on_step`` was called for
         self._told = -1
         self._stop_sent = False
+        #: the survivors' results of an epoch they had ended, found by this
+        #: recovery's first try (:func:`~dasktf.engines.mirrored.recover_again`)
+        self._ended: list[SegmentResult] | None = None
 
     # -- the contract -------------------------------------------------------------
     @property
@@ -147,10 +152,12 @@ class P2PEngine(Engine):
                 if self.policy == "raise":
                     self.close()
                     raise
-                start, ended = self.recover(exc.workers, epoch)
+                self._ended = None
+                start, ended = recover_again(lambda lost: self.recover(lost, epoch),
+                                             exc.workers)
                 if ended is not None:  # the survivors had ended the epoch: theirs
                     self._tell(on_step, ended[0].last)
-                    return self._end_epoch(ended)
+                    return self._end_epoch(self._weighed(ended))
 
     def _epoch(self, epoch: int, on_step: Callable[[int], None] | None, start: int
                ) -> list[EpochReport]:
@@ -171,6 +178,19 @@ class P2PEngine(Engine):
             if results[0].report is not None:
                 return self._end_epoch(results)
             step = done + 1
+
+    def _weighed(self, results: list[SegmentResult]) -> list[SegmentResult]:
+        """The survivors' results of an epoch they ended, the first one carrying the
+        weights: the group's rank 0 reports them, and a rank 0 lost after the epoch's
+        last collective (its validation, its report) took them along; any
+        survivor's are the same (the client's model keeps its own seed streams)."""
+        report = results[0].report
+        if report is None or report.weights is not None:
+            return results
+        weights = reconcile.read_state(self.ctx)["weights"]
+        first = dataclasses.replace(results[0],
+                                    report=dataclasses.replace(report, weights=weights))
+        return [first, *results[1:]]
 
     def _end_epoch(self, results: list[SegmentResult]) -> list[EpochReport]:
         """The epoch's reports (one per replica that ended it)."""
@@ -240,7 +260,9 @@ class P2PEngine(Engine):
         removals = {c.worker: c for c in ctx.watcher.removed(lost)} if ctx.watcher else {}
         lost = sorted(set(lost) | set(removals))
         survivors = [w for w in ctx.workers if w not in lost]
+        # (none left when a first try of this recovery stopped them: what it found)
         ended = self.flight.stop(survivors, f"worker(s) {', '.join(lost)} lost")
+        ended = self._ended = ended if ended is not None else self._ended
         if not survivors:
             raise all_lost(self.hooks, lost)
         ctx.workers = survivors
