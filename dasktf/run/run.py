@@ -366,7 +366,11 @@ class Run:
                 self.model.set_weights(reports[0].weights)
                 set_seed_states(self.model, tuple(reports[0].seeds or ()), 0)
                 if saves_optimizer(cbs, logs):  # ModelCheckpoint: the optimizer too
-                    guard.optimizer_to_model(engine)
+                    read = functools.partial(guard.optimizer_to_model, engine)
+                    if epoch + 1 < epochs:
+                        read()
+                    else:  # a loss there is the run's end's
+                        ending.run(END_PHASES[0], read)
                 cb.on_epoch_end(epoch, logs)
                 last_update = (epoch + 1) * engine.units(self.ctx.steps_per_epoch) - 1
                 history.rounds.extend({"epoch": epoch, **r}
