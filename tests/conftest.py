@@ -52,3 +52,34 @@ def small_digits(digits):
 
 def relative_error(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-12))
+
+
+def kill_once_checkpointed(proc, directory, timeout: float) -> None:
+    """SIGKILL ``proc`` (a client running a fit) once ``directory`` holds a
+    checkpoint after the first epoch's end; it must still be running then."""
+    import json
+    import signal
+
+    from dasktf.run.checkpoint import list_checkpoints
+    from dasktf.testing import wait_until
+
+    def past_first_epoch() -> bool:
+        if proc.poll() is not None:
+            return True
+        try:
+            return any(json.loads(p.read_text())["next_epoch"] >= 1
+                       for p in list_checkpoints(directory))
+        except (OSError, ValueError):  # a manifest renamed away by the pruning
+            return False
+
+    try:
+        wait_until(past_first_epoch, timeout, "a checkpoint after the first epoch",
+                   interval=0.1)
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+

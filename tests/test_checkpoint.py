@@ -23,9 +23,8 @@ from dasktf.run.checkpoint import (
     read_checkpoint,
     save_checkpoint,
 )
-from dasktf.testing import wait_until
 
-from .conftest import relative_error
+from .conftest import kill_once_checkpointed, relative_error
 
 
 def _flat(weights):
@@ -214,16 +213,7 @@ def test_killed_client_resumes_to_the_uninterrupted_weights(cluster, tmp_path):
     proc = subprocess.Popen(_cli(*address, "--checkpoint-dir", str(ckpt),
                                  "--checkpoint-every", "5"),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        wait_until(lambda: proc.poll() is not None or any(
-            json.loads(p.read_text())["next_epoch"] >= 1 for p in list_checkpoints(ckpt)),
-            180, "a checkpoint after the first epoch", interval=0.2)
-        assert proc.poll() is None, proc.communicate()[0][-3000:]
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    kill_once_checkpointed(proc, ckpt, 180)
     assert not (ckpt / "model.keras").exists()
     resumed = subprocess.run(_cli(*address, "--checkpoint-dir", str(ckpt), "--resume"),
                              capture_output=True, text=True, timeout=240)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import textwrap
@@ -22,10 +21,10 @@ import numpy as np
 import pytest
 
 import dasktf
-from dasktf.run.checkpoint import FINAL_MODEL, list_checkpoints, load_latest
+from dasktf.run.checkpoint import FINAL_MODEL, load_latest
 from dasktf.testing import own_cluster, wait_until
 
-from .conftest import relative_error
+from .conftest import kill_once_checkpointed, relative_error
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(540)]
 
@@ -67,32 +66,12 @@ def _fit(client, digits, **kw):
 def _kill_mid_run(address: str, options: dict) -> None:
     """Run the fit in a client process of its own; SIGKILL it once a checkpoint
     after the first epoch's end exists."""
-    directory = options["checkpoint_dir"]
     # its workers release what it left there 1 s after it is gone (default 30 s)
     env = {**os.environ, "DASK_DASKTF__CLIENT_LOST_TIMEOUT": "1s"}
     proc = subprocess.Popen([sys.executable, "-c", _CLIENT, address, json.dumps(options)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env)
-
-    def past_first_epoch() -> bool:
-        if proc.poll() is not None:
-            return True
-        try:
-            return any(json.loads(p.read_text())["next_epoch"] >= 1
-                       for p in list_checkpoints(directory))
-        except (OSError, ValueError):  # a manifest renamed away by the pruning
-            return False
-
-    try:
-        wait_until(past_first_epoch, 240, "a checkpoint after the first epoch",
-                   interval=0.1)
-        assert proc.poll() is None, proc.communicate()[0][-3000:]
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=30)
+    kill_once_checkpointed(proc, options["checkpoint_dir"], 240)
 
 
 def _flat(weights):
