@@ -159,3 +159,16 @@ def test_a_long_step_is_not_a_loss(client, small_digits):
     assert time.monotonic() - start > 15  # the second step was long
     assert history.recoveries == []
     assert len(client.scheduler_info(n_workers=-1)["workers"]) == 3
+
+
+@pytest.mark.parametrize("key,value", [("liveness-timeout", "abc"),
+                                       ("client-lost-timeout", "soon"),
+                                       ("client-lost-timeout", 0)])
+def test_a_malformed_duration_fails_before_any_process_starts(key, value):
+    import dask
+
+    from dasktf.run.options import FaultOptions
+
+    with dask.config.set({f"dasktf.{key}": value}), \
+            pytest.raises(ValueError, match=f"dasktf.{key}"):
+        FaultOptions()

@@ -365,11 +365,11 @@ class LivenessWatch:
                  ) -> None:
         self.client = client
         self.run = run
-        self.timeout = _timeout()
+        self.timeout, grace = settings()
         self.armed = False
         self._workers: list[str] | None = None
         self._lease: dict[str, Any] = {
-            "client": client.id, "grace": config.get_seconds("client-lost-timeout")}
+            "client": client.id, "grace": grace}
         if on_client_lost is not None:
             function, args = on_client_lost
             self._lease.update(cleanup=pickle.dumps(function), cleanup_args=pickle.dumps(args))
@@ -397,8 +397,23 @@ class LivenessWatch:
                            self.run, exc_info=True)
 
 
-def _timeout() -> float:
-    value = config.get("liveness-timeout")
-    if value in (None, False, 0, "0", "off", "none"):
-        return 0.0
-    return config.get_seconds("liveness-timeout")
+def settings() -> tuple[float, float]:
+    """(``dasktf.liveness-timeout``, ``dasktf.client-lost-timeout``) in seconds, the
+    first 0 when off; a value that is no duration raises ``ValueError`` naming its
+    key (a run checks them before its set-up)."""
+    values = []
+    for key in ("liveness-timeout", "client-lost-timeout"):
+        value = config.get(key)
+        if key == "liveness-timeout" and value in (None, False, 0, "0", "off", "none"):
+            values.append(0.0)
+            continue
+        try:
+            seconds = config.get_seconds(key)
+        except (KeyError, TypeError, ValueError) as exc:  # dask's parse errors
+            raise ValueError(f"dasktf.{key} must be a duration such as '4.5s'"
+                             + (" (or 0/off)" if key == "liveness-timeout" else "")
+                             + f"; got {value!r}.") from exc
+        if not seconds > 0:
+            raise ValueError(f"dasktf.{key} must be positive; got {value!r}.")
+        values.append(seconds)
+    return values[0], values[1]

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dasktf.cluster.devices import GpusArg
+from dasktf.cluster.liveness import settings as liveness_settings
 from dasktf.engines.graph.elastic import ON_WORKER_LOSS
 from dasktf.engines.holder.options import validate_mode_options
 from dasktf.engines.p2p.options import refusal as p2p_refusal
@@ -264,6 +265,7 @@ class FaultOptions:
                 raise ValueError("checkpoint_every needs checkpoint_dir (where to write).")
         if self.resume and self.checkpoint_dir is None:
             raise ValueError("resume=True needs checkpoint_dir (where the checkpoints are).")
+        liveness_settings()  # a malformed duration fails here, before any process starts
 
 
 def validate_fault_options(train: TrainOptions, fault: FaultOptions) -> None:
