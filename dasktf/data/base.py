@@ -1,9 +1,11 @@
 """The contract of an input kind: what the run and the engines ask of training data.
 
-Every adapter of :mod:`dasktf.data.sources` derives from :class:`Source`: it places
+Every adapter (one module per input kind, picked by
+:func:`dasktf.data.sources.make_source`) derives from :class:`Source`: it places
 one shard per worker (:meth:`Source.place`) and rebuilds one of them on another
 worker when its worker was lost (:meth:`Source.reload`), so nothing above ``data/``
-asks which kind of input it holds.
+asks which kind of input it holds. Adapters whose shards are built on the workers
+share :class:`WorkerSideSource`.
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from dasktf.data.schedules import check_worker_count, proportional_schedule
+from dasktf.data.shards import Shard, ShardStats, check_stats
+
 if TYPE_CHECKING:
     from distributed import Client, Future
-
-    from dasktf.data.shards import ShardStats
 
 
 @dataclass
@@ -58,3 +61,36 @@ class Source(abc.ABC):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__}>"
+
+
+def stats_of(shard: Shard) -> ShardStats:
+    """A placed shard's stats (a :class:`~dasktf.data.streams.StreamedShard` has
+    them from its first read)."""
+    return shard.stats
+
+
+class WorkerSideSource(Source):
+    """Sources whose shards are built on the workers; stats come back from there."""
+
+    @abc.abstractmethod
+    def _build(self, client: Client, workers: list[str], batch_size: int) -> list[Future]:
+        """One shard future per worker, built there."""
+
+    def place(self, client: Client, workers: list[str], batch_size: int) -> PlacedData:
+        shards = self._build(client, workers, batch_size)
+        stats = client.gather(
+            [
+                # pure=False: the stats of a shard are cheap, never worth caching.
+                client.submit(stats_of, s, workers=[w], pure=False)
+                for s, w in zip(shards, workers, strict=True)
+            ]
+        )
+        check_stats(stats)
+        check_worker_count(sum(s.n for s in stats), len(workers), batch_size)
+        empty = [w for w, s in zip(workers, stats, strict=True) if s.n == 0]
+        if empty:
+            raise ValueError(
+                f"Worker(s) {empty} got an empty shard; every worker needs data. "
+                "Use fewer workers or split the data more evenly."
+            )
+        return PlacedData(shards, stats, proportional_schedule([s.n for s in stats], batch_size))
