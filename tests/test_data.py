@@ -54,8 +54,7 @@ def test_the_factory_picks_one_adapter_per_input_kind():
 
     from dasktf.data.arrays import ArraySource
     from dasktf.data.dask_collections import DaskArraySource, DaskStreamSource
-    from dasktf.data.dataset_fn import DatasetFnSource
-    from dasktf.data.loaders import LoaderSource
+    from dasktf.data.loaders import DatasetFnSource, LoaderSource
 
     x, y = np.zeros((8, 2), dtype="float32"), np.arange(8) % 2
     lazy_x, lazy_y = da.from_array(x, chunks=4), da.from_array(y, chunks=4)

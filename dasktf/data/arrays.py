@@ -1,9 +1,6 @@
-"""NumPy arrays, pandas objects and other array-likes held by the client (or nests
-of them) as training data: converted once, and scattered *interleaved*
-(:func:`~dasktf.data.schedules.interleaved_schedule`), so that with
-``shuffle=False`` N workers read the global batches single-process Keras reads.
-Data a ``tf.data.Dataset`` or ``keras.utils.PyDataset`` gave on the client
-(:mod:`dasktf.data.keras_inputs`) arrives here as arrays too.
+"""In-memory training data (NumPy, pandas, array-likes, or nests of them, and what
+:mod:`.keras_inputs` read), converted once and scattered interleaved
+(:func:`~dasktf.data.schedules.interleaved_schedule`).
 """
 
 from __future__ import annotations

@@ -1,18 +1,14 @@
-"""The contract of an input kind: what the run and the engines ask of training data.
-
-Every adapter (one module per input kind, picked by
-:func:`dasktf.data.sources.make_source`) derives from :class:`Source`: it places
-one shard per worker (:meth:`Source.place`) and rebuilds one of them on another
+"""The contract of an input kind: every adapter (:mod:`dasktf.data.sources` picks
+one) places one shard per worker (:meth:`Source.place`) and rebuilds one on another
 worker when its worker was lost (:meth:`Source.reload`), so nothing above ``data/``
-asks which kind of input it holds. Adapters whose shards are built on the workers
-share :class:`WorkerSideSource`.
+asks which kind of input it holds.
 """
 
 from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -70,11 +66,25 @@ def stats_of(shard: Shard) -> ShardStats:
 
 
 class WorkerSideSource(Source):
-    """Sources whose shards are built on the workers; stats come back from there."""
+    """Sources whose shards are built on the workers, each by one task
+    (:meth:`task`); stats come back from there."""
 
-    @abc.abstractmethod
+    def task(self, index: int, n: int, worker: str) -> tuple[Any, ...]:
+        """The function that builds shard ``index`` of ``n`` on ``worker``, and its
+        arguments (a source building its shards otherwise overrides :meth:`_build`
+        and :meth:`reload`)."""
+        raise NotImplementedError
+
     def _build(self, client: Client, workers: list[str], batch_size: int) -> list[Future]:
         """One shard future per worker, built there."""
+        # pure=False: a loader may read files that change between runs.
+        return [client.submit(*self.task(i, len(workers), w), workers=[w], pure=False)
+                for i, w in enumerate(workers)]
+
+    def reload(self, client: Client, index: int, worker: str, schedule: np.ndarray,
+               batch_size: int) -> Future:
+        return client.submit(*self.task(index, schedule.shape[1], worker), workers=[worker],
+                             pure=False)
 
     def place(self, client: Client, workers: list[str], batch_size: int) -> PlacedData:
         shards = self._build(client, workers, batch_size)

@@ -1,11 +1,7 @@
-"""Dask arrays, DataFrames and Series (or nests of them) as training data.
-
-Both adapters take the collections' partitions as :mod:`dasktf.data.partitions`
-cuts them. :class:`DaskArraySource` keeps them resident: each worker's shard is
-built from partitions it mostly already holds (``Client.who_has``), converted where
-they live, so most never move. :class:`DaskStreamSource` (``stream=True``) streams
-lazy collections: each worker reads its block of partitions one at a time, every
-epoch (:class:`DaskParts`, :mod:`dasktf.data.streams`).
+"""Dask arrays, DataFrames and Series (or nests of them), cut into partitions by
+:mod:`.partitions`: resident (:class:`DaskArraySource`, each worker's shard built
+from partitions it mostly holds already), or streamed (``stream=True``,
+:class:`DaskStreamSource`: lazy partitions read one at a time, every epoch).
 """
 
 from __future__ import annotations

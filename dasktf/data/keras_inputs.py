@@ -1,21 +1,18 @@
 """The input forms Keras' ``fit`` takes that only the client can read.
 
 Keras' ``fit`` pulls batches from a ``tf.data.Dataset``, a ``keras.utils.PyDataset``
-or a Python generator in its own process. dasktf's workers read their own rows,
-every epoch, so these are read here once, into arrays, when they are small
-(``dasktf.data.materialize-limit``, with a warning), as ``x`` and as
-``validation_data`` alike; a larger one is refused with the form that runs on the
-workers (``x=dataset_fn``, or a loader). A generator is refused with the reason:
-it can be read only once, and only here. :mod:`dasktf.data.sources` tells which
-form ``x`` is; the readers here take it from there. The batch size of what was read is the
-run's when ``fit`` is given none, as Keras takes a dataset's batches as they come.
+or a Python generator in its own process; dasktf's workers read their own rows
+every epoch. So the datasets (told apart by :mod:`.sources`) are read here once,
+into arrays, when small (``dasktf.data.materialize-limit``, with a warning), as ``x``
+and as ``validation_data``; a larger one, or a generator (read only once, only
+here), is refused with the forms that run on the workers. The batch size of what
+was read is the run's when ``fit`` is given none, as in Keras.
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import dask.utils
@@ -30,16 +27,6 @@ _WORKER_FORM = (
     "num_shards) -> (x, y) that reads each worker's rows there")
 
 
-@dataclass
-class ReadInput:
-    """Batches read on the client, as one shard's arrays, and their batch size."""
-
-    x: Any
-    y: Any
-    w: Any
-    batch_size: int
-
-
 def generator_refused(what: str) -> TypeError:
     return TypeError(
         f"{what} is a Python generator: Keras' fit pulls its batches in this "
@@ -50,9 +37,10 @@ def generator_refused(what: str) -> TypeError:
     )
 
 
-def read_input(x: Any, what: str, tf_dataset: bool) -> ReadInput:
+def read_input(x: Any, what: str, tf_dataset: bool) -> tuple[Shard, int]:
     """A finite ``tf.data.Dataset`` (``tf_dataset``) or ``keras.utils.PyDataset``
-    read into arrays (when small). ``what``: ``"x"`` or ``"validation_data"``."""
+    read into one shard (when small), and its batch size. ``what``: ``"x"`` or
+    ``"validation_data"``."""
     if tf_dataset:
         if int(x.cardinality()) == -1:  # tf.data.INFINITE_CARDINALITY
             raise ValueError(f"{what} is an infinite tf.data.Dataset: dasktf reads every "
@@ -81,7 +69,7 @@ def _as_tuple(batch: Any) -> Any:
     return tuple(batch) if isinstance(batch, list) else batch
 
 
-def _read(elements: Any, said: str, what: str) -> ReadInput:
+def _read(elements: Any, said: str, what: str) -> tuple[Shard, int]:
     limit_text = config.get("data.materialize-limit")
     limit = dask.utils.parse_bytes(limit_text)
     parts: list[Shard] = []
@@ -107,6 +95,6 @@ def _read(elements: Any, said: str, what: str) -> ReadInput:
                          if what == "x" else "")
         + f". A dataset that shuffles is read in this one order. For data that does not "
         f"fit, {_WORKER_FORM}.",
-        UserWarning, stacklevel=4,
+        UserWarning, stacklevel=5,  # fit's caller
     )
-    return ReadInput(data.x, data.y, data.w, batch)
+    return data, batch

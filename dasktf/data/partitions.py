@@ -3,9 +3,8 @@
 Dask arrays, DataFrames and Series (or nests of them, for several inputs and
 outputs) become one list: per partition, the nest ``[x, y(, w)]`` of
 :class:`PartLeaf` tasks. The resident source computes those tasks on the cluster,
-where the partitions live (:class:`~dasktf.data.dask_collections.DaskArraySource`); the
-streamed one computes them on the worker, one partition at a time
-(:class:`~dasktf.data.dask_collections.DaskParts`). A DataFrame of features becomes one
+where the partitions live, the streamed one on the worker, one partition at a time
+(:mod:`dasktf.data.dask_collections`). A DataFrame of features becomes one
 float32 matrix and must be numeric; a Series among the features is one column,
 ``(n, 1)``, as Keras' ``fit`` reads a pandas Series: floats as float32, integers and
 booleans as they are, strings, object and category columns as strings (a string

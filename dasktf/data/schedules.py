@@ -1,12 +1,7 @@
-"""Batch schedules: how many rows each worker reads at each step.
-
-A schedule is a ``steps_per_epoch x workers`` array of local batch sizes.
-Gradients are weighted by those sizes, so uneven shards and a short last batch
-are averaged correctly. In-memory arrays are cut *interleaved*
-(:func:`interleaved_schedule`), so that with ``shuffle=False`` the union of the
-workers' local batches at step ``k`` is exactly ``x[k*B:(k+1)*B]``, the global
-batch single-process Keras would use; shards built on the workers, of any size,
-are spread over the steps (:func:`proportional_schedule`).
+"""Batch schedules: ``steps_per_epoch x workers`` local batch sizes. Gradients are
+weighted by them, so uneven shards and a short last batch average correctly.
+In-memory arrays are cut *interleaved*: with ``shuffle=False`` the workers' batches
+at step ``k`` are exactly ``x[k*B:(k+1)*B]``, the global batch Keras would use.
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
 """The factory: what the training data ``x`` is, decided here and only here.
 
-:func:`make_source` picks one adapter per input kind (as Keras'
-``data_adapters.get_data_adapter`` does), each a :class:`~dasktf.data.base.Source`
-in a module of its own:
-
-* in-memory arrays, pandas objects or nests of them: :mod:`dasktf.data.arrays`;
-* Dask arrays, DataFrames and Series, resident or streamed (``stream=True``):
-  :mod:`dasktf.data.dask_collections`;
-* a shard loader ``load(shard_index, num_shards)``: :mod:`dasktf.data.loaders`;
-* a ``dataset_fn(ctx)``: :mod:`dasktf.data.dataset_fn`;
-* a ``tf.data.Dataset`` or a ``keras.utils.PyDataset`` built on the client, read
-  here into arrays when small (a generator refused): :mod:`dasktf.data.keras_inputs`.
-
-Every probe of what ``x`` is lives in this module; the adapters never ask again.
-Batch schedules are in :mod:`dasktf.data.schedules`, validation data in
-:mod:`dasktf.data.validation`.
+:func:`make_source` picks one adapter per input kind, as Keras'
+``data_adapters.get_data_adapter`` does: in-memory arrays (:mod:`.arrays`), Dask
+collections (:mod:`.dask_collections`), a function run on the workers
+(:mod:`.loaders`); a ``tf.data.Dataset`` or ``keras.utils.PyDataset`` built here is
+read into arrays first (:mod:`.keras_inputs`). The adapters never ask again.
 """
 
 from __future__ import annotations
@@ -25,10 +15,9 @@ from typing import Any
 from dasktf.data.arrays import ArraySource
 from dasktf.data.base import Source
 from dasktf.data.dask_collections import dask_source
-from dasktf.data.dataset_fn import DatasetFnSource
-from dasktf.data.keras_inputs import ReadInput, generator_refused, read_input
-from dasktf.data.loaders import LoaderSource
-from dasktf.data.shards import check_class_weight
+from dasktf.data.keras_inputs import generator_refused, read_input
+from dasktf.data.loaders import DatasetFnSource, LoaderSource
+from dasktf.data.shards import Shard, check_class_weight
 from dasktf.data.structure import is_dask, is_nested, leaves
 
 
@@ -56,8 +45,8 @@ def make_source(x: Any, y: Any = None, sample_weight: Any = None,
         if y is not None or sample_weight is not None:
             raise ValueError(f"y and sample_weight must be None when x is a "
                              f"{type(x).__name__} (it yields them).")
-        read = read_on_client(x, "x")
-        x, y, sample_weight, batch_size = read.x, read.y, read.w, read.batch_size
+        data, batch_size = read_on_client(x, "x")
+        x, y, sample_weight = data.x, data.y, data.w
     source = _adapter(x, y, sample_weight, class_weight, stream, seed)
     #: the batches' size of data read on the client: the run's if fit gets none
     source.batch_size_read = batch_size
@@ -130,10 +119,8 @@ def is_tf_dataset(x: Any) -> bool:
 
 def is_py_dataset(x: Any) -> bool:
     """A ``keras.utils.PyDataset`` (Keras 3's loader class; ``Sequence`` in Keras 2)."""
-    try:
-        import keras
-    except ImportError:  # pragma: no cover - keras comes with dasktf
-        return False
+    import keras
+
     return isinstance(x, keras.utils.PyDataset)
 
 
@@ -147,9 +134,10 @@ def reads_on_client(x: Any) -> bool:
     return is_tf_dataset(x) or is_py_dataset(x) or is_generator(x)
 
 
-def read_on_client(x: Any, what: str = "x") -> ReadInput:
-    """A ``tf.data.Dataset`` or a ``keras.utils.PyDataset`` read into arrays (when
-    small); a generator refused. ``what``: ``"x"`` or ``"validation_data"``."""
+def read_on_client(x: Any, what: str = "x") -> tuple[Shard, int]:
+    """A ``tf.data.Dataset`` or a ``keras.utils.PyDataset`` read into one shard (when
+    small), and its batch size; a generator refused. ``what``: ``"x"`` or
+    ``"validation_data"``."""
     if is_generator(x):
         raise generator_refused(what)
     tf_dataset = is_tf_dataset(x)

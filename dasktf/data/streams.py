@@ -2,18 +2,9 @@
 
 A :class:`StreamedShard` stands in a worker's memory where a resident
 :class:`~dasktf.data.shards.Shard` would, but holds only a recipe for its parts,
-given by the input kind's adapter (:class:`StreamSource`):
-
-* :class:`~dasktf.data.dask_collections.DaskParts`: partitions (or row chunks) of a lazy
-  Dask collection, each computed on the worker itself, one at a time
-  (``scheduler="sync"``), so files are read where the worker is and no partition
-  stays once its rows were used;
-* :class:`~dasktf.data.loaders.LoaderParts`: a loader ``load(shard_index,
-  num_shards)`` that returns an iterator of ``(x, y[, sample_weight])`` parts
-  instead of one tuple;
-* :class:`~dasktf.data.dataset_fn.DatasetParts`: ``dataset_fn(ctx) ->
-  tf.data.Dataset`` (as ``tf.distribute``'s ``distribute_datasets_from_function``;
-  ``ctx`` a :class:`DatasetContext`), its elements the parts.
+given by its adapter (a :class:`StreamSource`): Dask partitions computed on the
+worker one at a time (:mod:`dasktf.data.dask_collections`), a loader's iterator or
+``dataset_fn(ctx)``'s elements (:mod:`dasktf.data.loaders`).
 
 Each epoch a background thread reads the parts ahead into a bounded queue
 (``dasktf.data.prefetch`` parts), and a replica takes the rows of each step as a
@@ -44,7 +35,7 @@ from dasktf.data.shards import Shard, ShardStats, check_stats
 from dasktf.data.structure import map_nest
 
 if TYPE_CHECKING:
-    from distributed import Client, Future
+    pass
 
 _DONE = object()
 
@@ -250,13 +241,5 @@ class StreamSource(WorkerSideSource):
         """The parts of shard ``index`` of ``n``: an object with ``parts(epoch,
         seed)``, ``describe(j)`` and ``shuffles_itself``."""
 
-    def _build(self, client: Client, workers: list[str], batch_size: int) -> list[Future]:
-        n = len(workers)
-        return [client.submit(build_stream, self.parts_of(i, n), f"{self.label} {i} ({w})",
-                              workers=[w], pure=False)
-                for i, w in enumerate(workers)]
-
-    def reload(self, client: Client, index: int, worker: str, schedule: np.ndarray,
-               batch_size: int) -> Future:
-        return client.submit(build_stream, self.parts_of(index, schedule.shape[1]),
-                             f"{self.label} {index}", workers=[worker], pure=False)
+    def task(self, index: int, n: int, worker: str) -> tuple[Any, ...]:
+        return build_stream, self.parts_of(index, n), f"{self.label} {index} ({worker})"

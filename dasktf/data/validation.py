@@ -64,8 +64,8 @@ def unpack_validation(validation_data: Any) -> tuple[Any, Any, Any]:
     """``(x, y)`` or ``(x, y, sample_weight)``, a ``tf.data.Dataset`` or a
     ``keras.utils.PyDataset`` (read here), as Keras takes ``validation_data``."""
     if reads_on_client(validation_data):
-        read = read_on_client(validation_data, "validation_data")
-        return read.x, read.y, read.w
+        data, _ = read_on_client(validation_data, "validation_data")
+        return data.x, data.y, data.w
     if not isinstance(validation_data, (tuple, list)) or len(validation_data) not in (2, 3):
         raise ValueError(
             "validation_data must be a tuple (x_val, y_val) or (x_val, y_val, "
@@ -96,8 +96,6 @@ def place_validation(
 ) -> list[Future] | None:
     """Scatter validation data in contiguous pieces, one per worker, for evaluation."""
     data = validation_shard(validation_data)
-    parts = np.array_split(np.arange(len(data)), len(workers))
-    return [
-        client.scatter(data.take(p), workers=[w], direct=True, hash=False)  # see Run.build
-        for p, w in zip(parts, workers, strict=True)
-    ]
+    return [client.scatter(validation_piece(data, i, len(workers)), workers=[w], direct=True,
+                           hash=False)  # see Run.build
+            for i, w in enumerate(workers)]
