@@ -15,7 +15,7 @@ from dasktf.data.base import WorkerSideSource
 from dasktf.data.partitions import convert, partition_leaves
 from dasktf.data.shards import Shard, with_weights
 from dasktf.data.streams import StreamSource
-from dasktf.data.structure import Nest, concat, first_leaf, is_dask, leaves, map_nest
+from dasktf.data.structure import Nest, first_leaf, is_dask, leaves, map_nest
 
 if TYPE_CHECKING:
     from distributed import Client, Future
@@ -42,7 +42,6 @@ class DaskArraySource(WorkerSideSource):
                  class_weight: dict[int, float] | None = None) -> None:
         self.chunks, self.row_chunks = chunks, row_chunks
         self.class_weight = class_weight
-        self.weighted = len(chunks[0]) == 3  # [x, y, w]: sample weights given
 
     def _parts(self, client: Client, chunks: Sequence[int]) -> list[Any]:
         """Futures of partitions ``chunks``: per partition, the nest ``[x, y, w]``."""
@@ -56,11 +55,8 @@ class DaskArraySource(WorkerSideSource):
         return [map_nest(lambda _: next(futures), nest) for nest in per_chunk]
 
     def _submit(self, client: Client, parts: list[Any], worker: str) -> Future:
-        return client.submit(
-            shard_from_parts, [p[0] for p in parts], [p[1] for p in parts],
-            [p[2] for p in parts] if self.weighted else None, self.class_weight,
-            workers=[worker], pure=False,
-        )
+        return client.submit(shard_from_parts, parts, self.class_weight, workers=[worker],
+                             pure=False)
 
     def _build(self, client: Client, workers: list[str], batch_size: int) -> list[Future]:
         parts = self._parts(client, range(len(self.chunks)))
@@ -100,10 +96,9 @@ def assign_chunks(
     return [sorted(out[w]) for w in workers]
 
 
-def shard_from_parts(x_parts: list[Any], y_parts: list[Any], w_parts: list[Any] | None = None,
-                     class_weight: dict[int, float] | None = None) -> Shard:
-    shard = Shard(concat(x_parts), concat(y_parts), None if w_parts is None else concat(w_parts))
-    return with_weights(shard, class_weight)
+def shard_from_parts(parts: list[Nest], class_weight: dict[int, float] | None = None) -> Shard:
+    """One shard of partitions, each the nest ``[x, y(, w)]`` of its arrays."""
+    return with_weights(Shard.concat([Shard(*p) for p in parts]), class_weight)
 
 
 # -- streamed ------------------------------------------------------------------------
@@ -154,8 +149,7 @@ class DaskParts:
         # its features and labels come from the same file.
         values = iter(dask.compute(*[leaf.delayed for leaf in flat], scheduler="sync"))
         arrays = map_nest(lambda leaf: convert(next(values), leaf.kind, leaf.path), nest)
-        x, y, *w = arrays
-        return with_weights(Shard(x, y, w[0] if w else None), self.class_weight)
+        return with_weights(Shard(*arrays), self.class_weight)
 
     def parts(self, epoch: int, seed: tuple[int, ...] | None) -> Iterator[Any]:
         order = (np.random.default_rng([*seed, 1]).permutation(len(self.chunks))
