@@ -95,6 +95,6 @@ def _read(elements: Any, said: str, what: str) -> tuple[Shard, int]:
                          if what == "x" else "")
         + f". A dataset that shuffles is read in this one order. For data that does not "
         f"fit, {_WORKER_FORM}.",
-        UserWarning, stacklevel=5,  # fit's caller
+        UserWarning, stacklevel=5,  # Trainer.fit's frame, through the factory
     )
     return data, batch
