@@ -26,7 +26,7 @@ def main(batch: int, reps: int) -> None:
     import numpy as np
 
     from dasktf.cli.bench import fused_train_step
-    from dasktf.data.sources import Shard
+    from dasktf.data.shards import Shard
     from dasktf.datasets import load_dataset, load_mnist_npz
     from dasktf.models import CompileRecipe, model_spec
     from dasktf.runtime.replica import Replica, ReplicaConfig

@@ -28,11 +28,8 @@ from dasktf.cluster.local import (
     default_tf_threads,
 )
 from dasktf.cluster.tfbuild import require_tensorflow
-from dasktf.data.sources import (
-    make_source,
-    split_validation,
-    unpack_validation,
-)
+from dasktf.data.sources import make_source
+from dasktf.data.validation import split_validation, unpack_validation
 from dasktf.engines.holder.options import validate_mode_options
 from dasktf.inference.evaluate import evaluate
 from dasktf.inference.predict import predict

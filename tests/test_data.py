@@ -5,13 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dasktf.data.sources import (
-    assign_chunks,
+from dasktf.data.dask_collections import assign_chunks
+from dasktf.data.schedules import (
     interleaved_indices,
     interleaved_schedule,
-    make_source,
     proportional_schedule,
 )
+from dasktf.data.sources import make_source
 
 
 @pytest.mark.parametrize("n, batch, workers", [(250, 48, 3), (1000, 100, 3), (7, 7, 7), (101, 10, 1)])
@@ -46,6 +46,28 @@ def test_source_dispatch_rejects_unknown_input():
         make_source(np.zeros((3, 2)), None)
     with pytest.raises(ValueError, match="must be None when x is a shard loader"):
         make_source(lambda i, n: (None, None), np.zeros(3))
+
+
+def test_the_factory_picks_one_adapter_per_input_kind():
+    """``make_source`` decides once what ``x`` is; each kind gets its own adapter."""
+    import dask.array as da
+
+    from dasktf.data.arrays import ArraySource
+    from dasktf.data.dask_collections import DaskArraySource, DaskStreamSource
+    from dasktf.data.loaders import DatasetFnSource, LoaderSource
+
+    x, y = np.zeros((8, 2), dtype="float32"), np.arange(8) % 2
+    lazy_x, lazy_y = da.from_array(x, chunks=4), da.from_array(y, chunks=4)
+    assert type(make_source(x, y)) is ArraySource
+    assert type(make_source(lazy_x, lazy_y)) is DaskArraySource
+    assert type(make_source(lazy_x, lazy_y, stream=True)) is DaskStreamSource
+    assert type(make_source(lazy_x, y, stream=True)) is DaskStreamSource
+    assert type(make_source(lambda i, n: (x, y))) is LoaderSource
+    assert type(make_source(lambda ctx: None)) is DatasetFnSource
+    with pytest.raises(ValueError, match="stream=True reads lazy"):
+        make_source(x, y, stream=True)
+    with pytest.raises(TypeError, match="some are in memory"):
+        make_source(lazy_x, y)
 
 
 # -- strings, and the forms of input Keras' fit takes (issue 27) ----------------------
@@ -90,7 +112,7 @@ def test_datasets_and_py_datasets_are_read_with_their_batch_size_and_generators_
     import keras
     import tensorflow as tf
 
-    from dasktf.data.sources import unpack_validation
+    from dasktf.data.validation import unpack_validation
 
     x, y = np.arange(40, dtype="float32").reshape(20, 2), np.arange(20) % 2
     with pytest.warns(UserWarning, match="read it into memory once"):

@@ -255,7 +255,7 @@ def test_float16_replica_scales_loss_and_keeps_float32_gradients(digits, monkeyp
     import keras
 
     from dasktf.cluster import devices
-    from dasktf.data.sources import Shard
+    from dasktf.data.shards import Shard
     from dasktf.models import CompileRecipe, model_spec
     from dasktf.runtime import replica
     from dasktf.transport import ModelPackage

@@ -325,5 +325,17 @@ def test_readme_opens_with_the_commands_and_stays_short():
     assert "bash .ci/run" in first_block
 
 
+def test_data_is_one_factory_over_small_adapters():
+    """data/ in the shape of Keras' ``data_adapters`` (issue 37): every module small,
+    and the probes of what ``x`` is in the factory alone."""
+    sizes = {p.name: len(p.read_text().splitlines()) for p in (PACKAGE / "data").glob("*.py")}
+    assert max(sizes.values()) <= 300, sizes
+    probes = ("def is_tf_dataset", "def is_py_dataset", "def is_generator",
+              "def reads_on_client", "def input_kind", "def accepts_context")
+    homes = {probe: [p.name for p in (PACKAGE / "data").glob("*.py") if probe in p.read_text()]
+             for probe in probes}
+    assert all(home == ["sources.py"] for home in homes.values()), homes
+
+
 if __name__ == "__main__":
     print(json.dumps(import_graph(), indent=1))

@@ -1,7 +1,6 @@
-"""Training data on the workers: one source per input kind behind
-:func:`~dasktf.data.sources.make_source` with the step schedules (:mod:`.sources`);
-a worker's rows and their stats (:mod:`.shards`); Dask arrays and DataFrames per
-partition (:mod:`.partitions`); shards read part by part every epoch, loaders that
-yield and ``dataset_fn(ctx)`` (:mod:`.streams`); and the nests of arrays Keras
-takes as ``x``, ``y`` and ``sample_weight`` (:mod:`.structure`).
+"""Training data, in the shape of Keras' ``trainers/data_adapters``: one factory
+(:mod:`.sources`) picks one adapter per input kind, each a :class:`~.base.Source`;
+beneath them shards and their stats, step schedules, validation data, Dask
+partitions, streamed shards and the nests of arrays ``x``, ``y`` and
+``sample_weight`` are.
 """

@@ -1,28 +1,24 @@
 """The input forms Keras' ``fit`` takes that only the client can read.
 
 Keras' ``fit`` pulls batches from a ``tf.data.Dataset``, a ``keras.utils.PyDataset``
-or a Python generator in its own process. dasktf's workers read their own rows,
-every epoch, so these are read here once, into arrays, when they are small
-(``dasktf.data.materialize-limit``, with a warning), as ``x`` and as
-``validation_data`` alike; a larger one is refused with the form that runs on the
-workers (``x=dataset_fn``, or a loader). A generator is refused with the reason:
-it can be read only once, and only here. The batch size of what was read is the
-run's when ``fit`` is given none, as Keras takes a dataset's batches as they come.
+or a Python generator in its own process; dasktf's workers read their own rows
+every epoch. So the datasets (told apart by :mod:`.sources`) are read here once,
+into arrays, when small (``dasktf.data.materialize-limit``, with a warning), as ``x``
+and as ``validation_data``; a larger one, or a generator (read only once, only
+here), is refused with the forms that run on the workers. The batch size of what
+was read is the run's when ``fit`` is given none, as in Keras.
 """
 
 from __future__ import annotations
 
-import inspect
 import warnings
-from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import Any
 
 import dask.utils
 
 from dasktf import config
-from dasktf.data.shards import Shard
-from dasktf.data.streams import dataset_elements, part_from
-from dasktf.data.structure import leaves
+from dasktf.data.shards import Shard, part_from
 
 _WORKER_FORM = (
     "pass x=dataset_fn, where dataset_fn(ctx) builds each worker's part of the data "
@@ -31,77 +27,56 @@ _WORKER_FORM = (
     "num_shards) -> (x, y) that reads each worker's rows there")
 
 
-@dataclass
-class ReadInput:
-    """Batches read on the client, as one shard's arrays, and their batch size."""
-
-    x: Any
-    y: Any
-    w: Any
-    batch_size: int
-
-
-def is_tf_dataset(x: Any) -> bool:
-    return type(x).__module__.startswith("tensorflow") and hasattr(x, "element_spec")
+def generator_refused(what: str) -> TypeError:
+    return TypeError(
+        f"{what} is a Python generator: Keras' fit pulls its batches in this "
+        "process, but dasktf's workers each read their own rows every epoch, and a "
+        "generator can be read only once and only here. Pass arrays, a "
+        "keras.utils.PyDataset or a tf.data.Dataset (read here when small), or, for "
+        f"data that does not fit, {_WORKER_FORM}."
+    )
 
 
-def is_py_dataset(x: Any) -> bool:
-    """A ``keras.utils.PyDataset`` (Keras 3's loader class; ``Sequence`` in Keras 2)."""
-    try:
-        import keras
-    except ImportError:  # pragma: no cover - keras comes with dasktf
-        return False
-    return isinstance(x, keras.utils.PyDataset)
-
-
-def is_generator(x: Any) -> bool:
-    return inspect.isgenerator(x) or (hasattr(x, "__next__") and hasattr(x, "__iter__")
-                                      and not hasattr(x, "__len__"))
-
-
-def reads_on_client(x: Any) -> bool:
-    return is_tf_dataset(x) or is_py_dataset(x) or is_generator(x)
-
-
-def read_input(x: Any, what: str = "x") -> ReadInput:
-    """A ``tf.data.Dataset`` or a ``keras.utils.PyDataset`` read into arrays (when
-    small); a generator refused. ``what``: ``"x"`` or ``"validation_data"``."""
-    if is_generator(x):
-        raise TypeError(
-            f"{what} is a Python generator: Keras' fit pulls its batches in this "
-            "process, but dasktf's workers each read their own rows every epoch, and a "
-            "generator can be read only once and only here. Pass arrays, a "
-            "keras.utils.PyDataset or a tf.data.Dataset (read here when small), or, for "
-            f"data that does not fit, {_WORKER_FORM}."
-        )
-    if is_tf_dataset(x):
+def read_input(x: Any, what: str, tf_dataset: bool) -> tuple[Shard, int]:
+    """A finite ``tf.data.Dataset`` (``tf_dataset``) or ``keras.utils.PyDataset``
+    read into one shard (when small), and its batch size. ``what``: ``"x"`` or
+    ``"validation_data"``."""
+    if tf_dataset:
         if int(x.cardinality()) == -1:  # tf.data.INFINITE_CARDINALITY
             raise ValueError(f"{what} is an infinite tf.data.Dataset: dasktf reads every "
                              f"row once per epoch. Instead, {_WORKER_FORM}.")
-        return _read(dataset_elements(x), f"{what} is a tf.data.Dataset built on the client", what)
-    if is_py_dataset(x):
+        elements = dataset_elements(x)
+        said = f"{what} is a tf.data.Dataset built on the client"
+    else:
         if x.num_batches is None:
             raise ValueError(f"{what} is an infinite keras.utils.PyDataset (num_batches "
                              f"is None): dasktf reads every row once per epoch. Instead, "
                              f"{_WORKER_FORM}.")
         elements = (_as_tuple(x[i]) for i in range(x.num_batches))
-        return _read(elements, f"{what} is a keras.utils.PyDataset", what)
-    raise TypeError(f"{what} is not read on the client: {type(x).__name__}.")
+        said = f"{what} is a keras.utils.PyDataset"
+    return _read(elements, said, what)
+
+
+def dataset_elements(dataset: Any) -> Iterator[Any]:
+    """A ``tf.data.Dataset``'s elements as NumPy, a tuple or list element as a
+    tuple (``(x, y[, sample_weight])``, as Keras reads it): the one conversion, for
+    a dataset read on the client and a ``dataset_fn``'s on the workers."""
+    for element in dataset.as_numpy_iterator():
+        yield tuple(element) if isinstance(element, (tuple, list)) else element
 
 
 def _as_tuple(batch: Any) -> Any:
     return tuple(batch) if isinstance(batch, list) else batch
 
 
-def _read(elements: Any, said: str, what: str) -> ReadInput:
+def _read(elements: Any, said: str, what: str) -> tuple[Shard, int]:
     limit_text = config.get("data.materialize-limit")
     limit = dask.utils.parse_bytes(limit_text)
     parts: list[Shard] = []
     size = batch = 0
     for element in elements:
         part = part_from(element, f"{said} and its batches")
-        size += sum(leaf.nbytes for nest in (part.x, part.y, part.w) if nest is not None
-                    for _, leaf in leaves(nest))
+        size += part.nbytes
         if size > limit:
             raise ValueError(
                 f"{said}, larger than dasktf.data.materialize-limit ({limit_text}): it "
@@ -120,6 +95,6 @@ def _read(elements: Any, said: str, what: str) -> ReadInput:
                          if what == "x" else "")
         + f". A dataset that shuffles is read in this one order. For data that does not "
         f"fit, {_WORKER_FORM}.",
-        UserWarning, stacklevel=4,
+        UserWarning, stacklevel=5,  # Trainer.fit's frame, through the factory
     )
-    return ReadInput(data.x, data.y, data.w, batch)
+    return data, batch

@@ -3,9 +3,8 @@
 Dask arrays, DataFrames and Series (or nests of them, for several inputs and
 outputs) become one list: per partition, the nest ``[x, y(, w)]`` of
 :class:`PartLeaf` tasks. The resident source computes those tasks on the cluster,
-where the partitions live (:class:`~dasktf.data.sources.DaskArraySource`); the
-streamed one computes them on the worker, one partition at a time
-(:class:`~dasktf.data.streams.DaskParts`). A DataFrame of features becomes one
+where the partitions live, the streamed one on the worker, one partition at a time
+(:mod:`dasktf.data.dask_collections`). A DataFrame of features becomes one
 float32 matrix and must be numeric; a Series among the features is one column,
 ``(n, 1)``, as Keras' ``fit`` reads a pandas Series: floats as float32, integers and
 booleans as they are, strings, object and category columns as strings (a string
@@ -26,6 +25,8 @@ from dasktf.data.structure import (
     broadcast_to,
     column_kind,
     first_leaf,
+    holds_frames,
+    is_dask_frame,
     leaves,
     map_named,
     map_nest,
@@ -152,17 +153,6 @@ def compute_leaves(x: Nest, y: Nest, sample_weight: Nest) -> tuple[Nest, Nest, N
             map_named(lambda p, v: local(p, v, "labels"), y, "y_val"),
             None if sample_weight is None else map_named(
                 lambda p, v: local(p, v, "labels"), sample_weight, "sample_weight_val"))
-
-
-def is_dask_frame(obj: Any) -> bool:
-    """A Dask DataFrame or Series (legacy or dask-expr)."""
-    module = type(obj).__module__
-    return module.startswith(("dask.dataframe", "dask_expr")) and hasattr(obj, "npartitions")
-
-
-def holds_frames(*nests: Nest) -> bool:
-    return any(is_dask_frame(leaf) for nest in nests if nest is not None
-               for _, leaf in leaves(nest))
 
 
 def select_columns(x: Nest, y: Any, sample_weight: Any) -> tuple[Nest, Nest, Nest]:

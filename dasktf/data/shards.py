@@ -17,6 +17,8 @@ import numpy as np
 
 from dasktf.data.structure import (
     Nest,
+    as_arrays,
+    broadcast_to,
     concat,
     first_leaf,
     is_nested,
@@ -43,6 +45,16 @@ class Shard:
     def __len__(self) -> int:
         return len(first_leaf(self.x))
 
+    @property
+    def nbytes(self) -> int:
+        return sum(leaf.nbytes for nest in (self.x, self.y, self.w) if nest is not None
+                   for _, leaf in leaves(nest))
+
+    @property
+    def stats(self) -> ShardStats:
+        """What the client checks of these rows (a streamed shard has its own)."""
+        return ShardStats.of(self)
+
     def take(self, rows: Any) -> Shard:
         """The shard of rows ``rows`` (in that order)."""
         return Shard(take(self.x, rows), take(self.y, rows),
@@ -65,6 +77,11 @@ class LeafStats:
     low: float
     high: float
     integral: bool
+
+    @property
+    def layout(self) -> tuple[str, tuple[int, ...], str]:
+        """What shards must agree on: the array's name, per-sample shape and dtype."""
+        return self.name, self.shape, self.dtype
 
     @classmethod
     def of(cls, name: str, a: np.ndarray, values: bool = True) -> LeafStats:
@@ -119,7 +136,7 @@ class ShardStats:
 
     def layout(self) -> Any:
         """Shapes and dtypes of every array, to compare shards."""
-        return [(leaf.name, leaf.shape, leaf.dtype) for leaf in self.all_leaves()]
+        return [leaf.layout for leaf in self.all_leaves()]
 
 
 def _all_finite(a: np.ndarray) -> bool:
@@ -131,15 +148,18 @@ def _all_finite(a: np.ndarray) -> bool:
 def check_stats(stats: Sequence[ShardStats], where: str = "the training data") -> None:
     """Raise ``ValueError`` for NaN/inf values or shards that disagree on shapes,
     naming the array (``x['image']``, ``y[1]``, ``sample_weight``) at fault."""
+    layouts = set()
     for i, s in enumerate(stats):
-        bad = [leaf.name for leaf in s.all_leaves() if not leaf.finite]
+        arrays = s.all_leaves()
+        bad = [leaf.name for leaf in arrays if not leaf.finite]
         if bad:
             shard = f" (shard {i})" if len(stats) > 1 else ""
             raise ValueError(
                 f"{where} contains NaN or infinite values in {', '.join(bad)}{shard}; "
                 "clean or impute them before training."
             )
-    layouts = {repr(s.layout()) for s in stats if s.n}
+        if s.n:
+            layouts.add(repr([leaf.layout for leaf in arrays]))
     if len(layouts) > 1:
         raise ValueError(f"The shards of {where} disagree on shapes: {sorted(layouts)}.")
 
@@ -196,3 +216,24 @@ def with_weights(shard: Shard, class_weight: dict[int, float] | None) -> Shard:
     if class_weight is None:
         return shard
     return Shard(shard.x, shard.y, class_weight_to_sample_weight(shard.y, class_weight))
+
+
+def shard_of(x: Nest, y: Nest, w: Nest = None, class_weight: dict[int, float] | None = None,
+             where: str = "", suffix: str = "") -> Shard:
+    """``x``, ``y`` and sample weights ``w`` as one :class:`Shard`'s arrays, each leaf
+    named as the user knows it (``suffix``: ``"_val"`` for validation data), and
+    ``class_weight`` turned into sample weights, as Keras does."""
+    x, y = as_arrays(x, f"x{suffix}"), as_arrays(y, f"y{suffix}")
+    w = None if w is None else as_arrays(broadcast_to(w, y), f"sample_weight{suffix}")
+    if w is not None and class_weight is not None:
+        raise ValueError(f"{where} gives sample weights: give no class_weight too.")
+    return with_weights(Shard(x, y, w), class_weight)
+
+
+def part_from(out: Any, where: str, class_weight: dict[int, float] | None = None) -> Shard:
+    """One ``(x, y[, sample_weight])`` element (a loader's, a dataset's batch) as a
+    :class:`Shard`."""
+    if not (isinstance(out, tuple) and len(out) in (2, 3)):
+        raise TypeError(f"{where} must give (x, y) or (x, y, sample_weight) tuples; got "
+                        f"{type(out).__name__}.")
+    return shard_of(*out, class_weight=class_weight, where=where)

@@ -1,15 +1,10 @@
 """Shards read part by part on their worker: data larger than memory.
 
 A :class:`StreamedShard` stands in a worker's memory where a resident
-:class:`~dasktf.data.sources.Shard` would, but holds only a recipe for its parts:
-
-* :class:`DaskParts`: partitions (or row chunks) of a lazy Dask collection, each
-  computed on the worker itself, one at a time (``scheduler="sync"``), so files are
-  read where the worker is and no partition stays once its rows were used;
-* :class:`LoaderParts`: a loader ``load(shard_index, num_shards)`` that returns an
-  iterator of ``(x, y[, sample_weight])`` parts instead of one tuple;
-* :class:`DatasetParts`: ``dataset_fn(ctx) -> tf.data.Dataset`` (as
-  ``tf.distribute``'s ``distribute_datasets_from_function``), its elements the parts.
+:class:`~dasktf.data.shards.Shard` would, but holds only a recipe for its parts,
+given by its adapter (a :class:`StreamSource`): Dask partitions computed on the
+worker one at a time (:mod:`dasktf.data.dask_collections`), a loader's iterator or
+``dataset_fn(ctx)``'s elements (:mod:`dasktf.data.loaders`).
 
 Each epoch a background thread reads the parts ahead into a bounded queue
 (``dasktf.data.prefetch`` parts), and a replica takes the rows of each step as a
@@ -25,19 +20,22 @@ every part (shapes, NaN, label ranges), so bad data fails before training starts
 
 from __future__ import annotations
 
+import abc
 import dataclasses
-import inspect
 import queue
 import threading
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dasktf.data.partitions import convert
-from dasktf.data.shards import Shard, ShardStats, check_stats, with_weights
-from dasktf.data.structure import Nest, as_arrays, broadcast_to, leaves, map_nest
+from dasktf import config
+from dasktf.data.base import WorkerSideSource
+from dasktf.data.shards import Shard, ShardStats, check_stats
+from dasktf.data.structure import map_nest
+
+if TYPE_CHECKING:
+    pass
 
 _DONE = object()
 
@@ -68,119 +66,6 @@ class DatasetContext:
         return global_batch_size // self.num_shards
 
 
-def accepts_context(fn: Any) -> bool:
-    """A callable of one argument: a ``dataset_fn(ctx)``, not a ``load(i, n)``."""
-    try:
-        params = [p for p in inspect.signature(fn).parameters.values()
-                  if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY,
-                                                         p.POSITIONAL_OR_KEYWORD)]
-    except (TypeError, ValueError):
-        return False
-    return len(params) == 1
-
-
-def part_from(out: Any, where: str, class_weight: dict[int, float] | None = None) -> Any:
-    """One ``(x, y[, sample_weight])`` element as a :class:`Shard` (``class_weight``
-    turned into sample weights, as Keras does)."""
-    if not (isinstance(out, tuple) and len(out) in (2, 3)):
-        raise TypeError(f"{where} must give (x, y) or (x, y, sample_weight) tuples; got "
-                        f"{type(out).__name__}.")
-    x, y = as_arrays(out[0], "x"), as_arrays(out[1], "y")
-    w = as_arrays(broadcast_to(out[2], y), "sample_weight") if len(out) == 3 else None
-    if w is not None and class_weight is not None:
-        raise ValueError(f"{where} gives sample weights: give no class_weight too.")
-    return with_weights(Shard(x, y, w), class_weight)
-
-
-def dataset_elements(dataset: Any) -> Iterator[Any]:
-    """A ``tf.data.Dataset``'s elements as NumPy, a tuple or list element as a
-    tuple (``(x, y[, sample_weight])``, as Keras reads it): the one conversion, for
-    a dataset read on the client and a ``dataset_fn``'s on the workers."""
-    for element in dataset.as_numpy_iterator():
-        yield tuple(element) if isinstance(element, (tuple, list)) else element
-
-
-# -- the part sources ---------------------------------------------------------------
-class DaskParts:
-    """Partitions of lazy Dask collections, computed on the worker when read.
-
-    ``chunks[j]`` is the nest ``[x, y]`` (``[x, y, w]``) of partition ``j``'s
-    :class:`~dasktf.data.partitions.PartLeaf` leaves.
-    """
-
-    shuffles_itself = False
-
-    def __init__(self, chunks: list[Nest], class_weight: dict[int, float] | None = None,
-                 label: str = "") -> None:
-        self.chunks = chunks
-        self.class_weight = class_weight
-        self.label = label
-
-    def read(self, j: int) -> Any:
-        import dask
-
-        nest = self.chunks[j]
-        flat = [leaf for _, leaf in leaves(nest)]
-        # One local compute for every leaf: the partition is read once even when
-        # its features and labels come from the same file.
-        values = iter(dask.compute(*[leaf.delayed for leaf in flat], scheduler="sync"))
-        arrays = map_nest(lambda leaf: convert(next(values), leaf.kind, leaf.path), nest)
-        x, y, *w = arrays
-        return with_weights(Shard(x, y, w[0] if w else None), self.class_weight)
-
-    def parts(self, epoch: int, seed: tuple[int, ...] | None) -> Iterator[Any]:
-        order = (np.random.default_rng([*seed, 1]).permutation(len(self.chunks))
-                 if seed is not None else range(len(self.chunks)))
-        for j in order:
-            yield self.read(int(j))
-
-    def describe(self, j: int) -> str:
-        return f"partition {j} of {self.label}"
-
-
-class LoaderParts:
-    """``load(shard_index, num_shards)`` returning an iterator of parts, called anew
-    every epoch."""
-
-    shuffles_itself = False
-
-    def __init__(self, load: Callable[..., Any], index: int, n_shards: int,
-                 class_weight: dict[int, float] | None = None) -> None:
-        self.load, self.index, self.n_shards = load, index, n_shards
-        self.class_weight = class_weight
-
-    def parts(self, epoch: int, seed: tuple[int, ...] | None) -> Iterator[Any]:
-        for out in self.load(self.index, self.n_shards):
-            yield part_from(out, "The shard loader's iterator", self.class_weight)
-
-    def describe(self, j: int) -> str:
-        return f"part {j} from the loader of shard {self.index}"
-
-
-class DatasetParts:
-    """``dataset_fn(ctx) -> tf.data.Dataset`` run on the worker every epoch; each
-    element (a batch) is a part. Shuffling is the dataset's (``ctx.seed``,
-    ``ctx.epoch``)."""
-
-    shuffles_itself = True
-
-    def __init__(self, dataset_fn: Callable[[DatasetContext], Any], context: DatasetContext,
-                 class_weight: dict[int, float] | None = None) -> None:
-        self.dataset_fn, self.context, self.class_weight = dataset_fn, context, class_weight
-
-    def parts(self, epoch: int, seed: tuple[int, ...] | None) -> Iterator[Any]:
-        dataset = self.dataset_fn(dataclasses.replace(self.context, epoch=epoch))
-        if not hasattr(dataset, "as_numpy_iterator"):
-            raise TypeError("dataset_fn(ctx) must return a tf.data.Dataset; got "
-                            f"{type(dataset).__name__}.")
-        for element in dataset_elements(dataset):
-            yield part_from(element, "dataset_fn(ctx)'s dataset", self.class_weight)
-
-    def describe(self, j: int) -> str:
-        return f"element {j} of dataset_fn(ctx) on shard {self.context.shard_index}"
-
-
-# -- the shard -----------------------------------------------------------------------
 class StreamedShard:
     """A shard whose rows are read part by part (see the module docstring)."""
 
@@ -250,7 +135,7 @@ class StreamedShard:
 
 
 def merge_stats(a: Any, b: Any, where: str) -> Any:
-    """Two parts' :class:`~dasktf.data.sources.ShardStats` as one; parts must agree
+    """Two parts' :class:`~dasktf.data.shards.ShardStats` as one; parts must agree
     on every array's shape and dtype."""
     if a.layout() != b.layout():
         raise ValueError(f"{where} has other shapes than the parts before it: "
@@ -337,3 +222,24 @@ class _Reader:
                 self.queue.get_nowait()
             except queue.Empty:
                 break
+
+
+def build_stream(parts: Any, where: str) -> StreamedShard:
+    return StreamedShard(parts, int(config.get("data.prefetch")), where).scan()
+
+
+class StreamSource(WorkerSideSource):
+    """Sources whose shards are streamed (:class:`StreamedShard`): each worker's
+    shard is the recipe of its parts (:meth:`parts_of`), read there once to check
+    and count it, then every epoch."""
+
+    #: how a shard of this source is named in its errors
+    label = "shard"
+
+    @abc.abstractmethod
+    def parts_of(self, index: int, n: int) -> Any:
+        """The parts of shard ``index`` of ``n``: an object with ``parts(epoch,
+        seed)``, ``describe(j)`` and ``shuffles_itself``."""
+
+    def task(self, index: int, n: int, worker: str) -> tuple[Any, ...]:
+        return build_stream, self.parts_of(index, n), f"{self.label} {index} ({worker})"

@@ -106,6 +106,25 @@ def is_pandas(value: Any, frame: bool = False) -> bool:
             and hasattr(value, "columns") == frame)
 
 
+def is_dask_array(value: Any) -> bool:
+    return type(value).__module__.startswith("dask.array")
+
+
+def is_dask_frame(value: Any) -> bool:
+    """A Dask DataFrame or Series (legacy or dask-expr)."""
+    module = type(value).__module__
+    return module.startswith(("dask.dataframe", "dask_expr")) and hasattr(value, "npartitions")
+
+
+def is_dask(value: Any) -> bool:
+    return is_dask_array(value) or is_dask_frame(value)
+
+
+def holds_frames(*nests: Nest) -> bool:
+    return any(is_dask_frame(leaf) for nest in nests if nest is not None
+               for _, leaf in leaves(nest))
+
+
 def check_frame_columns(path: str, frame: Any) -> None:
     """A DataFrame is one matrix input: its columns must all be numbers."""
     bad = {str(c): str(t) for c, t in dict(frame.dtypes).items() if column_kind(t) is None}

@@ -123,7 +123,7 @@ class RunGuard:
         val = None
         validation_data = self.inputs.validation_data
         if validation_data is not None:
-            from dasktf.data.sources import validation_piece, validation_shard
+            from dasktf.data.validation import validation_piece, validation_shard
 
             piece = validation_piece(validation_shard(validation_data), index, n)
             val = run.client.scatter(piece, workers=[worker], direct=True, hash=False)
@@ -135,7 +135,7 @@ class RunGuard:
         run = self.run
         val = None
         if self.inputs.validation_data is not None:
-            from dasktf.data.sources import validation_shard
+            from dasktf.data.validation import validation_shard
 
             val = run.client.scatter(validation_shard(self.inputs.validation_data),
                                      workers=[worker], direct=True, hash=False)

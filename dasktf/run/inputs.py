@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from dasktf.data.base import Source
 from dasktf.run.options import FaultOptions, TrainOptions
 
 #: The batch of the replicas' validation passes when fit is given none.
@@ -27,7 +28,7 @@ class RunInputs:
     #: the call's checkpoint and worker-loss options, checked against ``options``
     fault: FaultOptions
     #: where the shards come from (:func:`dasktf.data.sources.make_source`)
-    source: Any
+    source: Source
     #: the global batch the run starts with
     batch_size: int
     epochs: int

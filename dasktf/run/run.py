@@ -19,8 +19,8 @@ from dasktf.cluster.local import (
 from dasktf.cluster.membership import MembershipWatcher
 from dasktf.cluster.waits import RunContext, WatchedClient, wait_for
 from dasktf.data.base import PlacedData
-from dasktf.data.sources import place_validation
 from dasktf.data.structure import leaves
+from dasktf.data.validation import place_validation
 from dasktf.diagnostics.events import (
     LOSS_TOPIC,
     epoch_record,
