@@ -333,6 +333,9 @@ class ErrorFeedback:
     ``encode(g)`` sends ``g + r`` and keeps ``r = (g + r) - decode(sent)``. Hence,
     over any number of steps, ``sum(decoded) + r == sum(g)`` (up to float32
     rounding): no gradient is lost, only delayed. Lossless codecs keep no residual.
+    ``summed=True`` encodes with :meth:`Codec.encode_sum` (a finished sum re-encoded
+    where it was made, as the p2p all-reduce's owner of a chunk does), keeping a
+    residual only where that encoding is lossy (``Codec.sum_lossy``).
     """
 
     def __init__(self, codec: Codec, summed: bool = False) -> None:
