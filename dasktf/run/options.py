@@ -228,7 +228,8 @@ class TrainOptions:
         set_("mixed_precision", bool(self.mixed_precision))
         positive_int("local_steps", self.local_steps)
         set_("local", local_spec(self.local_steps, self.outer_optimizer,
-                                 self.outer_learning_rate, self.outer_momentum))
+                                 self.outer_learning_rate, self.outer_momentum,
+                                 self.compression))
         if self.local is not None:
             check_local_steps(self)
 
