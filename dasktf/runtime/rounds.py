@@ -11,6 +11,18 @@ gradient: outer SGD with learning rate 1 and no momentum is plain model averagin
 (Douillard et al. 2023). So the whole of the sync engine (topology, codec with
 error feedback, recovery) carries ``Δ`` instead of a gradient, once per round.
 
+With a sparse codec (``topk:R``, :attr:`LocalSpec.codec`) a synced round cuts its
+change itself: the worker sends the top-k of ``Δ_i`` and keeps the rest, ``u_i``, in
+its own next start: its next inner steps begin from ``w' - u_i`` rather than from
+the new round weights ``w'``, so ``Δ_i`` next round includes ``u_i`` and nothing is
+lost or counted twice (``Σ sent + u_i == Σ`` of the worker's own progress; one
+worker follows Keras' ``fit`` exactly). Error feedback kept in the all-reduce
+instead re-adds a change the next round's inner steps, begun where the model has
+not moved, find again (issue 39: topk:0.01 at H=64 with the Nesterov outer step
+reached 0.935 test accuracy on MNIST after 8 epochs, against 0.955 this way and
+0.963 without a codec). The all-reduce's own encoding then sends the cut change
+exactly. A checkpoint keeps no ``u_i`` (a resumed run starts from the round weights).
+
 ``drift`` (per round) is the rows-weighted spread of the workers' ``Δ_i`` around
 their mean, over the mean's norm: ``sqrt(mean ||Δ_i||² - ||Δ̄||²) / ||Δ̄||``. Each
 worker sends ``n_i ||Δ_i||²`` with its sum (``GradientSum.square_sum``), so the
@@ -122,6 +134,18 @@ def local_spec(
         raise ValueError(f"outer_learning_rate must be positive; got {outer_learning_rate!r}.")
     return LocalSpec(int(local_steps), keras.optimizers.serialize(opt), name,
                      str(compression) if sparse else None)
+
+
+def rounds_compression(options: Any) -> str | None:
+    """The ``compression`` :func:`local_spec` is to see for a run's ``options`` (a
+    :class:`~dasktf.run.options.TrainOptions`, its comm settings checked): the
+    run's own where its rounds would be synced ones (sync mode, no quorum, no
+    parameter servers, not the collective engine), else ``None``, so a sparse codec
+    never turns one local step into a round the run cannot take."""
+    synced = (options.mode == "sync" and options.sync_quorum is None
+              and options.engine != "collective" and options.comm.num_ps <= 1
+              and options.comm.placement != "ps")
+    return options.compression if synced else None
 
 
 class RoundReplica(Protocol):
