@@ -63,6 +63,10 @@ def steps_task(gid: str, members: list[str], codec: str, algorithm: str | None,
     return {"sent": sent, "received": received, "algorithm": sorted(chosen)}
 
 
+def _import_tensorflow() -> None:
+    import tensorflow  # noqa: F401
+
+
 def target(codec: str, n: int) -> float:
     from dasktf.wire.codecs import get_codec
 
@@ -87,6 +91,9 @@ def bytes_part(steps: int) -> list[dict[str, Any]]:
     with LocalCluster(n_workers=max(SIZES), threads_per_worker=1, processes=True,
                       dashboard_address=":0", memory_limit=0) as cluster, Client(cluster) as client:
         client.wait_for_workers(max(SIZES), timeout=120)
+        # fp16 casts with TensorFlow: import it everywhere first, not while a group
+        # waits on a member importing it (tens of seconds on a loaded machine)
+        client.run(_import_tensorflow)
         register(client)
         workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
         for codec in CODECS:
