@@ -23,7 +23,9 @@ gradient component is eventually sent and sparsified training converges
 
 Extending: subclass :class:`Codec`, give it a unique ``name``, implement ``encode``
 and ``_decode``, and add it to ``_CODECS`` (parametrised codecs also to
-:func:`get_codec`).
+:func:`get_codec`); set ``sparse`` for a codec whose parts an all-reduce should
+gather whole (its sums would fill in), ``sum_lossy = False`` where ``encode_sum`` is
+exact.
 
 Speed: a codec runs on the hot path twice per step per worker (encode, decode) on
 buffers of millions of values, so its cost must not depend on the values, which

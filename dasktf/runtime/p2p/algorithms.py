@@ -65,7 +65,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from dasktf.runtime.p2p.mailbox import Key
-from dasktf.wire.codecs import Codec, Encoded, ErrorFeedback, decode
+from dasktf.wire.codecs import Codec, Encoded, ErrorFeedback, TopK, decode
 
 ALGORITHMS = ("ring", "direct", "doubling", "gather")
 
@@ -368,7 +368,7 @@ def gather(t: Transport, buf: np.ndarray, scalars: np.ndarray | None, coding: Co
 def _accumulate(out: np.ndarray, values: Any) -> None:
     """``out += values``; a top-k part adds only its kept values (their indices are
     distinct within a part, so a fancy-indexed add is exact)."""
-    if isinstance(values, Encoded) and values.codec == "topk":
+    if isinstance(values, Encoded) and values.codec == TopK.name:
         index, kept = values.arrays
         out[index] += kept
     else:
