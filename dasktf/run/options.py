@@ -27,7 +27,7 @@ from dasktf.cluster.liveness import settings as liveness_settings
 from dasktf.engines.graph.elastic import ON_WORKER_LOSS
 from dasktf.engines.holder.options import validate_mode_options
 from dasktf.engines.p2p.options import refusal as p2p_refusal
-from dasktf.runtime.rounds import LocalSpec, local_spec
+from dasktf.runtime.rounds import LocalSpec, local_spec, rounds_compression
 from dasktf.wire.packets import CommSpec, validate_comm_options
 
 if TYPE_CHECKING:
@@ -228,7 +228,8 @@ class TrainOptions:
         set_("mixed_precision", bool(self.mixed_precision))
         positive_int("local_steps", self.local_steps)
         set_("local", local_spec(self.local_steps, self.outer_optimizer,
-                                 self.outer_learning_rate, self.outer_momentum))
+                                 self.outer_learning_rate, self.outer_momentum,
+                                 rounds_compression(self)))
         if self.local is not None:
             check_local_steps(self)
 

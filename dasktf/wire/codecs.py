@@ -23,7 +23,9 @@ gradient component is eventually sent and sparsified training converges
 
 Extending: subclass :class:`Codec`, give it a unique ``name``, implement ``encode``
 and ``_decode``, and add it to ``_CODECS`` (parametrised codecs also to
-:func:`get_codec`).
+:func:`get_codec`); set ``sparse`` for a codec whose parts an all-reduce should
+gather whole (its sums would fill in), ``sum_lossy = False`` where ``encode_sum`` is
+exact.
 
 Speed: a codec runs on the hot path twice per step per worker (encode, decode) on
 buffers of millions of values, so its cost must not depend on the values, which
@@ -78,6 +80,13 @@ class Codec:
     name: ClassVar[str] = ""
     #: Whether a round trip can change values (then :class:`ErrorFeedback` applies).
     lossy: ClassVar[bool] = True
+    #: Whether :meth:`encode_sum` can change values (a sum's re-encoding then keeps
+    #: a residual of its own where the sum is made, :class:`ErrorFeedback`).
+    sum_lossy: ClassVar[bool] = True
+    #: Whether the encoding keeps a few values and their indices: the parts are then
+    #: gathered whole rather than summed chunk by chunk (an all-reduce's partial sums
+    #: would fill in the union of the indices).
+    sparse: ClassVar[bool] = False
 
     def encode(self, x: np.ndarray) -> Encoded:
         raise NotImplementedError
@@ -103,6 +112,7 @@ class Codec:
 class NoCompression(Codec):
     name = "none"
     lossy = False
+    sum_lossy = False
 
     def encode(self, x: np.ndarray) -> Encoded:
         return Encoded(self.name, x.size, (np.asarray(x, np.float32),))
@@ -212,19 +222,28 @@ class TopK(Codec):
     """Sparsification: only the ``ceil(ratio * n)`` largest magnitudes travel."""
 
     name = "topk"
+    sum_lossy = False  # (:meth:`encode_sum` is exact)
+    sparse = True
 
     def __init__(self, ratio: float) -> None:
         self.ratio_kept = float(ratio)
 
     def encode(self, x: np.ndarray) -> Encoded:
         x = np.asarray(x, np.float32)
-        k = min(x.size, max(1, math.ceil(self.ratio_kept * x.size)))
+        k = self.kept(x.size)
         if k >= x.size:
             index = np.arange(x.size, dtype=np.int32)
         else:
             index = np.sort(np.argpartition(np.abs(x), x.size - k)[x.size - k :])
         index = index.astype(np.int32)
         return Encoded(self.name, x.size, (index, x[index]))
+
+    def kept(self, size: int) -> int:
+        """The values of ``size`` that travel."""
+        return min(size, max(1, math.ceil(self.ratio_kept * size)))
+
+    def ratio(self, size: int) -> float:
+        return 4.0 * size / (8.0 * self.kept(size))  # (no encoding needed to know)
 
     def encode_sum(self, x: np.ndarray) -> Encoded:
         """A sum of sparse buffers is sparse (at most N k non-zeros): send it
@@ -316,16 +335,23 @@ class ErrorFeedback:
     ``encode(g)`` sends ``g + r`` and keeps ``r = (g + r) - decode(sent)``. Hence,
     over any number of steps, ``sum(decoded) + r == sum(g)`` (up to float32
     rounding): no gradient is lost, only delayed. Lossless codecs keep no residual.
+    ``summed=True`` encodes with :meth:`Codec.encode_sum` (a finished sum re-encoded
+    where it was made, as the p2p all-reduce's owner of a chunk does), keeping a
+    residual only where that encoding is lossy (``Codec.sum_lossy``).
     """
 
-    def __init__(self, codec: Codec) -> None:
+    def __init__(self, codec: Codec, summed: bool = False) -> None:
         self.codec = codec
+        #: encodes sums (:meth:`Codec.encode_sum`) rather than contributions
+        self.summed = summed
         self.residual: np.ndarray | None = None
         self._decoded: np.ndarray | None = None
 
     def encode(self, x: np.ndarray) -> Encoded:
-        if not self.codec.lossy:
-            return self.codec.encode(x)
+        lossy = self.codec.sum_lossy if self.summed else self.codec.lossy
+        encode = self.codec.encode_sum if self.summed else self.codec.encode
+        if not lossy:
+            return encode(x)
         x = np.asarray(x, np.float32)
         # Both buffers are reused from step to step: the residual holds the target
         # while it is encoded, then what the encoding lost.
@@ -334,6 +360,6 @@ class ErrorFeedback:
             self._decoded = np.empty_like(self.residual)
         else:
             self.residual += x
-        sent = self.codec.encode(self.residual)
+        sent = encode(self.residual)
         self.residual -= decode(sent, out=self._decoded)
         return sent

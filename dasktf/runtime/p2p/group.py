@@ -219,7 +219,7 @@ class Group:
         self._ep.mailbox.begin(step)
         name = algorithm or self.algorithm
         if name == "auto":
-            name = choose(flat.nbytes, self.size, self.threshold)
+            name = choose(flat.nbytes, self.size, self.threshold, codec=self.coding.codec)
         self._step_sent = self._step_received = self._messages = 0
         self._step_direct = self._step_loop = 0
         self._wait = 0.0
