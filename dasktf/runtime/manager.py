@@ -93,12 +93,12 @@ class RunManager:
             self.closed = True
             runs = {run for run, _ in self.replicas} | set(self.links)
             endpoints = list(self.endpoints.values())
-        for run_id in runs:
-            self.release(run_id)
         for ep in endpoints:
             ep.mailbox.fail(CollectiveAbortedError(
                 f"worker {self.address} is closing; group {ep.gid} ends with it."))
             ep.done.set()
+        for run_id in runs:
+            self.release(run_id)
 
 
 def run_manager(worker: Worker | None = None) -> RunManager:
