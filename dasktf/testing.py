@@ -151,34 +151,34 @@ def kill_worker_at_update(client: Client, address: str, update: int,
     client.run(_arm_kill, int(update), where, workers=[address])
 
 
-def _arm_kill(update: int, where: str) -> None:
+def _arm_kill(update: int, where: str, dask_worker: Any = None) -> None:
+    from dasktf.runtime.manager import run_manager
+
     def die() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
-    if where == "step":
-        from dasktf.runtime.p2p import segment
-
-        def at_step(replica: Any, u: int) -> None:
-            if u == update:
-                die()
-
-        segment.step_hooks.append(at_step)
-        return
-    from dasktf.runtime.p2p import group
+    def at_step(replica: Any, u: int) -> None:
+        if u == update:
+            die()
 
     def at_send(g: Any, dest: int, key: Any, acknowledged: Any) -> None:
         if key.step == update:
             acknowledged.result(timeout=60)  # the peer's kernel holds the message
             die()
 
-    group.send_hooks.append(at_send)
+    manager = run_manager(dask_worker)
+    if where == "step":
+        manager.step_hooks.append(at_step)
+    else:
+        manager.send_hooks.append(at_send)
 
 
-def _set_delay(delay: dict[str, float]) -> dict[str, float]:
-    from dasktf.runtime.replica import WORKER_DELAY
+def _set_delay(delay: dict[str, float], dask_worker: Any = None) -> dict[str, float]:
+    from dasktf.runtime.manager import run_manager
 
-    old = dict(WORKER_DELAY)
-    WORKER_DELAY.update(delay)
+    manager = run_manager(dask_worker)
+    old = dict(manager.delay)
+    manager.delay.update(delay)
     return old
 
 

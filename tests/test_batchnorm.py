@@ -60,7 +60,7 @@ def _replica_stats(run_id, dask_worker=None):
     from dasktf.runtime.replica import registered_replicas
 
     return {run: r.non_trainable_values()
-            for (run, _), r in registered_replicas().items()}
+            for (run, _), r in registered_replicas(dask_worker).items()}
 
 
 class ReadReplicas(keras.callbacks.Callback):

@@ -78,10 +78,10 @@ def _flat(weights):
     return np.concatenate([np.ravel(w) for w in weights])
 
 
-def _replicas_held() -> int:
+def _replicas_held(dask_worker=None) -> int:
     from dasktf.runtime.replica import registered_replicas
 
-    return len(registered_replicas())
+    return len(registered_replicas(dask_worker))
 
 
 def test_sync_client_killed_mid_run_resumes_to_the_uninterrupted_weights(

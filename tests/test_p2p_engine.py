@@ -97,7 +97,7 @@ def _probe_at_step(update: int, dask_worker: Any = None) -> None:
     if the segment left the worker's one thread free."""
     from distributed import get_client
 
-    from dasktf.runtime.p2p import segment
+    from dasktf.runtime.manager import run_manager
 
     worker = dask_worker
     worker._dasktf_probe = None
@@ -114,7 +114,7 @@ def _probe_at_step(update: int, dask_worker: Any = None) -> None:
             worker._dasktf_probe = "the probe did not run within 30 s"
 
     probe.dasktf_test_probe = True  # type: ignore[attr-defined]
-    segment.step_hooks.append(probe)
+    run_manager(worker).step_hooks.append(probe)
 
 
 def _probe_result(dask_worker: Any = None) -> Any:
@@ -277,7 +277,7 @@ def _wait_for_stop_at(update: int, dask_worker: Any = None) -> None:
     """On a worker: its replica's step of ``update`` waits (at most 30 s) until the
     client's stop request reached this worker, so that a fast epoch cannot end
     before the request arrives."""
-    from dasktf.runtime.p2p import segment
+    from dasktf.runtime.manager import run_manager
     from dasktf.runtime.p2p.links import link
 
     address = dask_worker.address
@@ -288,14 +288,14 @@ def _wait_for_stop_at(update: int, dask_worker: Any = None) -> None:
             wait_until(lambda: link(replica.run_id, address).stop, 30, "the stop request")
 
     wait.dasktf_test_probe = True  # type: ignore[attr-defined]
-    segment.step_hooks.append(wait)
+    run_manager(dask_worker).step_hooks.append(wait)
 
 
 def _remove_test_hooks(dask_worker: Any = None) -> None:
-    from dasktf.runtime.p2p import segment
+    from dasktf.runtime.manager import run_manager
 
-    segment.step_hooks[:] = [h for h in segment.step_hooks
-                             if not getattr(h, "dasktf_test_probe", False)]
+    hooks = run_manager(dask_worker).step_hooks
+    hooks[:] = [h for h in hooks if not getattr(h, "dasktf_test_probe", False)]
 
 
 def test_stop_training_stops_every_replica_after_the_same_update(client, digits):

@@ -8,7 +8,7 @@ multiplied by the batch size, so partial sums add up), the other applies a summe
 gradient. Every replica applies the same sums in the same order, so all hold the
 same weights without ever broadcasting them.
 
-Each worker process keeps its replicas in a registry keyed by run and worker
+Each worker keeps its replicas in its :class:`~dasktf.runtime.manager.RunManager`
 (:func:`register_replica`, :func:`get_replica`); the Dask tasks that drive them
 live in :mod:`dasktf.runtime.tasks`.
 """
@@ -43,15 +43,13 @@ from dasktf.runtime.keras_step import (
     metric_states,
     weigh_output_losses,
 )
+from dasktf.runtime.manager import RunManager, run_manager
 from dasktf.runtime.rounds import LocalSpec, Rounds
 from dasktf.runtime.timing import StepTimer, StepTiming
 from dasktf.transport import ModelRef, seed_states
 from dasktf.wire.messages import GradientSum
 
 logger = logging.getLogger(__name__)
-#: A whole-process slow-down set by :func:`dasktf.testing.delay_worker`: each step
-#: takes ``factor`` times its compute, and at least ``seconds``.
-WORKER_DELAY: dict[str, float] = {"factor": 1.0, "seconds": 0.0}
 
 
 @dataclass(frozen=True)
@@ -543,35 +541,33 @@ def straggle(replica: Replica, compute_seconds: float) -> None:
     unchanged: only the timing differs. The first step is not slowed: its time is
     mostly tracing, a one-off cost every worker pays.
     """
-    factor = max(replica.slow_factor, WORKER_DELAY["factor"])
-    pause = max((factor - 1.0) * compute_seconds, WORKER_DELAY["seconds"] - compute_seconds)
+    delay = run_manager().delay  # (tests: :func:`dasktf.testing.delay_worker`)
+    factor = max(replica.slow_factor, delay["factor"])
+    pause = max((factor - 1.0) * compute_seconds, delay["seconds"] - compute_seconds)
     if pause > 0 and replica.traced:
         time.sleep(pause)
     replica.traced = True
 
 
-# -- the per-process registry: each worker's replicas, by run ------------------------
-#: (run id, worker address) -> replica; "address#slot" for one adopted for a lost worker.
-_REPLICAS: dict[tuple[str, str], Replica] = {}
-
-
-def _key(run_id: str, slot: int | None = None) -> tuple[str, str]:
-    from distributed import get_worker
-
-    address = get_worker().address
-    return run_id, address if slot is None else f"{address}#{slot}"
+# -- the worker's replicas, held by its RunManager ------------------------------------
+def _key(run_id: str, slot: int | None = None) -> tuple[RunManager, tuple[str, str]]:
+    manager = run_manager()
+    address = manager.address
+    return manager, (run_id, address if slot is None else f"{address}#{slot}")
 
 
 def register_replica(run_id: str, replica: Replica, slot: int | None = None) -> None:
     """Make ``replica`` this worker's replica of ``run_id`` (``slot``: one built here
     for a lost worker's shard)."""
-    _REPLICAS[_key(run_id, slot)] = replica
+    manager, key = _key(run_id, slot)
+    manager.replicas[key] = replica
 
 
 def get_replica(run_id: str, slot: int | None = None) -> Replica:
     """This worker's replica of ``run_id`` (``slot``: one adopted from a lost worker)."""
+    manager, key = _key(run_id, slot)
     try:
-        return _REPLICAS[_key(run_id, slot)]
+        return manager.replicas[key]
     except KeyError:
         raise ReplicaError(
             f"No replica of run {run_id} on this worker: it was lost or never built "
@@ -579,22 +575,11 @@ def get_replica(run_id: str, slot: int | None = None) -> Replica:
         ) from None
 
 
-def registered_replicas() -> dict[tuple[str, str], Replica]:
-    """Every replica in this process, by (run id, worker)."""
-    return dict(_REPLICAS)
+def registered_replicas(dask_worker: Any = None) -> dict[tuple[str, str], Replica]:
+    """Every replica on this worker, by (run id, worker)."""
+    return dict(run_manager(dask_worker).replicas)
 
 
-def replicas_of(run_id: str) -> list[Replica]:
-    """Every replica of ``run_id`` in this process (adopted ones included)."""
-    return [r for (run, _), r in list(_REPLICAS.items()) if run == run_id]
-
-
-def forget_replicas(run_id: str) -> int:
-    """Drop this process's replicas of ``run_id``; how many there were."""
-    keys = [k for k in _REPLICAS if k[0] == run_id]
-    for k in keys:
-        replica = _REPLICAS.pop(k)
-        for shard in [replica.shard, *(s for _, s, _ in replica.adopted)]:
-            if isinstance(shard, StreamedShard):
-                shard.close()  # its reading thread stops with the run
-    return len(keys)
+def replicas_of(run_id: str, dask_worker: Any = None) -> list[Replica]:
+    """Every replica of ``run_id`` on this worker (adopted ones included)."""
+    return [r for (run, _), r in registered_replicas(dask_worker).items() if run == run_id]

@@ -1,6 +1,6 @@
 """The worker-side entry points of a run's replicas (plain module functions, so
-their Dask task names read well on the dashboard) and the per-process registry
-they find their replica in, keyed by run and worker.
+their Dask task names read well on the dashboard); they find their replica in
+the worker's :class:`~dasktf.runtime.manager.RunManager`.
 """
 
 from __future__ import annotations
@@ -16,12 +16,11 @@ from dasktf.cluster.devices import (
 )
 from dasktf.data.shards import Shard
 from dasktf.runtime.channel import channel, receive, send
-from dasktf.runtime.p2p.links import close_links
+from dasktf.runtime.manager import run_manager
 from dasktf.runtime.replica import (
     EpochReport,
     Replica,
     ReplicaConfig,
-    forget_replicas,
     get_replica,
     mean_non_trainable,
     register_replica,
@@ -150,10 +149,10 @@ def set_non_trainable_task(run_id: str, values: list[np.ndarray] | None,
 
 def release_replicas(run_id: str, model_key: str | None = None,
                      dask_worker: Any = None) -> int:
-    """Drop this process's replicas of ``run_id`` (run through ``Client.run``) and
-    its copy of the run's model package ``model_key``."""
-    released = forget_replicas(run_id)
-    close_links(run_id)  # a p2p run's groups (no wait: this runs on the event loop)
+    """Drop this worker's replicas and groups of ``run_id`` (run through
+    ``Client.run``: never waits, it runs on the event loop) and this process's copy
+    of the run's model package ``model_key``."""
+    released = run_manager(dask_worker).release(run_id)
     if model_key is not None:
         forget_model(model_key)
     release_run(run_id)

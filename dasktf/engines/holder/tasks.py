@@ -121,7 +121,7 @@ def async_step_task(
 
 def flush_events(run_id: str, dask_worker: Any = None) -> None:
     """Send this worker's buffered step records now (run through ``Client.run``)."""
-    for replica in replicas_of(run_id):
+    for replica in replicas_of(run_id, dask_worker):
         replica.events.flush(dask_worker)
 
 

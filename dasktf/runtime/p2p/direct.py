@@ -1,10 +1,10 @@
 """Messages between the members' training threads on sockets of their own, over
 connections Dask opened.
 
-On the event loop path (:meth:`P2PPlugin.post`) every message crosses two
-threads at each end and Tornado's and Dask's framing: on a small model that cost
-each worker's event loop 2-3 ms of CPU a step, more than the step's TensorFlow
-compute (docs/p2p.md#measured). Here a member's training thread writes each
+On the event loop path (:mod:`dasktf.runtime.p2p.loop`) every message crosses
+two threads at each end and Tornado's and Dask's framing: on a small model that
+cost each worker's event loop 2-3 ms of CPU a step, more than the step's
+TensorFlow compute (docs/p2p.md#measured). Here a member's training thread writes each
 message straight into a socket, and the receiver's training thread reads it
 while it waits, as MPI's and NCCL's progress engines do.
 
@@ -12,12 +12,9 @@ The connections are Dask's: the sender opens one with ``distributed.comm.connect
 to the peer worker's own listener (its handshake, its connection arguments) and
 asks for ``dasktf_p2p_direct``; both ends take the socket out of Tornado's hands
 (a duplicate of the descriptor; the comm is then aborted, which closes Tornado's
-descriptor without shutting the connection down). An idle Tornado stream reads
-whatever arrives into a buffer of its own, so nothing may reach a socket before it
-left Tornado: the request is the sender's last write through Tornado, the receiver
-takes its end first and answers ``READY`` on the raw socket, and the sender sends
-only after reading it (:meth:`P2PPlugin.direct`). Nothing new listens, nothing is
-bound beyond the workers' addresses.
+descriptor without shutting the connection down), in the order
+:mod:`dasktf.runtime.p2p.handshake` keeps. Nothing new listens, nothing is bound
+beyond the workers' addresses.
 
 Under TLS the socket is the ``ssl.SSLSocket`` of Dask's own TLS comm, taken over
 whole: its session (the handshake Dask made, the peer's certificate checked as

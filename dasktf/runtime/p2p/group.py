@@ -5,7 +5,7 @@ per worker) with the same id and the same ordered member addresses; the member's
 rank is its place in that list. :meth:`Group.allreduce` is synchronous: it returns
 the sum, the same bits on every member, once this member's part is done. Its
 messages go out on the worker's event loop; what peers send waits in the group's
-mailbox (:mod:`dasktf.runtime.p2p.plugin`).
+mailbox (:mod:`dasktf.runtime.p2p.plugin`, :mod:`dasktf.runtime.p2p.loop`).
 
 Bounds: every wait for a peer is at most ``dasktf.p2p.timeout``; a member whose
 connection closes fails the group on every survivor at once
@@ -40,20 +40,15 @@ from dasktf.runtime.p2p.algorithms import (
     sources,
 )
 from dasktf.runtime.p2p.mailbox import Key
-from dasktf.runtime.p2p.plugin import Endpoint, P2PPlugin
+from dasktf.runtime.p2p.plugin import P2PPlugin
 from dasktf.wire.codecs import Codec, get_codec
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
     from types import TracebackType
 
     from distributed import Worker
 
-#: For tests (not public API): each ``hook(group, dest, key, acknowledged)`` is
-#: called once a message is sent (``acknowledged``: a future done once its bytes
-#: are in the connection, on the loopback in the peer's kernel); a test kills a
-#: worker there, in the middle of a collective.
-send_hooks: list[Callable[[Group, int, Key, concurrent.futures.Future[Any]], None]] = []
+    from dasktf.runtime.p2p.loop import Endpoint
 
 #: How many collectives of this process's groups took each transport (``"direct"``,
 #: ``"loop"``, ``"mixed"``; ``CollectiveStats.transport``): a TLS run that fell back
@@ -128,6 +123,9 @@ class Group:
             worker = get_worker()
         self.worker = worker
         self.plugin = P2PPlugin.on(worker)
+        self.transport = self.plugin.loop
+        #: (tests) called once a message is sent (:mod:`dasktf.runtime.manager`)
+        self.send_hooks = self.plugin.manager.send_hooks
         self.members = [str(m) for m in members]
         if len(set(self.members)) != len(self.members):
             raise ValueError(f"Group {gid}: a member is named twice in {self.members}.")
@@ -172,8 +170,8 @@ class Group:
         self._step_direct = self._step_loop = 0
         self._wait = 0.0
         for source in sources(self.rank, self.size):
-            ep.watches.append(self.plugin.submit(
-                self.plugin.hold_watch(ep, self.members[source])))
+            ep.watches.append(self.transport.submit(
+                self.transport.hold_watch(ep, self.members[source])))
 
     # -- the collective -----------------------------------------------------------
     def allreduce(self, buf: np.ndarray, step: int, scalars: np.ndarray | None = None,
@@ -250,17 +248,17 @@ class Group:
         self._messages += 1
         if self.links is not None and self.links.send(dest, key, payload):
             self._step_direct += 1
-            if send_hooks:  # (tests) the message handed to the kernel, the peer's
+            if self.send_hooks:  # (tests) the message handed to the kernel, the peer's
                 self.links.flush(self.timeout, self.members.__getitem__, key.step)
                 future: concurrent.futures.Future[Any] = concurrent.futures.Future()
                 future.set_result(None)
-                for hook in send_hooks:
+                for hook in self.send_hooks:
                     hook(self, dest, key, future)
             return
         self._step_loop += 1
-        future = self.plugin.post(self._ep, address, key, payload)
+        future = self.transport.post(self._ep, address, key, payload)
         self._pending.append((address, key.step, future))
-        for hook in send_hooks:
+        for hook in self.send_hooks:
             hook(self, dest, key, future)
 
     def recv(self, source: int, key: Key) -> Payload:
@@ -306,7 +304,7 @@ class Group:
         error = CollectiveAbortedError(
             f"Group {self.gid} was aborted by {self.worker.address}: {reason}")
         self._ep.mailbox.fail(error)
-        self.plugin.broadcast_abort(self._ep, reason, None)
+        self.transport.broadcast_abort(self._ep, reason, None)
 
     def close(self, error: BaseException | None = None, flush: bool = True) -> None:
         """Leave the group. Without ``error``, first wait (bounded) until the peers
@@ -342,7 +340,7 @@ class Group:
         for watch in ep.watches:
             watch.cancel()
         self.worker.loop.add_callback(ep.done.set)
-        self.worker.loop.add_callback(self.plugin.close_outboxes, ep)
+        self.worker.loop.add_callback(self.transport.close_outboxes, ep)
         self.plugin.forget(ep)
 
     @property

@@ -1,10 +1,11 @@
 """A replica's link to its peers in a p2p run: its group, and the run's stop request.
 
-One :class:`Link` per run and worker in each process (like the replica registry of
-:mod:`dasktf.runtime.replica`). It keeps the worker's :class:`Group` from one
-segment task to the next while the membership stands (the group id is the same),
-so the codecs' error-feedback residuals and the peers' watches carry on; a new
-membership (a loss, a re-form) brings a new id and a new group. The client's stop
+One :class:`Link` per run on each worker, held by its
+:class:`~dasktf.runtime.manager.RunManager` with its replicas (which closes it
+with the run). It keeps the worker's :class:`Group` from one segment task to the
+next while the membership stands (the group id is the same), so the codecs'
+error-feedback residuals and the peers' watches carry on; a new membership (a
+loss, a re-form) brings a new id and a new group. The client's stop
 request (:func:`request_stop`) sets :attr:`Link.stop`, which the segment's next
 collective carries as its vote.
 """
@@ -15,9 +16,12 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from dasktf.runtime.manager import run_manager
 from dasktf.runtime.p2p.group import Group
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from distributed import Worker
 
 
@@ -37,8 +41,10 @@ class GroupSpec:
 class Link:
     """This worker's group of one run, and its stop request."""
 
-    def __init__(self) -> None:
+    def __init__(self, step_hooks: list[Callable[..., None]]) -> None:
         self.group: Group | None = None
+        #: (tests) called before each step (:class:`~dasktf.runtime.manager.RunManager`)
+        self.step_hooks = step_hooks
         #: the client asked the run to stop: voted in the next collective
         self.stop = False
         #: the last update this replica had applied when the request arrived
@@ -59,60 +65,33 @@ class Link:
                                timeout=spec.timeout)
             return self.group
 
-    def fail(self, error: BaseException) -> None:
-        """Leave the group after ``error`` (the other members hear of it at once)."""
+    def close(self, error: BaseException | None = None) -> None:
+        """Leave the group without waiting for anything (the run is over); after
+        ``error``, the other members hear of it at once."""
         with self._lock:
             group, self.group = self.group, None
         if group is not None:
-            group.close(error)
+            group.close(error, flush=False)
 
-    def close(self) -> None:
-        """Leave the group without waiting for anything (the run is over)."""
-        with self._lock:
-            group, self.group = self.group, None
-        if group is not None:
-            group.close(flush=False)
+    fail = close
 
 
-#: (run id, worker address) -> its link
-_LINKS: dict[tuple[str, str], Link] = {}
-_LOCK = threading.Lock()
-
-
-def link(run_id: str, address: str) -> Link:
-    """The link of ``run_id`` on the worker at ``address`` (made on first use)."""
-    with _LOCK:
-        found = _LINKS.get((run_id, address))
-        if found is None:
-            found = _LINKS[(run_id, address)] = Link()
-        return found
+def link(run_id: str, address: str | None = None) -> Link:
+    """The link of ``run_id`` on this worker (made on first use; ``address``: this
+    worker's, as the caller knows it)."""
+    manager = run_manager()
+    return manager.link(run_id, lambda: Link(manager.step_hooks))
 
 
 def request_stop(run_id: str, dask_worker: Worker | None = None) -> bool:
     """Ask this worker's replica of ``run_id`` to vote for stopping in its next
     collective (run with ``client.run``); ``True`` if it had a link."""
-    from dasktf.runtime.replica import registered_replicas
-
-    if dask_worker is None:
-        from distributed import get_worker
-
-        dask_worker = get_worker()
-    with _LOCK:
-        found = _LINKS.get((run_id, dask_worker.address))
+    manager = run_manager(dask_worker)
+    found = manager.links.get(run_id)
     if found is None:
         return False
-    replica = registered_replicas().get((run_id, dask_worker.address))
+    replica = manager.replicas.get((run_id, manager.address))
     found.stop_heard_after = replica.applied if replica is not None else None
     found.stop = True
     return True
 
-
-def close_links(run_id: str) -> int:
-    """Leave every group of ``run_id`` in this process (the run ends or re-forms its
-    replicas); how many links there were. Never waits: it runs on the event loop."""
-    with _LOCK:
-        mine = [k for k in _LINKS if k[0] == run_id]
-        links = [_LINKS.pop(k) for k in mine]
-    for one in links:
-        one.close()
-    return len(links)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -38,10 +37,6 @@ from dasktf.wire.packets import record_traffic
 if TYPE_CHECKING:
     from dasktf.runtime.p2p.group import Group
     from dasktf.runtime.replica import Replica
-
-#: For tests (not public API): each ``hook(replica, update)`` is called on the worker
-#: before the step of global update ``update`` begins; a test kills a worker there.
-step_hooks: list[Callable[[Replica, int], None]] = []
 
 
 @dataclass(frozen=True)
@@ -137,7 +132,7 @@ def _steps(replica: Replica, group: Group, segment: Segment, peers: Link, here: 
     pending: GradientSum | None = None
     for step in range(segment.first, segment.last + 1):
         update = segment.update_base + step
-        for hook in step_hooks:
+        for hook in peers.step_hooks:
             hook(replica, update)
         began = time.perf_counter()
         if replica.rounds is not None:
