@@ -133,12 +133,13 @@ def test_dask_ml_grid_search_on_dask_arrays(client):
 
 def test_bad_arguments_are_named(client):
     x, y = _blobs(100)
-    with pytest.raises(TypeError, match="model must be a function"):
-        dasktf.KerasClassifier(model=keras.Sequential()).fit(x, y)
-    with pytest.raises(ValueError, match=r"fit_options \['epochs'\] are parameters"):
-        dasktf.KerasClassifier(fit_options={"epochs": 3}).fit(x, y)
+    with pytest.raises(TypeError, match="model must be a compiled keras.Model, a function"):
+        dasktf.KerasClassifier(model=42).fit(x, y)
     with pytest.raises(TypeError, match="unknown option"):
-        dasktf.KerasClassifier(epochs=1, fit_options={"epoch": 3}).fit(x, y)
+        dasktf.KerasClassifier(epochs=1, fit_kwargs={"epoch": 3}).fit(x, y)
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['hidden'\]: a "
+                                        "routed parameter starts with one of model__"):
+        dasktf.KerasClassifier(hidden=3)
     with pytest.raises(ValueError, match="one weight per row"):
         dasktf.KerasRegressor(epochs=1).fit(x, y.astype(float), sample_weight=np.ones(3))
     with pytest.raises(ValueError, match="at least 2 classes"):
