@@ -86,7 +86,8 @@ class KerasEstimator(BaseEstimator):
         self.n_workers = n_workers
         self.verbose = verbose
         self.predict_batch_size = predict_batch_size
-        check_routed(routed_params, type(self).__name__)
+        # Kept as given, checked by fit: scikit-learn's estimators validate nothing
+        # in __init__ or set_params (its checks pass every parameter odd values).
         vars(self).update(routed_params)
 
     # -- parameters: the signature's and the routed ones ------------------------------
@@ -147,6 +148,9 @@ class KerasEstimator(BaseEstimator):
 
     def _fit(self, X: Any, y: Any, sample_weight: Any, call: dict[str, Any], *,
              warm: bool, classes: Any = None) -> Any:
+        known = {*self.get_params(deep=False), "client"}
+        check_routed({k: v for k, v in vars(self).items() if k not in known
+                      and not k.endswith("_") and not k.startswith("_")}, type(self).__name__)
         continuing = warm and hasattr(self, "model_")
         if is_dask(X) or is_dask(y):
             n = n_features(X)

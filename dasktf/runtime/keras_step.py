@@ -43,7 +43,7 @@ def step_dtype(dtype: np.dtype) -> np.dtype:
     dtypes (integer labels, strings) pass unchanged."""
     import keras
 
-    if dtype == object or not keras.backend.is_float_dtype(dtype):
+    if dtype.kind == "O" or not keras.backend.is_float_dtype(dtype):
         return dtype
     floatx = np.dtype(keras.backend.floatx())
     return dtype if dtype == floatx else floatx
