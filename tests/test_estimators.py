@@ -141,6 +141,8 @@ def test_bad_arguments_are_named(client):
     with pytest.raises(TypeError, match=r"unexpected keyword arguments \['hidden'\]: a "
                                         "routed parameter starts with one of model__"):
         dasktf.KerasClassifier(hidden=3).fit(x, y)
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['epoch'\]"):
+        dasktf.KerasClassifier().set_params(epoch=3).fit(x, y)
     with pytest.raises(ValueError, match="one weight per row"):
         dasktf.KerasRegressor(epochs=1).fit(x, y.astype(float), sample_weight=np.ones(3))
     with pytest.raises(ValueError, match="at least 2 classes"):

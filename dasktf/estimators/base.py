@@ -95,8 +95,13 @@ class KerasEstimator(BaseEstimator):
         return {**super().get_params(deep), **all_routed(self)}
 
     def set_params(self, **params: Any) -> Any:
-        vars(self).update({k: v for k, v in params.items() if is_routed(k)})
-        return super().set_params(**{k: v for k, v in params.items() if not is_routed(k)})
+        # Routed names, and (as __init__ does) unknown plain names, which fit
+        # refuses; a nested name (``step__param``) is scikit-learn's to resolve.
+        names = self.get_params(deep=False)
+        kept = {k: v for k, v in params.items()
+                if is_routed(k) or ("__" not in k and k not in names)}
+        vars(self).update(kept)
+        return super().set_params(**{k: v for k, v in params.items() if k not in kept})
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
