@@ -213,3 +213,52 @@ def test_regressor_with_a_compiled_model_and_partial_fit(client):
         inc.partial_fit(X, y)
     assert len(inc.history_["loss"]) == 3 and inc.predict(X).shape == (200,)
     assert inc.history_["loss"][-1] < inc.history_["loss"][0]
+
+
+# -- SciKeras' quickstart, as written (scikeras.readthedocs.io) -------------------------
+def get_model(hidden_layer_dim, meta):
+    # note that meta is a special argument that will be
+    # handed a dict containing input metadata
+    n_features_in_ = meta["n_features_in_"]
+    X_shape_ = meta["X_shape_"]
+    n_classes_ = meta["n_classes_"]
+
+    model = keras.models.Sequential()
+    model.add(keras.layers.Dense(n_features_in_, input_shape=X_shape_[1:]))
+    model.add(keras.layers.Activation("relu"))
+    model.add(keras.layers.Dense(hidden_layer_dim))
+    model.add(keras.layers.Activation("relu"))
+    model.add(keras.layers.Dense(n_classes_))
+    model.add(keras.layers.Activation("softmax"))
+    return model
+
+
+@pytest.mark.filterwarnings("ignore:Do not pass an `input_shape`")
+def test_scikeras_quickstart_matches_keras_fit(client):
+    """SciKeras' quickstart: a plain argument of the model function
+    (hidden_layer_dim=100) and meta. Against Keras' fit of the same model from
+    the same seed, with the estimator's defaults (Adam, 10 epochs of 128) and
+    Keras' batch order (shuffle=False, one worker) so the weights compare."""
+    X, y = make_classification(1000, 20, n_informative=10, random_state=0)
+    X = X.astype(np.float32)
+    y = y.astype(np.int64)
+
+    clf = dasktf.KerasClassifier(
+        get_model,
+        loss="sparse_categorical_crossentropy",
+        hidden_layer_dim=100,
+        seed=2, shuffle=False, n_workers=1,  # dasktf's: the comparison's
+    )
+    clf.client = client
+    clf.fit(X, y)
+    y_proba = clf.predict_proba(X)
+    assert clf.get_params()["hidden_layer_dim"] == 100
+    assert clone(clf).get_params()["hidden_layer_dim"] == 100
+
+    keras.utils.set_random_seed(2)
+    reference = get_model(100, {"n_features_in_": 20, "X_shape_": X.shape, "n_classes_": 2})
+    reference.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    reference.fit(X, y, epochs=10, batch_size=128, shuffle=False, verbose=0)
+    _assert_same_weights(clf.model_, reference)
+    np.testing.assert_allclose(y_proba, reference.predict(X, verbose=0), rtol=1e-3,
+                               atol=1e-5)

@@ -138,9 +138,11 @@ def test_bad_arguments_are_named(client):
         dasktf.KerasClassifier(model=42).fit(x, y)
     with pytest.raises(TypeError, match="unknown option"):
         dasktf.KerasClassifier(epochs=1, fit_kwargs={"epoch": 3}).fit(x, y)
-    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['hidden'\]: a "
-                                        "routed parameter starts with one of model__"):
-        dasktf.KerasClassifier(hidden=3).fit(x, y)
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['hiden'\]: "
+                                        "neither its parameters nor arguments of its "
+                                        "model function; a routed parameter starts "
+                                        "with one of model__"):
+        dasktf.KerasClassifier(hiden=3).fit(x, y)
     with pytest.raises(TypeError, match=r"unexpected keyword arguments \['epoch'\]"):
         dasktf.KerasClassifier().set_params(epoch=3).fit(x, y)
     with pytest.raises(ValueError, match="one weight per row"):

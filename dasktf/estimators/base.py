@@ -14,11 +14,11 @@ from sklearn.base import BaseEstimator
 from sklearn.utils.validation import check_is_fitted, validate_data
 
 from dasktf.estimators.routing import (
-    all_routed,
     build_loss,
     build_optimizer,
-    check_routed,
+    extra_params,
     is_routed,
+    refuse_unknown,
     routed,
 )
 from dasktf.estimators.targets import is_dask, n_features, row_shape, row_weights
@@ -86,13 +86,15 @@ class KerasEstimator(BaseEstimator):
         self.n_workers = n_workers
         self.verbose = verbose
         self.predict_batch_size = predict_batch_size
-        # Kept as given, checked by fit: scikit-learn's estimators validate nothing
-        # in __init__ or set_params (its checks pass every parameter odd values).
+        # Routed parameters, and plain arguments of the model function (SciKeras
+        # takes both): kept as given and checked by fit, as scikit-learn's
+        # estimators validate nothing in __init__ or set_params.
         vars(self).update(routed_params)
 
     # -- parameters: the signature's and the routed ones ------------------------------
     def get_params(self, deep: bool = True) -> dict[str, Any]:
-        return {**super().get_params(deep), **all_routed(self)}
+        declared = super().get_params(deep)
+        return {**declared, **extra_params(self, declared)}
 
     def set_params(self, **params: Any) -> Any:
         # Routed names, and (as __init__ does) unknown plain names, which fit
@@ -153,9 +155,7 @@ class KerasEstimator(BaseEstimator):
 
     def _fit(self, X: Any, y: Any, sample_weight: Any, call: dict[str, Any], *,
              warm: bool, classes: Any = None) -> Any:
-        known = {*self.get_params(deep=False), "client"}
-        check_routed({k: v for k, v in vars(self).items() if k not in known
-                      and not k.endswith("_") and not k.startswith("_")}, type(self).__name__)
+        factory, plain = self._factory_and_arguments()
         continuing = warm and hasattr(self, "model_")
         if is_dask(X) or is_dask(y):
             n = n_features(X)
@@ -175,7 +175,7 @@ class KerasEstimator(BaseEstimator):
             # the model's own optimizer (its moments, its step) and loss go on
             args: dict[str, Any] = {"optimizer": None, "loss": None}
         else:
-            model = self._fresh_model(X, model_y, outputs)
+            model = self._fresh_model(factory, plain, X, model_y, outputs)
             args = self._compile_args(model)
         args.update(epochs=self.epochs, batch_size=self.batch_size, metrics=self.metrics,
                     validation_split=self.validation_split, shuffle=self.shuffle,
@@ -211,19 +211,18 @@ class KerasEstimator(BaseEstimator):
             loss = build_loss(loss if loss is not None else model.loss, options)
         return {"optimizer": optimizer, "learning_rate": self.learning_rate, "loss": loss}
 
-    def _fresh_model(self, X: Any, y: Any, outputs: int) -> Any:
-        """The model to train: a clone of ``self.model`` (compiled as it is), or
-        the given one itself with ``warm_start``, or what the function builds."""
+    def _factory_and_arguments(self) -> tuple[Any, dict[str, Any]]:
+        """The model function (``None`` for a given ``keras.Model``), and the plain
+        keyword arguments of the estimator it takes, as SciKeras passes them
+        (``KerasClassifier(build, hidden=64)``); others are refused here."""
         import keras
 
-        if self.seed is not None:
-            keras.utils.set_random_seed(self.seed)
         factory = self.model
+        extra = extra_params(self, super().get_params(deep=False))
+        plain = {k: v for k, v in extra.items() if not is_routed(k)}
         if isinstance(factory, keras.Model):
-            if self.warm_start:
-                return factory  # trained in place, as Keras' wrappers do
-            return clone_compiled(factory)
-        if factory is None:
+            factory = None
+        elif factory is None:
             factory = functools.partial(dense_model, activation=self._output_activation)
         elif isinstance(factory, str):
             if factory not in BUILTIN_MODELS:
@@ -236,10 +235,31 @@ class KerasEstimator(BaseEstimator):
                 f"model must be a compiled keras.Model, a function that builds one "
                 f"(it may take X=, y=, meta=, input_shape=, num_outputs=) or a built-in "
                 f"name; got {type(factory).__name__}.")
-        kwargs = {**(self.model_kwargs or {}), **routed(self, "model")}
+        taken = inspect.signature(factory).parameters if factory is not None else {}
+        takes_any = any(p.kind is p.VAR_KEYWORD for p in taken.values())
+        refuse_unknown([k for k in plain if k not in taken and not takes_any],
+                       type(self).__name__)
+        return factory, plain
+
+    def _fresh_model(self, factory: Any, plain: dict[str, Any], X: Any, y: Any,
+                     outputs: int) -> Any:
+        """The model to train: a clone of ``self.model`` (compiled as it is), or
+        the given one itself with ``warm_start``, or what ``factory`` builds with
+        ``model_kwargs``, the estimator's ``plain`` arguments and the ``model__``
+        parameters (each over the one before)."""
+        import keras
+
+        if self.seed is not None:
+            keras.utils.set_random_seed(self.seed)
+        if factory is None:
+            if self.warm_start:
+                return self.model  # trained in place, as Keras' wrappers do
+            return clone_compiled(self.model)
+        kwargs = {**(self.model_kwargs or {}), **plain, **routed(self, "model")}
         taken = inspect.signature(factory).parameters
-        data = {"X": X, "y": y, "meta": {**self._meta(), "input_shape": row_shape(X),
-                                         "num_outputs": outputs}}
+        meta = {**self._meta(), "X_shape_": tuple(X.shape), "X_dtype_": X.dtype,
+                "input_shape": row_shape(X), "num_outputs": outputs}
+        data = {"X": X, "y": y, "meta": meta}
         kwargs.update({k: v for k, v in data.items() if k in taken and k not in kwargs})
         built = ModelSpec(factory=functools.partial(factory, **kwargs),
                           input_shape=row_shape(X), num_outputs=outputs).build()

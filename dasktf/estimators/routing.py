@@ -28,13 +28,14 @@ def is_routed(name: str) -> bool:
     return bool(sep and rest) and route in ROUTES
 
 
-def check_routed(params: dict[str, Any], owner: str) -> None:
-    """Refuse keyword arguments that are neither parameters nor routed ones."""
-    unknown = sorted(name for name in params if not is_routed(name))
-    if unknown:
+def refuse_unknown(names: list[str], owner: str) -> None:
+    """Refuse keyword arguments that are neither parameters, routed ones nor
+    arguments of the model function."""
+    if names:
         routes = ", ".join(f"{r}__ ({what})" for r, what in ROUTES.items())
-        raise TypeError(f"{owner} got unexpected keyword arguments {unknown}: a routed "
-                        f"parameter starts with one of {routes}.")
+        raise TypeError(f"{owner} got unexpected keyword arguments {sorted(names)}: "
+                        "neither its parameters nor arguments of its model function; a "
+                        f"routed parameter starts with one of {routes}.")
 
 
 def routed(owner: Any, route: str) -> dict[str, Any]:
@@ -44,8 +45,13 @@ def routed(owner: Any, route: str) -> dict[str, Any]:
             if name.startswith(prefix) and is_routed(name)}
 
 
-def all_routed(owner: Any) -> dict[str, Any]:
-    return {name: value for name, value in vars(owner).items() if is_routed(name)}
+def extra_params(owner: Any, declared: Any) -> dict[str, Any]:
+    """The keyword arguments ``owner`` was given beyond its ``declared``
+    parameters: routed ones, and (SciKeras') plain names of the model function's
+    arguments. Not fitted attributes (``model_``), private ones or ``client``."""
+    return {name: value for name, value in vars(owner).items()
+            if name not in declared and name != "client"
+            and not name.endswith("_") and not name.startswith("_")}
 
 
 def build_optimizer(spec: Any, params: dict[str, Any]) -> Any:
