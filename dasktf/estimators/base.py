@@ -257,7 +257,8 @@ class KerasEstimator(BaseEstimator):
             return clone_compiled(self.model)
         kwargs = {**(self.model_kwargs or {}), **plain, **routed(self, "model")}
         taken = inspect.signature(factory).parameters
-        meta = {**self._meta(), "X_shape_": tuple(X.shape), "X_dtype_": X.dtype,
+        meta = {**self._meta(), "X_shape_": (X.shape[0], *row_shape(X)),
+                "X_dtype_": getattr(X, "dtype", None),  # None: a DataFrame's columns
                 "input_shape": row_shape(X), "num_outputs": outputs}
         data = {"X": X, "y": y, "meta": meta}
         kwargs.update({k: v for k, v in data.items() if k in taken and k not in kwargs})
