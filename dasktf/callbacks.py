@@ -14,6 +14,7 @@ what it means in Keras (``BackupAndRestore``).
 from __future__ import annotations
 
 import numbers
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -176,6 +177,27 @@ class History(keras.callbacks.History):
         self.rounds: list[dict[str, Any]] = []
 
 
+def progress_bar_class() -> Any:
+    """The tqdm class for a progress bar here: ``tqdm.auto``'s (a widget in a
+    notebook) where ipywidgets can draw one, else the text bar.
+
+    ``tqdm.auto`` in a Jupyter kernel without ipywidgets warns ``TqdmWarning:
+    IProgress not found`` before falling back to the text bar (issue 36): asking
+    ``tqdm.notebook`` first, which imports ipywidgets quietly, gives the same bar
+    without the warning. Outside a Jupyter kernel ``tqdm.auto`` is the text bar:
+    it is taken directly, without importing IPython."""
+    if "ipykernel.zmqshell" in sys.modules:
+        from tqdm import notebook
+
+        if notebook.IProgress is not None:
+            from tqdm.auto import tqdm
+
+            return tqdm
+    from tqdm.std import tqdm
+
+    return tqdm
+
+
 class ProgressBar(keras.callbacks.Callback):
     """A tqdm bar per epoch (loss, examples/s) and one summary line per epoch."""
 
@@ -187,10 +209,8 @@ class ProgressBar(keras.callbacks.Callback):
         self._start = 0.0
 
     def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
-        from tqdm.auto import tqdm
-
         self._start = time.perf_counter()
-        self._bar = tqdm(
+        self._bar = progress_bar_class()(
             total=self.params.get("steps"),
             desc=f"epoch {epoch + 1}/{self.params.get('epochs')}",
             unit="step",

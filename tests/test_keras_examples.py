@@ -471,3 +471,55 @@ def test_keras_set_random_seed_alone_makes_two_runs_identical(client):
 
     first, second = run(), run()
     assert first["loss"] == second["loss"]
+
+
+# -- keras.io API docs: Model.compute_loss, overridden ------------------------------------
+# https://keras.io/api/models/model_training_apis/ (Trainer.compute_loss's example: a
+# mean squared error written with ops, its own loss tracker as the model's metrics).
+# The example's `model.add_loss(ops.sum(outputs))` is left out: Keras 3 refuses a
+# symbolic add_loss on a functional model. Its data are NumPy float64, as
+# np.random.random makes them: Keras' adapters cast them to float32 (issue 36).
+class MyModel(keras.Model):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.loss_tracker = keras.metrics.Mean(name="loss")
+
+    def compute_loss(self, x, y, y_pred, sample_weight, training=True):
+        loss = keras.ops.mean((y_pred - y) ** 2)
+        loss += keras.ops.sum(self.losses)
+        self.loss_tracker.update_state(loss)
+        return loss
+
+    def reset_metrics(self):
+        self.loss_tracker.reset_state()
+
+    @property
+    def metrics(self):
+        return [self.loss_tracker]
+
+
+def _compute_loss_model(seed: int) -> keras.Model:
+    keras.utils.set_random_seed(seed)
+    inputs = layers.Input(shape=(10,), name="my_input")
+    outputs = layers.Dense(10)(inputs)
+    model = MyModel(inputs, outputs)
+    model.compile(keras.optimizers.SGD(), loss="mse")
+    return model
+
+
+def test_an_overridden_compute_loss_on_float64_numpy_matches_keras(client):
+    rng = np.random.default_rng(3)
+    x, y = rng.random((160, 10)), rng.random((160, 10))
+    assert x.dtype == y.dtype == np.float64
+    reference = _compute_loss_model(4)
+    want = reference.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    ours = _compute_loss_model(4)
+    history = dasktf.fit(ours, x, y, batch_size=32, epochs=2, shuffle=False, verbose=0,
+                         client=client, n_workers=1)
+    _assert_same_weights(ours, reference)
+    _assert_close(history.history, want.history, ["loss"])
+    # Three workers: the same global batches, summed in another order.
+    three = _compute_loss_model(4)
+    dasktf.fit(three, x, y, batch_size=32, epochs=2, shuffle=False, verbose=0,
+               client=client, n_workers=3)
+    _assert_same_weights(three, reference, rtol=1e-3)

@@ -86,7 +86,7 @@ def test_multi_output_dict_and_two_inputs(client):
         np.testing.assert_allclose(got, ref, atol=ATOL)
 
 
-def test_dataframe_keeps_index_and_divisions(client):
+def test_dataframe_keeps_index_and_divisions(client, tmp_path):
     model, x = _mlp(), _rows(400)
     index = pd.Index(np.arange(400) * 7 + 3, name="row_id")
     df = dd.from_pandas(pd.DataFrame(x, columns=list("abcdefgh"), index=index),
@@ -94,9 +94,13 @@ def test_dataframe_keeps_index_and_divisions(client):
     framed = dasktf.predict(model, df, as_frame=True, client=client)
     assert framed.divisions == df.divisions and framed.npartitions == 5
     got = framed.compute()
-    assert got.index.equals(index) and list(got.columns) == [0, 1, 2]
+    assert got.index.equals(index) and list(got.columns) == ["0", "1", "2"]
     want = model.predict(x, verbose=0)
     np.testing.assert_allclose(got.to_numpy(), want, atol=ATOL)
+    # String column names: Dask writes the frame to Parquet as it comes (issue 36).
+    framed.to_parquet(tmp_path / "predictions")
+    back = dd.read_parquet(tmp_path / "predictions").compute()
+    pd.testing.assert_frame_equal(back, got)
     # Without as_frame: arrays, as Keras' predict returns them.
     np.testing.assert_allclose(dasktf.predict(model, df, client=client).compute(), want,
                                atol=ATOL)

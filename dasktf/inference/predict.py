@@ -51,9 +51,10 @@ def predict(model: Any, x: Any, *, batch_size: int | None = None, as_frame: bool
         per call that large batches spread.
     as_frame
         Return a Dask DataFrame on ``x``'s index and divisions (``x`` must be a
-        DataFrame or hold them), one column per output unit: ``0 .. k-1`` for a
-        single output, ``"name"`` or ``"name_i"`` per output otherwise. Off by
-        default, as Keras' ``predict`` returns arrays whatever it is given.
+        DataFrame or hold them), one column per output unit: ``"0" .. "k-1"`` for a
+        single output, ``"name"`` or ``"name_i"`` per output otherwise (strings,
+        so ``to_parquet`` takes the frame). Off by default, as Keras' ``predict``
+        returns arrays whatever it is given.
     client
         The Dask client (default: the current one, ``distributed.getclient_of()``).
 
@@ -217,13 +218,15 @@ def _as_frame(plan: InputPlan, shared: SharedModel, batch_size: int, outputs: Ne
                              enforce_metadata=False)
 
 
-def frame_columns(paths: list[tuple[tuple[Any, ...], np.ndarray]]) -> list[Any]:
-    """A frame's column names: ``0..k-1`` for one output, ``name`` / ``name_i`` for
-    the outputs of a model with several (outputs of one unit keep their name)."""
+def frame_columns(paths: list[tuple[tuple[Any, ...], np.ndarray]]) -> list[str]:
+    """A frame's column names: ``"0".."k-1"`` for one output, ``name`` /
+    ``name_i`` for the outputs of a model with several (outputs of one unit keep
+    their name). Strings, as Parquet and Arrow name columns: Dask's
+    ``to_parquet`` refuses integer names (issue 36)."""
     if len(paths) == 1 and paths[0][0] == ():
         width = int(np.prod(paths[0][1].shape[1:]))
-        return list(range(width))
-    columns: list[Any] = []
+        return [str(i) for i in range(width)]
+    columns: list[str] = []
     for path, probe in paths:
         name = "_".join(map(str, path))
         width = int(np.prod(probe.shape[1:]))

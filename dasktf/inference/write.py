@@ -17,7 +17,6 @@ if TYPE_CHECKING:
 
 def write_part(frame: Any, path: str) -> int:
     """Write one partition's predictions to ``path``; its row count."""
-    frame.columns = [str(c) for c in frame.columns]  # Parquet names columns by strings
     frame.to_parquet(path, index=True)
     return len(frame)
 

@@ -7,6 +7,7 @@ collective engine's children and the client's model use them too.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -33,14 +34,40 @@ def weigh_output_losses(trackers: list[Any], before: list[Any], n: Any) -> None:
         tracker.count.assign_add(tf.cast(extra, tracker.count.dtype))
 
 
+@functools.lru_cache(maxsize=64)
+def step_dtype(dtype: np.dtype) -> np.dtype:
+    """The dtype a step takes an array of ``dtype`` as: Keras' data adapters cast
+    every float array that is not ``floatx`` (float64 NumPy, a float16 frame) to
+    ``floatx`` before ``fit`` sees it (``array_slicing.convert_to_sliceable``), so
+    a model's own ``compute_loss`` may mix ``y`` and ``y_pred`` freely; other
+    dtypes (integer labels, strings) pass unchanged."""
+    import keras
+
+    if dtype.kind == "O" or not keras.backend.is_float_dtype(dtype):
+        return dtype
+    floatx = np.dtype(keras.backend.floatx())
+    return dtype if dtype == floatx else floatx
+
+
+def as_step_dtypes(nest: Any) -> Any:
+    """``nest``'s arrays in :func:`step_dtype` (no copy where they already are)."""
+    def cast(a: Any) -> Any:
+        if a is None or not hasattr(a, "dtype"):
+            return a
+        want = step_dtype(np.dtype(a.dtype))
+        return a if want == a.dtype else np.asarray(a, dtype=want)
+
+    return map_nest(cast, nest)
+
+
 def batch_signature(shard: Shard) -> list[Any]:
     """The ``tf.function`` input signature of a step on ``shard``'s batches: the
     nests of ``x``, ``y`` (and ``w`` if weighted) with a free batch axis, so a short
-    last batch does not retrace."""
+    last batch does not retrace; floats in ``floatx``, as Keras feeds them."""
     import tensorflow as tf
 
     def spec(a: np.ndarray) -> Any:
-        return tf.TensorSpec((None, *a.shape[1:]), tf.as_dtype(a.dtype))
+        return tf.TensorSpec((None, *a.shape[1:]), tf.as_dtype(step_dtype(a.dtype)))
 
     parts = [shard.x, shard.y] + ([] if shard.w is None else [shard.w])
     return [map_nest(spec, part) for part in parts]
@@ -128,7 +155,8 @@ def metric_states(model: Any) -> list[np.ndarray]:
 
 def batch_args(batch: Shard) -> tuple[Any, ...]:
     """A batch as the arguments of a function with :func:`batch_signature`."""
-    return (batch.x, batch.y) if batch.w is None else (batch.x, batch.y, batch.w)
+    args = (batch.x, batch.y) if batch.w is None else (batch.x, batch.y, batch.w)
+    return as_step_dtypes(args)
 
 
 def build_metrics(model: Any, x: Any, y: Any, w: Any = None) -> None:
@@ -140,6 +168,7 @@ def build_metrics(model: Any, x: Any, y: Any, w: Any = None) -> None:
         ``y`` (or ``w``) does not fit the model's outputs and loss: what Keras said,
         and the forms ``y`` can take.
     """
+    x, y, w = as_step_dtypes((x, y, w))
     try:
         y_pred = model(x, training=False)
         model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=w, training=False)
