@@ -1,13 +1,14 @@
-"""What the engines of mirrored replicas share on the client when a worker is lost.
+"""What the engines of mirrored replicas share on the client: :class:`Mirrored`.
 
 The graph engine (:mod:`dasktf.engines.graph.elastic`) and the p2p engine
 (:mod:`dasktf.engines.p2p.engine`) keep the whole model on every replica, number
-every update and apply each once; recovering either from a lost worker is the same
-walk, :class:`MirroredRecovery`, once the survivors have stopped (each engine stops
-its own steps): fence and reconcile them (:func:`dasktf.runtime.reconcile.reconcile`),
-give the lost shards to the survivors carrying the fewest,
-publish what happened; a worker lost during that walk starts it again from both
-losses. Neither engine family imports the other; both import this.
+every update and apply each once; so they answer much of the engine contract alike
+(checkpoint grid, learning rate, epoch figures), and recovering either from a lost
+worker is the same walk once the survivors have stopped (each engine stops its own
+steps): fence and reconcile them (:func:`dasktf.runtime.reconcile.reconcile`), give
+the lost shards to the survivors carrying the fewest, publish what happened; a
+worker lost during that walk starts it again from both losses. Neither engine
+family imports the other; both import this.
 """
 
 from __future__ import annotations
@@ -27,14 +28,16 @@ from dasktf.runtime.reconcile import adopt_task
 if TYPE_CHECKING:
     from dasktf.cluster.waits import RunContext
     from dasktf.engines.base import RunHooks
+    from dasktf.runtime.rounds import LocalSpec
     from dasktf.wire.packets import TrafficLog
 
 T = TypeVar("T")
 
 
-class MirroredRecovery:
-    """The one recovery walk of the mirrored engines (see the module), mixed into
-    each; an engine stops its own steps (:meth:`stop_steps`), starts a new attempt
+class Mirrored:
+    """What the mirrored engines share (mixed into each): the engine contract's
+    methods they implement alike and the one recovery walk (see the module), in
+    which an engine stops its own steps (:meth:`stop_steps`), starts a new attempt
     (:meth:`regroup`) and may catch the survivors up otherwise (:meth:`catch_up`)."""
 
     if TYPE_CHECKING:  # the engine's, used here
@@ -47,8 +50,60 @@ class MirroredRecovery:
         losses: list[dict[str, Any]]
         update_base: int
         reform_needed: bool
+        local: LocalSpec | None
+        keep_every: int | None
+        round_log: list[dict[str, Any]]
+        traffic: TrafficLog
+        n_params: int
+
+        def units(self, steps_per_epoch: int) -> int: ...
 
     attempt = 0
+
+    @property
+    def units_per_epoch(self) -> int:
+        """The updates of an epoch: its steps, or its rounds (``local_steps``)."""
+        return self.units(self.ctx.steps_per_epoch)
+
+    def last_step(self, unit: int, steps_per_epoch: int) -> int:
+        """A round ends at its last step, which callbacks count in."""
+        if self.local is None:
+            return unit
+        return self.local.round_steps(unit, steps_per_epoch)[-1]
+
+    def start_at(self, update: int) -> None:
+        self.update_base = update
+
+    def set_learning_rate(self, lr: float) -> None:
+        """Every replica's optimizer takes ``lr`` (between epochs: nothing in flight)."""
+        reconcile.set_learning_rate(self.ctx, lr)
+
+    def set_checkpoint_grid(self, every: int | None) -> None:
+        self.keep_every = every
+
+    def checkpoint_due(self, step: int) -> bool:
+        """Whether the update of ``step`` (of an epoch) is on the checkpoint grid; an
+        epoch's last step is checkpointed at the epoch end."""
+        every = self.keep_every
+        return every is not None and (step + 1) % every == 0 and (
+            step + 1 < self.units_per_epoch)
+
+    def final_state(self) -> dict[str, Any]:
+        return self.state()  # type: ignore[attr-defined,no-any-return]
+
+    def epoch_logs(self, seconds: float) -> dict[str, float]:
+        """Per worker and update (a step, or a round of local steps): the bytes
+        against the allreduce bound (:meth:`dasktf.wire.packets.TrafficLog.logs`);
+        with rounds, their number and mean drift (:func:`dasktf.runtime.rounds.drift`)."""
+        logs = self.traffic.logs(self.n_params, len(self.ctx.workers),
+                                 self.units_per_epoch, self.examples_per_epoch)
+        if self.local is not None and self.round_log:
+            logs["rounds"] = float(len(self.round_log))
+            logs["drift"] = float(np.mean([r["drift"] for r in self.round_log]))
+        return logs
+
+    def round_records(self) -> list[dict[str, Any]]:
+        return list(self.round_log)
 
     def take_shards(self, schedule: np.ndarray) -> None:
         """One shard per worker of ``ctx.workers`` now, read with ``schedule``."""
@@ -173,17 +228,3 @@ class MirroredRecovery:
         the update they hold, the updates to compute again and what was rewound
         (``None``: they were reconciled to the most advanced one)."""
         return reconcile.reconcile(self.ctx, survivors, applied), 0, None
-
-
-def mirrored_epoch_logs(traffic: TrafficLog, n_params: int, n_workers: int, units: int,
-                        examples: int, round_log: list[dict[str, Any]] | None
-                        ) -> dict[str, float]:
-    """What a mirrored engine adds to an epoch's logs: per worker and update (a step,
-    or a round of local steps) the bytes against the allreduce bound
-    (:meth:`dasktf.wire.packets.TrafficLog.logs`); with rounds (``round_log``, the
-    epoch's), their number and mean drift (:func:`dasktf.runtime.rounds.drift`)."""
-    logs = traffic.logs(n_params, n_workers, units, examples)
-    if round_log:
-        logs["rounds"] = float(len(round_log))
-        logs["drift"] = float(np.mean([r["drift"] for r in round_log]))
-    return logs

@@ -44,7 +44,6 @@ from distributed import Future
 from dasktf.cluster.waits import RunContext, wait_for
 from dasktf.engines.base import Capabilities, RunHooks
 from dasktf.engines.graph.topology import CommEngine
-from dasktf.engines.mirrored import MirroredRecovery
 from dasktf.exceptions import WorkerLostError
 from dasktf.runtime import reconcile
 from dasktf.runtime.reconcile import round_state, set_state_task
@@ -67,7 +66,7 @@ logger = logging.getLogger(__name__)
 
 
 # -- the client side ------------------------------------------------------------------
-class ElasticSyncEngine(MirroredRecovery, CommEngine):
+class ElasticSyncEngine(CommEngine):
     """A sync engine (:class:`~dasktf.engines.graph.topology.CommEngine`: codec, topology,
     placement) that survives losing workers.
 

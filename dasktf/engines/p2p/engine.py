@@ -38,7 +38,7 @@ import numpy as np
 from dasktf import compat
 from dasktf.cluster.waits import RunContext, call_watched
 from dasktf.engines.base import Capabilities, Engine, RunHooks
-from dasktf.engines.mirrored import MirroredRecovery, mirrored_epoch_logs
+from dasktf.engines.mirrored import Mirrored
 from dasktf.engines.p2p.flight import Flight
 from dasktf.engines.p2p.options import group_spec
 from dasktf.runtime import reconcile
@@ -54,7 +54,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class P2PEngine(MirroredRecovery, Engine):
+class P2PEngine(Mirrored, Engine):
     """Sync training over worker-to-worker all-reduces (see the module).
 
     Parameters
@@ -106,23 +106,13 @@ class P2PEngine(MirroredRecovery, Engine):
         self._told = -1
         self._stop_sent = False
         #: the survivors' results of an epoch they had ended, found by this
-        #: recovery's first try (:meth:`~dasktf.engines.mirrored.MirroredRecovery.recover_epoch`)
+        #: recovery's first try (:meth:`~dasktf.engines.mirrored.Mirrored.recover_epoch`)
         self._ended: list[SegmentResult] | None = None
 
     # -- the contract -------------------------------------------------------------
     @property
     def gid(self) -> str:
         return f"dasktf-p2p-{self.ctx.run_id}-{self.generation}"
-
-    @property
-    def units_per_epoch(self) -> int:
-        return self.units(self.ctx.steps_per_epoch)
-
-    def last_step(self, unit: int, steps_per_epoch: int) -> int:
-        """A round ends at its last step, which callbacks count in."""
-        if self.local is None:
-            return unit
-        return self.local.round_steps(unit, steps_per_epoch)[-1]
 
     def prepare(self) -> None:
         """Put the collective handlers on every worker (idempotent: the first one
@@ -233,7 +223,7 @@ class P2PEngine(MirroredRecovery, Engine):
             if on_step is not None:
                 on_step(self._told)
 
-    # -- a lost worker (MirroredRecovery's walk) ------------------------------------
+    # -- a lost worker (Mirrored's walk) ------------------------------------
     def stop_steps(self, lost: list[str], survivors: list[str]) -> None:
         """Stop the survivors' segments; keep their results if they had ended the
         epoch (the loss came between their last collective and the client's
@@ -247,22 +237,6 @@ class P2PEngine(MirroredRecovery, Engine):
         self._stop_sent = False  # a stop asked for goes to the new group again
 
     # -- state, checkpoints, re-forms ------------------------------------------------
-    def set_learning_rate(self, lr: float) -> None:
-        reconcile.set_learning_rate(self.ctx, lr)
-
-    def set_checkpoint_grid(self, every: int | None) -> None:
-        self.keep_every = every
-
-    def checkpoint_due(self, step: int) -> bool:
-        """Whether the update of ``step`` is on the checkpoint grid (an epoch's last
-        step is checkpointed at the epoch end); a segment ends there."""
-        every = self.keep_every
-        return every is not None and (step + 1) % every == 0 and (
-            step + 1 < self.units_per_epoch)
-
-    def start_at(self, update: int) -> None:
-        self.update_base = update
-
     def state(self) -> dict[str, Any]:
         """The replicas' (identical) training state, read from the first one
         between segments; rounds: with every replica's inner optimizer state."""
@@ -270,24 +244,10 @@ class P2PEngine(MirroredRecovery, Engine):
             return reconcile.round_state(self.ctx, None, [None] * len(self.ctx.workers))
         return reconcile.read_state(self.ctx)
 
-    def final_state(self) -> dict[str, Any]:
-        return self.state()
-
     def load_state(self, state: dict[str, Any]) -> None:
         reconcile.load_state(self.ctx, state)
 
-    # -- figures and the end ------------------------------------------------------------
-    def epoch_logs(self, seconds: float) -> dict[str, float]:
-        """The bytes per update against the allreduce bound
-        (:meth:`dasktf.wire.packets.TrafficLog.logs`); with rounds, their number and
-        mean drift."""
-        return mirrored_epoch_logs(self.traffic, self.n_params, len(self.ctx.workers),
-                                   self.units_per_epoch, self.examples_per_epoch,
-                                   self.round_log if self.local is not None else None)
-
-    def round_records(self) -> list[dict[str, Any]]:
-        return list(self.round_log)
-
+    # -- the end ------------------------------------------------------------------------
     def close(self) -> None:
         """A segment still running (the run failed): abort its group, release it."""
         self.flight.abort("the run ended")
