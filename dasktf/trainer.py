@@ -17,8 +17,6 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import numpy as np
-
 from dasktf.callbacks import History, check_callbacks
 from dasktf.cluster.devices import select_gpus
 from dasktf.cluster.local import (
@@ -30,10 +28,11 @@ from dasktf.cluster.local import (
 from dasktf.cluster.tfbuild import require_tensorflow
 from dasktf.data.sources import make_source
 from dasktf.data.validation import split_validation, unpack_validation
-from dasktf.engines.holder.options import validate_mode_options
+from dasktf.engines.base import check_integer
 from dasktf.inference.evaluate import evaluate
 from dasktf.inference.predict import predict
 from dasktf.models import ModelLike
+from dasktf.run.engine import check_mode_options, refuse_options
 from dasktf.run.inputs import DEFAULT_EVAL_BATCH_SIZE, RunInputs
 from dasktf.run.options import (
     CONSTRUCTION,
@@ -42,9 +41,7 @@ from dasktf.run.options import (
     TrainOptions,
     option_fields,
     options_signature,
-    positive_int,
     split_options,
-    validate_fault_options,
 )
 from dasktf.run.run import Run
 
@@ -107,8 +104,8 @@ class Trainer:
 
     Each worker of the cluster holds a data shard and a model replica; a sync run's
     steps sum every worker's gradient worker to worker in a long-running task per
-    worker (:mod:`dasktf.engines.p2p.engine`) or as a Dask task graph per step
-    (:mod:`dasktf.engines.graph.steps`). A trainer keeps its cluster
+    worker (docs/p2p.md) or as a Dask task graph per step
+    (docs/sync.md). A trainer keeps its cluster
     between ``fit`` calls; call :meth:`close` (or use it as a context manager) to
     release a cluster it started. A client you pass is never closed.
 
@@ -130,7 +127,7 @@ class Trainer:
     mode
         ``"sync"``: every step averages all workers' gradients. ``"async"``: every
         worker loops on its own and a parameter holder applies each gradient as it
-        arrives (:mod:`dasktf.engines.holder.engine`); ``history.updates`` records each
+        arrives (docs/async.md); ``history.updates`` records each
         update's staleness.
     max_staleness
         Async only: bounded staleness ``K``; a worker waits rather than let any
@@ -141,7 +138,7 @@ class Trainer:
         ``1 / max(1, staleness)``; ``None`` (default) leaves it.
     sync_quorum
         Sync only: apply each step with the first ``k`` of the N gradients and drop
-        the late ones ("backup workers", :mod:`dasktf.engines.holder.quorum`); dropped gradients are
+        the late ones ("backup workers", docs/async.md); dropped gradients are
         counted per worker in ``history.dropped`` and ``history.history["dropped"]``.
     slow_workers
         Stragglers for tests and demos: ``{worker index: factor}`` makes that worker
@@ -149,9 +146,9 @@ class Trainer:
     engine
         Sync only: ``"p2p"`` (a task per worker per epoch, each step's gradients
         summed worker to worker over the workers' own Dask comms, no scheduler per
-        step; :mod:`dasktf.engines.p2p.engine`), ``"graph"`` (a Dask task graph per
+        step; docs/p2p.md), ``"graph"`` (a Dask task graph per
         step), ``"collective"`` (``tf.distribute.MultiWorkerMirroredStrategy``
-        children of the workers; :mod:`dasktf.engines.collective.engine`) or
+        children of the workers; docs/security.md) or
         ``"auto"`` (the default: p2p where it runs, else graph: async,
         ``sync_quorum``, ``num_ps`` and a graph ``topology`` run on the graph
         engine's side). The collective engine runs only when named: its
@@ -205,12 +202,12 @@ class Trainer:
         itself; ``"ps"`` (implied by ``num_ps``) splits the parameters over
         ``num_ps`` servers (:mod:`dasktf.runtime.servers`) that apply the optimizer to their slice.
         Async: ``num_ps=K`` splits the parameters over K holders the same way
-        (:mod:`dasktf.engines.holder.sharded`); each gradient task pushes each holder its slice.
+        (docs/async.md); each gradient task pushes each holder its slice.
     topology
         Sync, mirrored: ``"tree"`` (default: ``dasktf.communication.topology``;
         ``dasktf.reduction-fan-in`` per reduction),
         ``"naive"`` (all-to-one) or ``"ring"`` (reduce-scatter / all-gather), see
-        :mod:`dasktf.engines.graph.topology`.
+        docs/communication.md.
     local_steps
         Rounds of local steps (Local SGD, DiLoCo; :mod:`dasktf.runtime.rounds`):
         each worker takes ``local_steps`` steps of the optimizer on its own batches
@@ -354,14 +351,14 @@ class Trainer:
             every ``checkpoint_every`` steps (sync: after steps k, 2k, ... of each
             epoch, holding exactly those updates; not with ``engine="collective"``,
             which checkpoints at epoch ends) or updates (async: the holder's state
-            and the batches applied, :mod:`dasktf.engines.holder.checkpoint`); the final model
+            and the batches applied, docs/faults.md); the final model
             is also saved there as ``model.keras``.
         resume
             Continue from the newest valid checkpoint in ``checkpoint_dir`` up to
             ``epochs`` epochs in all.
         on_worker_loss
             ``"recover"`` (default): go on with the surviving workers, the lost shard
-            taken over by one of them (:mod:`dasktf.engines.graph.elastic`), or
+            taken over by one of them (docs/faults.md), or
             before the first step the set-up done again on them
             (:mod:`dasktf.run.setup`); ``"raise"``: stop with
             :class:`~dasktf.exceptions.WorkerLostError`, naming the worker and
@@ -383,19 +380,17 @@ class Trainer:
         initial_epoch, validation_data = call["initial_epoch"], call["validation_data"]
         sample_weight, validation_batch_size = (call["sample_weight"],
                                                 call["validation_batch_size"])
-        positive_int("epochs", epochs)
-        positive_int("batch_size", batch_size, allow_none=True)
+        check_integer("epochs", epochs)
+        check_integer("batch_size", batch_size, allow_none=True)
         if verbose == "auto":
             verbose = 1
         if verbose not in (0, 1, 2):
             raise ValueError(f"verbose must be 0, 1, 2 or 'auto'; got {verbose!r}.")
         refuse_unsupported_fit_options(call["steps_per_epoch"], call["validation_steps"],
                                        call["validation_freq"])
-        if not isinstance(initial_epoch, (int, np.integer)) or not 0 <= initial_epoch < epochs:
-            raise ValueError(
-                f"initial_epoch must be an integer in [0, epochs={epochs}); got "
-                f"{initial_epoch!r}.")
-        positive_int("validation_batch_size", validation_batch_size, allow_none=True)
+        check_integer("initial_epoch", initial_epoch, 0, high=epochs,
+                      expected=f"an integer in [0, epochs={epochs})")
+        check_integer("validation_batch_size", validation_batch_size, allow_none=True)
         callbacks = check_callbacks(call["callbacks"])
         if call["validation_split"] and validation_data is None:
             (x, y, sample_weight), validation_data = split_validation(
@@ -408,15 +403,12 @@ class Trainer:
             batch_size = source.batch_size_read or DEFAULT_BATCH_SIZE
         options = FaultOptions(**{**fault, "resume": bool(fault["resume"]),
                                   "scale_lr": bool(fault["scale_lr"])})
-        validate_fault_options(self.options, options)
+        refuse_options(self.options, options)  # what its engine or mode cannot do
         started = time.perf_counter()
         client = self.client
         o = self.options
         workers, resources = choose_run_workers(client, o.n_workers, o.gpus)
-        validate_mode_options(  # the quorum and the slowed indices against the workers
-            o.mode, o.max_staleness, o.staleness_lr, o.sync_quorum, o.slow_workers,
-            len(workers),
-        )
+        check_mode_options(o, len(workers))  # the quorum and slowed indices, against them
         plugin = None
         if o.threads_per_worker is not None or not getattr(self, "_owned", False):
             plugin = TensorFlowSetup(o.threads_per_worker or default_tf_threads(len(workers)))

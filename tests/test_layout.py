@@ -8,6 +8,9 @@
   an AST scan of the whole package, every import counted, that there is no circle;
 * no module takes a ``_private`` name from another dasktf module, and none but
   dasktf/compat.py another library's (``keras.src``, ``obj._name``: issue 37);
+* one writer per state (issue 37): the run alone assigns its workers, the loss
+  records are built in diagnostics/events.py alone, and run/ and trainer.py know
+  the engines by their factory and their contract only;
 * no module over 600 lines, no class over 300 unless listed here with the reason;
 * ``fit`` and ``Trainer`` take the same options; the documented import paths work.
 """
@@ -237,6 +240,28 @@ def test_only_compat_touches_other_libraries_private_names():
     (issue 37). A name dasktf defines itself is its own, whatever object holds it."""
     foreign = _scan()["foreign"]
     assert not foreign, "use dasktf.compat (docs/compat.md):\n" + "\n".join(foreign)
+
+
+def test_one_writer_per_state():
+    """Engines report a change of the run's workers (``RunHooks.workers_changed``)
+    and run/run.py assigns it; the ``worker_lost`` and ``recovered`` records come
+    from :mod:`dasktf.diagnostics.events`; run/ and trainer.py reach the engines
+    through run/engine.py (the factory, with each family's option rules) and
+    ``engines.base`` (the contract) only."""
+    found: dict[str, list[str]] = {"writers": [], "records": [], "engines": []}
+    record = re.compile(r"""["']kind["']\s*:\s*["'](worker_lost|recovered)["']""")
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).as_posix()
+        names_engines = (rel.startswith("run/") or rel == "trainer.py") and (
+            rel != "run/engine.py")
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if re.search(r"\bctx\.workers\s*=[^=]", line) and rel != "run/run.py":
+                found["writers"].append(f"{rel}:{n}")
+            if record.search(line) and rel != "diagnostics/events.py":
+                found["records"].append(f"{rel}:{n}")
+            if names_engines and re.search(r"engines\.(?!base\b)", line):
+                found["engines"].append(f"{rel}:{n}")
+    assert found == {"writers": [], "records": [], "engines": []}, found
 
 
 def test_modules_and_classes_stay_readable():

@@ -250,3 +250,33 @@ def run_end_record(run: str, error: BaseException | None = None) -> dict[str, An
     return {"run": run, "kind": "run_end",
             "status": "finished" if error is None else "failed",
             "error": text, "wall_time": time.time()}
+
+
+def worker_lost_records(run: str, lost: list[str], detected: float,
+                        removals: dict[str, Any] | None = None, **fields: Any
+                        ) -> list[dict[str, Any]]:
+    """A ``worker_lost`` record per worker of ``lost``: when the scheduler removed it
+    and the client heard (``removals``' change), else when the client found it gone
+    (``detected``); ``fields``: where (``epoch``, ``update``, ``phase``)."""
+    records = []
+    for w in lost:
+        change = (removals or {}).get(w)
+        records.append({
+            "run": run, "kind": "worker_lost", "worker_address": w, **fields,
+            "detect_s": (change.seen_time - change.scheduler_time) if change else None,
+            "removed_at": change.scheduler_time if change else None,
+            "detected_at": change.seen_time if change else detected,
+            "wall_time": time.time()})
+    return records
+
+
+def recovered_record(run: str, workers: list[str], lost: list[str],
+                     since: float | None, moved: list[tuple[int, str]] | None = None,
+                     **fields: Any) -> dict[str, Any]:
+    """The ``recovered`` record of a run gone on over ``workers`` without ``lost``,
+    their shards ``moved`` (``(index, adopter)``), ``resume_s`` after ``since``
+    (``None``: not known yet); ``fields``: the engine's or phase's own."""
+    now = time.time()
+    return {"run": run, "kind": "recovered", "workers": list(workers), "lost": list(lost),
+            "moved": [[i, a] for i, a in moved or []], "steps_lost": 0, **fields,
+            "resume_s": None if since is None else now - since, "wall_time": now}

@@ -7,7 +7,9 @@ run's checkpoints, ``finish``, ``final_state`` and ``close`` at the end. What
 differs between engines is *declared* in :class:`Capabilities` (how the run
 checkpoints, resumes and re-forms one), never probed with ``hasattr``; what the run
 gives an engine (how to publish, reload a shard, name the last checkpoint) is
-handed over at construction in :class:`RunHooks`, never set on it afterwards.
+handed over at construction in :class:`RunHooks`, never set on it afterwards (a
+stop: :meth:`Engine.request_stop`); a worker lost or gained, the engine reports
+(:attr:`RunHooks.workers_changed`) and the run, the one writer, applies it.
 :class:`Engine` holds the defaults an engine without that ability inherits.
 
 A new engine
@@ -46,11 +48,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+import numpy as np
+
 from dasktf.exceptions import DasktfError
 
 if TYPE_CHECKING:
-    import numpy as np
-
     from dasktf.cluster.waits import RunContext
     from dasktf.runtime.replica import EpochReport
     from dasktf.runtime.rounds import LocalSpec
@@ -63,6 +65,18 @@ if TYPE_CHECKING:
 #: ``final``: only the final ``model.keras`` (the state is nowhere in one piece
 #: during the run).
 CheckpointKind = Literal["steps", "epochs", "updates", "final"]
+
+
+def check_integer(name: str, value: Any, low: int = 1, *, allow_none: bool = False,
+                  high: int | None = None, expected: str | None = None) -> None:
+    """Refuse an option that is not an integer (a bool is not) in ``[low, high)``;
+    the run's options and each engine family's are checked with this one rule."""
+    if value is None and allow_none:
+        return
+    if (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low
+            or (high is not None and value >= high)):
+        expected = expected or ("a positive integer" if low == 1 else f"an integer >= {low}")
+        raise ValueError(f"{name} must be {expected}; got {value!r}.")
 
 
 class StateLostError(DasktfError):
@@ -111,6 +125,12 @@ class RunHooks:
     #: records (``None``: none yet): an engine whose steps the client does not see
     #: one by one (a long-running task per worker) calls ``on_step`` up to it
     heard: Callable[[], int | None] = lambda: None
+    #: ``workers_changed(workers)``: the run's workers from now on (a loss, a join)
+    workers_changed: Callable[[list[str]], None] = _ignore
+    #: a callback stops the run at the first step whose loss is not finite
+    #: (``TerminateOnNaN``); an engine that sees each step's global loss on the
+    #: workers may stop there itself, at exactly that step
+    stop_on_nonfinite: bool = False
 
 
 @dataclass
@@ -187,16 +207,16 @@ class Engine:
     reform_needed = False
     #: the global update number of the current epoch's first step
     update_base = 0
-    #: a callback set ``model.stop_training`` mid-epoch (``TerminateOnNaN``): an
-    #: engine that can end its epoch early submits no further step
+    #: :meth:`request_stop` was called: an engine that can end its epoch early
+    #: submits no further step
     stop_requested = False
-    #: set by the run before the first epoch: a callback stops it at the first step
-    #: whose loss is not finite (``TerminateOnNaN``); an engine that sees each
-    #: step's global loss on the workers may stop there itself, at exactly that step
-    stop_on_nonfinite = False
     #: rounds of local steps (``local_steps=H``): an update, the unit ``run_epoch``
     #: counts in (``on_step``, ``start``), is then a round of H inner steps
     local: LocalSpec | None = None
+
+    def request_stop(self) -> None:
+        """A callback set ``model.stop_training`` mid-epoch (``TerminateOnNaN``)."""
+        self.stop_requested = True
 
     def units(self, steps_per_epoch: int) -> int:
         """Updates in an epoch: its steps, or its rounds of local steps."""

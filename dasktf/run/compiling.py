@@ -1,4 +1,5 @@
-"""What a run compiles its replicas with, as a re-``compile`` would decide it.
+"""The client's model: how a run builds it and compiles its replicas, as a
+re-``compile`` would decide it, and the helpers the run writes its state with.
 
 The call's ``optimizer=``, ``loss=`` (with ``loss_weights=``), ``metrics=`` and
 ``weighted_metrics=`` win; what the call leaves out comes from the model's own
@@ -11,19 +12,30 @@ loss are checked against that output's units here, on the client.
 from __future__ import annotations
 
 import logging
-from typing import Any
+import threading
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from dasktf.data.shards import ShardStats, check_labels
 from dasktf.data.structure import is_nested, leaves, map_nest
-from dasktf.models import CompileRecipe, compiled_args, portable_metrics
+from dasktf.models import (
+    CompileRecipe,
+    check_trainable_by_dasktf,
+    compiled_args,
+    model_spec,
+    portable_metrics,
+)
+from dasktf.run.engine import check_staleness_lr
 from dasktf.run.options import (
     TrainOptions,
-    check_staleness_lr,
     resolve_metrics,
     resolve_optimizer,
 )
+from dasktf.runtime.replica import non_trainable_floats
+
+if TYPE_CHECKING:
+    from dasktf.run.inputs import RunInputs
 
 logger = logging.getLogger(__name__)
 
@@ -170,3 +182,70 @@ def num_outputs(stats: list[ShardStats]) -> int | None:
     if y.integral and not y.shape:
         return int(max(s.y.high for s in stats if s.n)) + 1
     return int(np.prod(y.shape or (1,)))
+
+
+#: held while a run seeds Keras and builds its model from the seed
+SEEDED_BUILD = threading.Lock()
+
+
+def reference_model(inputs: RunInputs, stats: list[ShardStats]) -> tuple[Any, Any, Any]:
+    """The client-side model, built (or taken) and checked against the data: the
+    model, its outputs on a probe batch, and what rebuilds a subclassed model it
+    made (``None``: none)."""
+    import keras
+
+    o, first, factory = inputs.options, stats[0], None
+    if inputs.model is not None:  # a second fit() continues from its weights
+        model = inputs.model
+    elif isinstance(o.model, keras.Model):
+        model = o.model
+    else:
+        # Keras' seeds are the process's: two fits in threads of one client must
+        # not draw one's initial weights from the other's seed.
+        with SEEDED_BUILD:
+            keras.utils.set_random_seed(o.seed)
+            spec = model_spec(o.model, factory_input_shape(first), num_outputs(stats))
+            model = spec.build()
+        factory = spec.build
+    check_trainable_by_dasktf(model)
+    probe_x = first.probe(2)[0]
+    try:
+        # Builds a subclassed model's weights: only then can it be saved.
+        y_pred = model(probe_x)
+    except Exception as exc:
+        shapes = ", ".join(f"{leaf.name}: {(None, *leaf.shape)}"
+                           for _, leaf in leaves(first.x, "x"))
+        raise ValueError(
+            f"The model does not accept inputs of shape {shapes} "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0]}). Check x's shape "
+            "(and its structure: one array, or a list/dict matching the model's "
+            "inputs by position or name) against the model's input."
+        ) from exc
+    return model, y_pred, factory
+
+
+def adopt_optimizer(model: Any, values: list[Any], learning_rate: bool = True) -> bool:
+    """Give the client's model's optimizer the trained one's variables (``values``,
+    in ``optimizer.variables``' order: ``iterations``, the learning rate, the
+    slots), so it saves and goes on as the optimizer Keras' ``fit`` would have
+    trained; ``learning_rate=False`` leaves its learning rate. Whether it could: a
+    ``LossScaleOptimizer`` on the workers (``mixed_float16``) has other variables."""
+    optimizer = model.optimizer
+    if not optimizer.built:
+        optimizer.build(model.trainable_variables)
+    variables = optimizer.variables
+    if len(variables) != len(values):
+        logger.debug("optimizer state not copied: %d variables against %d",
+                     len(variables), len(values))
+        return False
+    for v, value in zip(variables, values, strict=True):
+        if learning_rate or not v.path.endswith("learning_rate"):
+            v.assign(value)
+    return True
+
+
+def model_statistics(model: Any, weights: list[np.ndarray]) -> list[np.ndarray] | None:
+    """``model``'s moving statistics as ``weights`` (its ``get_weights()``) hold them."""
+    position = {id(v): i for i, v in enumerate(model.weights)}
+    return [np.asarray(weights[position[id(v)]])
+            for v in non_trainable_floats(model)] or None

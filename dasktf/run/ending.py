@@ -31,11 +31,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from dasktf import config
 from dasktf.cluster.waits import lost_workers
+from dasktf.diagnostics.events import recovered_record, worker_lost_records
 from dasktf.exceptions import AllWorkersLostError, WorkerLostError
 from dasktf.run.setup import enter_phase
 
 if TYPE_CHECKING:
     from dasktf.cluster.waits import RunContext
+    from dasktf.engines.base import RunHooks
 
 logger = logging.getLogger(__name__)
 
@@ -49,15 +51,12 @@ END_PHASES = ("the last epoch's end", "finishing the engine",
 
 class EndGuard:
     """The phases of one run's end and what a worker lost in one leads to (see the
-    module). ``publish`` and ``announce``: the run's."""
+    module). ``hooks``: the run's (``publish``, ``announce``, ``workers_changed``,
+    ``on_worker_loss``)."""
 
-    def __init__(self, ctx: RunContext, policy: str,
-                 publish: Callable[[dict[str, Any]], None],
-                 announce: Callable[[str], None]) -> None:
+    def __init__(self, ctx: RunContext, hooks: RunHooks) -> None:
         self.ctx = ctx
-        self.policy = policy
-        self.publish = publish
-        self.announce = announce
+        self.hooks = hooks
         #: the ``recovered`` records, one per loss the run's end went on without
         self.losses: list[dict[str, Any]] = []
 
@@ -100,21 +99,17 @@ class EndGuard:
             raise AllWorkersLostError(
                 f"{where}, and no worker of the run is left.", lost, phase=phase
             ) from cause
-        if self.policy == "raise":
+        if self.hooks.on_worker_loss == "raise":
             raise WorkerLostError(
                 f"{where}; on_worker_loss='raise' stops the run. Pass "
                 "on_worker_loss='recover' to have the survivors hand back the model.",
                 lost, phase=phase) from cause
-        ctx.workers = survivors
-        for w in lost:
-            self.publish({"run": ctx.run_id, "kind": "worker_lost", "worker_address": w,
-                          "phase": phase, "detected_at": detected,
-                          "wall_time": time.time()})
-        record = {"run": ctx.run_id, "kind": "recovered", "phase": phase,
-                  "workers": list(survivors), "lost": lost, "moved": [],
-                  "steps_lost": 0, "steps_recomputed": 0, "detected_at": detected,
-                  "resume_s": time.time() - detected, "wall_time": time.time()}
-        self.publish(record)
+        self.hooks.workers_changed(survivors)
+        for record in worker_lost_records(ctx.run_id, lost, detected, phase=phase):
+            self.hooks.publish(record)
+        record = recovered_record(ctx.run_id, survivors, lost, detected, phase=phase,
+                                  steps_recomputed=0, detected_at=detected)
+        self.hooks.publish(record)
         self.losses.append(record)
-        self.announce(f"worker lost at the run's end ({phase}): {', '.join(lost)}; "
-                      f"reading on from {len(survivors)} worker(s)")
+        self.hooks.announce(f"worker lost at the run's end ({phase}): {', '.join(lost)}; "
+                            f"reading on from {len(survivors)} worker(s)")

@@ -1,5 +1,7 @@
 """The one place that picks a run's engine (mode, ``engine=``, ``auto``), and its
-checks of the model before any work is done."""
+checks of the options and the model before any work is done: each engine family
+keeps its own rules (``engines/<family>/options.py``), which the run reaches
+through here only."""
 
 from __future__ import annotations
 
@@ -12,14 +14,15 @@ import numpy as np
 
 from dasktf import config
 from dasktf.engines.base import Engine, RunHooks
+from dasktf.engines.collective import options as collective_options
 from dasktf.engines.collective.engine import CollectiveEngine
 from dasktf.engines.graph.elastic import ElasticSyncEngine
+from dasktf.engines.holder import options as holder_options
 from dasktf.engines.holder.engine import AsyncEngine
-from dasktf.engines.holder.options import choose_holder
 from dasktf.engines.holder.quorum import QuorumEngine
 from dasktf.engines.holder.sharded import plan_holders
+from dasktf.engines.p2p import options as p2p_options
 from dasktf.engines.p2p.engine import P2PEngine
-from dasktf.engines.p2p.options import refusal as p2p_refusal
 from dasktf.exceptions import EngineHint
 from dasktf.runtime.replica import non_trainable_floats
 
@@ -27,8 +30,36 @@ if TYPE_CHECKING:
     from dasktf.cluster.waits import RunContext
     from dasktf.data.base import PlacedData
     from dasktf.models import CompileRecipe
-    from dasktf.run.options import FaultOptions, TrainOptions
     from dasktf.wire.packets import CommSpec
+
+
+# -- each family's rules of the options -----------------------------------------
+#: :class:`~dasktf.run.options.TrainOptions` or ``FaultOptions``, not imported:
+#: they run the checks below as they are built
+Options = Any
+
+
+def check_mode_options(options: Options, n_workers: int | None = None
+                       ) -> dict[int, float]:
+    """The async and quorum options of a trainer (against ``n_workers`` when
+    known); its ``slow_workers`` as a dict."""
+    return holder_options.validate_mode_options(
+        options.mode, options.max_staleness, options.staleness_lr, options.sync_quorum,
+        options.slow_workers, n_workers)
+
+
+def refuse_options(options: Options, fault: Options | None = None) -> None:
+    """Refuse what a trainer's ``options`` (and a fit call's ``fault`` options) ask
+    of an engine family that cannot do it, before anything starts."""
+    for family in (holder_options, collective_options, p2p_options):
+        why = family.options_refusal(options, fault)
+        if why is not None:
+            raise ValueError(why)
+
+
+check_staleness_lr = holder_options.check_staleness_lr
+#: why a run cannot be set up again on so many surviving workers (``None``: it can)
+setup_refusal = holder_options.setup_refusal
 
 
 @dataclass(frozen=True)
@@ -36,11 +67,10 @@ class EngineInputs:
     """What the factory builds a run's engine from, once its replicas are built
     (:meth:`dasktf.run.run.Run.set_up` gathers it)."""
 
-    options: TrainOptions
-    fault: FaultOptions
+    options: Options
+    fault: Options
     epochs: int
     ctx: RunContext
-    workers: list[str]
     #: ``{worker index: factor}``, re-indexed after a loss during the set-up
     slow_workers: dict[int, float]
     placed: PlacedData
@@ -65,16 +95,21 @@ class EnginePlan:
     ps_layout: tuple[Any, list[int]] | None = None
 
 
-def plan_engine(options: TrainOptions, model: Any, recipe: CompileRecipe) -> EnginePlan:
+def plan_engine(options: Options, model: Any, recipe: CompileRecipe) -> EnginePlan:
     """Check ``model`` (compiled with ``recipe``) against the engine ``options``
     pick, before any work is done.
 
     Raises
     ------
     ValueError
-        ``placement="ps"`` with an optimizer whose state is not one slot per
-        variable (no server slice can hold it).
+        ``num_ps`` more than the parameters can be split over; ``placement="ps"``
+        with an optimizer whose state is not one slot per variable (no server
+        slice can hold it).
     """
+    if options.comm.num_ps > 1:  # refuse a num_ps the parameters cannot be split over
+        from dasktf.wire.packets import shard_plan
+
+        shard_plan([tuple(v.shape) for v in model.trainable_variables], options.comm.num_ps)
     ps_layout = None
     if (options.comm.placement == "ps" and options.mode == "sync"
             and options.sync_quorum is None):
@@ -103,7 +138,7 @@ def resolve_engine(engine: str, mode: str = "sync", sync_quorum: int | None = No
     """
     if engine in ("collective", "graph", "p2p"):
         return engine
-    return "p2p" if p2p_refusal(mode, sync_quorum, comm) is None else "graph"
+    return "p2p" if p2p_options.refusal(mode, sync_quorum, comm) is None else "graph"
 
 
 #: Where the hint's figures come from: ``dasktf bench --models mnist-mlp --workers 3
@@ -163,7 +198,7 @@ def make_engine(inputs: EngineInputs, hooks: RunHooks) -> Engine:
     been faster). ``hooks``: what the run's guard gives it."""
     t, epochs = inputs.options, inputs.epochs
     cfg, weights, val = inputs.config, inputs.weights, inputs.validation
-    placed = inputs.placed
+    placed, workers = inputs.placed, inputs.ctx.workers
     if t.mode == "sync" and t.sync_quorum is None:
         chosen = resolve_engine(t.engine, t.mode, t.sync_quorum, t.comm)
         if chosen == "collective":
@@ -172,7 +207,7 @@ def make_engine(inputs: EngineInputs, hooks: RunHooks) -> Engine:
                                     keep_state=inputs.fault.checkpoint_dir is not None)
         options = inputs.fault
         shapes = [tuple(v.shape) for v in inputs.model.trainable_variables]
-        spec = dataclasses.replace(t.comm, n_workers=len(inputs.workers))
+        spec = dataclasses.replace(t.comm, n_workers=len(workers))
         average_stats = bool(non_trainable_floats(inputs.model))
         if chosen == "p2p":
             return P2PEngine(inputs.ctx, spec, shapes, placed.schedule, hooks,
@@ -180,19 +215,19 @@ def make_engine(inputs: EngineInputs, hooks: RunHooks) -> Engine:
                              average_stats=average_stats, local=t.local)
         warn_collective_hint(collective_hint(
             t.engine, t.mode, t.sync_quorum, inputs.slow_workers,
-            sum(int(np.prod(s)) for s in shapes), len(inputs.workers),
+            sum(int(np.prod(s)) for s in shapes), len(workers),
             epochs * inputs.ctx.steps_per_epoch, bool(inputs.ctx.resources),
             bool(options.checkpoint_dir or options.resume or options.scale_lr)))
         return ElasticSyncEngine(inputs.ctx, spec, shapes, placed.schedule, hooks,
                                  average_stats=average_stats,
                                  ps_layout=inputs.plan.ps_layout, local=t.local)
-    holder = choose_holder(inputs.workers, inputs.slow_workers)
-    args = (inputs.ctx, inputs.workers[holder], cfg, weights, placed.shards[holder], val,
+    holder = holder_options.choose_holder(workers, inputs.slow_workers)
+    args = (inputs.ctx, workers[holder], cfg, weights, placed.shards[holder], val,
             placed.schedule)
     if t.mode == "async":
         # num_ps=K: K holders, one slice each (K=1: the one holder above)
         holders, plan = plan_holders(
-            inputs.workers, inputs.slow_workers,
+            workers, inputs.slow_workers,
             [tuple(v.shape) for v in inputs.model.trainable_variables], t.comm.num_ps,
         )
         return AsyncEngine(*args, max_staleness=t.max_staleness,

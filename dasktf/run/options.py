@@ -8,8 +8,9 @@ defaults and types: the signatures of ``Trainer``, ``Trainer.fit`` and
 :func:`~dasktf.fit` are built from them (:func:`options_signature`, in
 :data:`FIT_ORDER`). ``Trainer``, :func:`~dasktf.fit` and ``dasktf fit``
 all build them, so a bad value fails the same way, before any process starts. Each
-family's own rules (:func:`~dasktf.wire.packets.validate_comm_options`,
-:func:`~dasktf.engines.holder.options.validate_mode_options`) are called from here.
+family's own rules (:func:`~dasktf.wire.packets.validate_comm_options`; the engine
+families' through their factory, :func:`~dasktf.run.engine.refuse_options`) are
+called from here.
 """
 
 from __future__ import annotations
@@ -24,9 +25,8 @@ import numpy as np
 
 from dasktf.cluster.devices import GpusArg
 from dasktf.cluster.liveness import settings as liveness_settings
-from dasktf.engines.graph.elastic import ON_WORKER_LOSS
-from dasktf.engines.holder.options import validate_mode_options
-from dasktf.engines.p2p.options import refusal as p2p_refusal
+from dasktf.engines.base import check_integer
+from dasktf.run.engine import check_mode_options, check_staleness_lr, refuse_options
 from dasktf.runtime.rounds import LocalSpec, local_spec, rounds_compression
 from dasktf.wire.packets import CommSpec, validate_comm_options
 
@@ -34,14 +34,9 @@ if TYPE_CHECKING:
     from distributed import Client
 
 MODES = ("sync", "async")
+#: Accepted values of ``on_worker_loss``.
+ON_WORKER_LOSS = ("recover", "raise")
 ENGINES = ("graph", "p2p", "collective", "auto")
-
-
-def positive_int(name: str, value: Any, *, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be a positive integer; got {value!r}.")
 
 
 def resolve_optimizer(optimizer: Any, learning_rate: float | None) -> dict[str, Any]:
@@ -70,18 +65,6 @@ def resolve_optimizer(optimizer: Any, learning_rate: float | None) -> dict[str, 
     return keras.optimizers.serialize(opt)  # type: ignore[no-any-return]
 
 
-def check_staleness_lr(staleness_lr: str | None, optimizer_config: dict[str, Any] | None
-                       ) -> None:
-    if staleness_lr is not None and optimizer_config is not None and isinstance(
-        optimizer_config.get("config", {}).get("learning_rate"), dict
-    ):
-        raise ValueError(
-            "staleness_lr='inverse' scales a fixed learning rate; this optimizer "
-            "has a LearningRateSchedule. Use a float learning rate, or drop "
-            "staleness_lr."
-        )
-
-
 def resolve_metrics(metrics: Any) -> Any:
     """Metrics as ``compile`` takes them (a list, or per output a dict or list of
     lists), checked, with instances made portable (:func:`~dasktf.models.portable_metrics`)."""
@@ -103,48 +86,6 @@ def _metric_leaves(metrics: Any) -> list[tuple[str, Any]]:
     from dasktf.data.structure import leaves
 
     return list(leaves(metrics, "metrics"))
-
-
-def validate_engine(engine: str, mode: str, sync_quorum: int | None,
-                    slow_workers: dict[int, float] | None,
-                    comm: CommSpec | None = None) -> None:
-    """Reject engine options that cannot work together (at the public boundary)."""
-    if engine not in ENGINES:
-        raise ValueError(f"engine must be one of {ENGINES}; got {engine!r}.")
-    if engine == "collective" and (mode != "sync" or sync_quorum is not None or slow_workers):
-        raise ValueError(
-            "engine='collective' runs plain sync training (every step all-reduces "
-            "all workers' gradients); it has no async, sync_quorum or slow_workers. "
-            "Use engine='graph' for those."
-        )
-    if engine == "p2p":
-        why = p2p_refusal(mode, sync_quorum, comm)
-        if why is not None:
-            raise ValueError(why)
-
-
-def check_local_steps(options: TrainOptions) -> None:
-    """Refuse what rounds of local steps do not combine with, saying why."""
-    if options.sync_quorum is not None:
-        raise ValueError(
-            "local_steps (and an outer optimizer) cannot combine with sync_quorum: a "
-            "quorum drops the late workers' gradients of a step, while a round's "
-            "change is a worker's whole round of steps. Use mode='async' with "
-            "local_steps for rounds that never wait for a slow worker."
-        )
-    if options.engine == "collective":
-        raise ValueError(
-            "engine='collective' all-reduces a gradient every step inside TensorFlow; "
-            "rounds of local steps run on the p2p and task-graph engines (engine="
-            "'auto', 'p2p' or 'graph'), which average once per round."
-        )
-    if options.comm.num_ps > 1 or options.comm.placement == "ps":
-        raise ValueError(
-            "local_steps does not combine with num_ps > 1: the parameter servers "
-            "(or async holders) would each hold a slice of the outer optimizer, "
-            "which dasktf does not build. Rounds already cut the traffic H-fold, "
-            "which is what sharding the servers is for; drop num_ps."
-        )
 
 
 @dataclass(frozen=True)
@@ -204,13 +145,11 @@ class TrainOptions:
         set_("comm", validate_comm_options(
             self.mode, self.compression, self.weights_dtype, self.num_ps,
             self.placement, self.topology, self.mixed_precision))
-        positive_int("n_workers", self.n_workers, allow_none=True)
-        set_("slow_workers", validate_mode_options(
-            self.mode, self.max_staleness, self.staleness_lr, self.sync_quorum,
-            self.slow_workers, self.n_workers))
-        validate_engine(self.engine, self.mode, self.sync_quorum, self.slow_workers,
-                        self.comm)
-        positive_int("threads_per_worker", self.threads_per_worker, allow_none=True)
+        check_integer("n_workers", self.n_workers, allow_none=True)
+        set_("slow_workers", check_mode_options(self, self.n_workers))
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {ENGINES}; got {self.engine!r}.")
+        check_integer("threads_per_worker", self.threads_per_worker, allow_none=True)
         if self.learning_rate is not None and not self.learning_rate > 0:
             raise ValueError(f"learning_rate must be positive; got {self.learning_rate!r}.")
         set_("optimizer_config", None if self.optimizer is None else resolve_optimizer(
@@ -226,12 +165,11 @@ class TrainOptions:
         else:
             set_("seed", int(self.seed))
         set_("mixed_precision", bool(self.mixed_precision))
-        positive_int("local_steps", self.local_steps)
+        check_integer("local_steps", self.local_steps)
         set_("local", local_spec(self.local_steps, self.outer_optimizer,
                                  self.outer_learning_rate, self.outer_momentum,
                                  rounds_compression(self)))
-        if self.local is not None:
-            check_local_steps(self)
+        refuse_options(self)  # each engine family's rules
 
     @classmethod
     def names(cls) -> list[str]:
@@ -255,41 +193,13 @@ class FaultOptions:
                 f"on_worker_loss must be one of {ON_WORKER_LOSS}; got {self.on_worker_loss!r}."
             )
         if self.checkpoint_every is not None:
-            if isinstance(self.checkpoint_every, bool) or not isinstance(
-                self.checkpoint_every, (int, np.integer)
-            ) or self.checkpoint_every < 1:
-                raise ValueError(
-                    f"checkpoint_every must be a positive number of steps; got "
-                    f"{self.checkpoint_every!r}."
-                )
+            check_integer("checkpoint_every", self.checkpoint_every,
+                          expected="a positive number of steps")
             if self.checkpoint_dir is None:
                 raise ValueError("checkpoint_every needs checkpoint_dir (where to write).")
         if self.resume and self.checkpoint_dir is None:
             raise ValueError("resume=True needs checkpoint_dir (where the checkpoints are).")
         liveness_settings()  # a malformed duration fails here, before any process starts
-
-
-def validate_fault_options(train: TrainOptions, fault: FaultOptions) -> None:
-    """The fault options one ``fit`` asks for, against the trainer's: refuse what its
-    engine or mode cannot do, before anything starts, instead of ignoring it."""
-    asked = [name for name in ("checkpoint_every", "scale_lr") if getattr(fault, name)]
-    if train.engine == "collective" and asked:
-        raise ValueError(
-            f"engine='collective' does not support {', '.join(asked)}: it checkpoints "
-            "at every epoch end (checkpoint_dir, resume=True) and a lost worker ends "
-            "the run with WorkerLostError. Use engine='graph' for step checkpoints "
-            "and in-run recovery."
-        )
-    if fault.scale_lr and (train.mode != "sync" or train.sync_quorum is not None):
-        # An async update (or a quorum step's share) is one worker's batch, whose
-        # size a change of the worker count does not touch: there is no global
-        # batch for the linear scaling rule to follow.
-        raise ValueError(
-            "scale_lr follows the global batch of sync steps when the worker count "
-            "changes; an async or sync_quorum update is one worker's batch, which "
-            "does not change with the worker count. Use mode='sync' without "
-            "sync_quorum, or leave scale_lr off (the learning rate stays as given)."
-        )
 
 
 @dataclass(frozen=True)

@@ -5,13 +5,20 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import threading
 import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
+import dask
+
 from dasktf import config
-from dasktf.callbacks import History, LearningRateRelay, ProgressBar, saves_optimizer
+from dasktf.callbacks import (
+    History,
+    LearningRateRelay,
+    ProgressBar,
+    adopt_learning_rate,
+    saves_optimizer,
+)
 from dasktf.cluster.liveness import LivenessWatch
 from dasktf.cluster.local import (
     alive_workers,
@@ -19,7 +26,6 @@ from dasktf.cluster.local import (
 from dasktf.cluster.membership import MembershipWatcher
 from dasktf.cluster.waits import RunContext, WatchedClient, wait_for
 from dasktf.data.base import PlacedData
-from dasktf.data.structure import leaves
 from dasktf.data.validation import place_validation
 from dasktf.diagnostics.events import (
     LOSS_TOPIC,
@@ -30,36 +36,37 @@ from dasktf.diagnostics.events import (
     unpack,
 )
 from dasktf.diagnostics.metrics import ensure_store
-from dasktf.engines.base import Engine
+from dasktf.engines.base import Checkpoint, Engine, RunHooks
 from dasktf.exceptions import WorkerLostError
-from dasktf.models import (
-    BUILTIN_MODELS,
-    check_trainable_by_dasktf,
-    model_spec,
-)
+from dasktf.models import BUILTIN_MODELS
 from dasktf.run.compiling import (
+    adopt_optimizer,
     check_sparse_labels,
     compile_recipe,
     compile_reference,
-    factory_input_shape,
-    num_outputs,
+    model_statistics,
+    reference_model,
 )
 from dasktf.run.ending import END_PHASES, EndGuard
 from dasktf.run.engine import EngineInputs, make_engine, plan_engine
-from dasktf.run.guard import RunGuard
+from dasktf.run.guard import GuardedRun, RunGuard
 from dasktf.run.inputs import RunInputs
 from dasktf.run.setup import SetupGuard, enter_phase, register_worker_plugin
 from dasktf.runtime.keras_step import build_metrics, merge_metric_states
 from dasktf.runtime.replica import ReplicaConfig
 from dasktf.runtime.tasks import create_replica_task, release_replicas
-from dasktf.transport import ModelPackage, SharedModel, set_seed_states, share_model
+from dasktf.transport import (
+    ModelPackage,
+    SharedModel,
+    keras_archive,
+    set_seed_states,
+    share_model,
+)
 
 if TYPE_CHECKING:
     from distributed import Client
 
 logger = logging.getLogger(__name__)
-#: held while a run seeds Keras and builds its model from the seed
-SEEDED_BUILD = threading.Lock()
 
 class Run:
     """One ``fit`` call: the replicas, the engine, the epoch loop and the clean-up."""
@@ -75,12 +82,13 @@ class Run:
         self.inputs = inputs
         self.options = inputs.options
         self.client = client
-        self.workers = workers
         self.placed: PlacedData | None = None
         #: the global batch now (a re-form with ``scale_lr`` changes it)
         self.batch_size = inputs.batch_size
         self.run_id = uuid.uuid4().hex[:10]
-        self.ctx = RunContext(client, self.run_id, workers, 0, resources)
+        #: the run's workers, assigned here only (:meth:`_use_workers`); an engine
+        #: that loses or gains one reports it (``RunHooks.workers_changed``)
+        self.ctx = RunContext(client, self.run_id, list(workers), 0, resources)
         #: ``{worker index: factor}``: the options' ``slow_workers``, re-indexed
         #: when a worker is lost during the set-up
         self.slow_workers = dict(inputs.options.slow_workers)
@@ -115,49 +123,13 @@ class Run:
             self.close()
 
     # -- set-up -------------------------------------------------------------------
-    def _reference_model(self) -> tuple[Any, Any]:
-        """Build (or take) the client-side model; check the shapes. Returns the
-        model and its outputs on a probe batch."""
-        import keras
-
-        o = self.options
-        stats = self.placed.stats[0]
-        if self.inputs.model is not None:  # a second fit() continues from its weights
-            model = self.inputs.model
-        elif isinstance(o.model, keras.Model):
-            model = o.model
-        else:
-            # Keras' seeds are the process's: two fits in threads of one client must
-            # not draw one's initial weights from the other's seed.
-            with SEEDED_BUILD:
-                keras.utils.set_random_seed(o.seed)
-                spec = model_spec(o.model, factory_input_shape(stats),
-                                  num_outputs(self.placed.stats))
-                model = spec.build()
-            self._factory = spec.build  # what rebuilds a subclassed model it makes
-        check_trainable_by_dasktf(model)
-        probe_x = stats.probe(2)[0]
-        try:
-            # Builds a subclassed model's weights: only then can it be saved.
-            y_pred = model(probe_x)
-        except Exception as exc:
-            shapes = ", ".join(f"{leaf.name}: {(None, *leaf.shape)}"
-                               for _, leaf in leaves(stats.x, "x"))
-            raise ValueError(
-                f"The model does not accept inputs of shape {shapes} "
-                f"({type(exc).__name__}: {str(exc).splitlines()[0]}). Check x's shape "
-                "(and its structure: one array, or a list/dict matching the model's "
-                "inputs by position or name) against the model's input."
-            ) from exc
-        return model, y_pred
-
     def set_up(self, plugin: Any = None) -> None:
         """Connect to the workers, register ``plugin`` (a worker plugin, if any) on
         them, place the data, build the replicas and start the engine: the phases of
         :data:`dasktf.run.setup.PHASES`. A worker lost in any of them is recovered by
         doing the set-up again on the survivors, or raised naming it and the phase
         (:class:`~dasktf.run.setup.SetupGuard`)."""
-        setup = self.setup = SetupGuard(self.ctx, self.inputs)
+        setup = self.setup = SetupGuard(self.ctx, self.inputs, self.announce)
         while True:
             try:
                 with setup.phase("connecting"):
@@ -174,8 +146,8 @@ class Run:
                         self._prepare()
                     self._create_replicas()
                 with setup.phase("starting the engine"):
-                    self.guard = RunGuard(self, self.inputs)
-                    self.engine = make_engine(self._engine_inputs(), self.guard.hooks())
+                    self.guard = RunGuard(self._guarded(), self.inputs)
+                    self.engine = make_engine(self._engine_inputs(), self._hooks())
                     self.begin_at = self.guard.begin(self.engine)
                     self.engine.prepare()
             except WorkerLostError as exc:
@@ -193,7 +165,7 @@ class Run:
             self.engine.close()
             self.engine = None
         self.release(wait=config.get_seconds("poll-interval"), model=False)  # old id
-        index = {w: i for i, w in enumerate(self.workers)}
+        index = {w: i for i, w in enumerate(self.ctx.workers)}
         self.slow_workers = {new: self.slow_workers[index[w]]
                              for new, w in enumerate(survivors)
                              if index[w] in self.slow_workers}
@@ -201,7 +173,7 @@ class Run:
         self._use_workers(survivors)
 
     def _use_workers(self, workers: list[str]) -> None:
-        self.workers = list(workers)
+        """The one writer of the run's workers (a loss, a join, a re-form)."""
         self.ctx.workers = list(workers)
         if self._cfg is not None:  # a ring's chunks are cut for the worker count
             self._cfg = dataclasses.replace(self._cfg, comm=dataclasses.replace(
@@ -210,13 +182,13 @@ class Run:
     def _place(self) -> None:
         """Place the shards over the run's workers (never waiting on a lost one)."""
         self.placed = self.inputs.source.place(WatchedClient(self.ctx, "placing data"),
-                                        self.workers, self.batch_size)
+                                        self.ctx.workers, self.batch_size)
         self.ctx.steps_per_epoch = self.placed.steps_per_epoch
 
     def _prepare(self) -> None:
         """The client's model, its compile recipe and the replicas' config (once)."""
         o = self.options
-        model, y_pred = self._reference_model()
+        model, y_pred, self._factory = reference_model(self.inputs, self.placed.stats)
         stats = self.placed.stats[0]
         builtin = isinstance(o.model, str) and o.model in BUILTIN_MODELS
         recipe = compile_recipe(o, model, stats, y_pred, builtin)
@@ -227,11 +199,6 @@ class Run:
         self.model = model
         self.spec_description = (o.model if isinstance(o.model, str) else
                                  getattr(model, "name", ""))
-        if o.comm.num_ps > 1:  # refuse a num_ps the parameters cannot be split over
-            from dasktf.wire.packets import shard_plan
-
-            shapes = [tuple(v.shape) for v in model.trainable_variables]
-            shard_plan(shapes, o.comm.num_ps)
         self.engine_plan = plan_engine(o, model, recipe)  # refused here, before any work
         # The model travels whole, once per worker (dasktf.transport): the optimizer's
         # state too where the run continues it and it has one.
@@ -240,23 +207,23 @@ class Run:
                 recipe.continues and model.optimizer.built) else None,
             factory=self._factory, probe=probe_x)
         self.shared = share_model(WatchedClient(self.ctx, "building replicas"), package,
-                                  self.workers)
+                                  self.ctx.workers)
         self._cfg = ReplicaConfig(
             self.shared.ref, recipe, o.seed, eval_batch_size=self.inputs.eval_batch_size,
             mixed_precision=o.mixed_precision,
             publish_metrics=bool(config.get("metrics")),
-            comm=dataclasses.replace(o.comm, n_workers=len(self.workers)),
+            comm=dataclasses.replace(o.comm, n_workers=len(self.ctx.workers)),
             local=o.local,
         )
 
     def _create_replicas(self) -> None:
-        """One replica per worker of ``self.workers`` from ``self.model``'s weights."""
+        """One replica per worker of ``self.ctx.workers`` from ``self.model``'s weights."""
         cfg, validation_data = self._cfg, self.inputs.validation_data
         client = WatchedClient(self.ctx, "building the replicas")
         val = (
-            place_validation(client, validation_data, self.workers)
+            place_validation(client, validation_data, self.ctx.workers)
             if validation_data is not None
-            else [None] * len(self.workers)
+            else [None] * len(self.ctx.workers)
         )
         futures = [
             self.client.submit(
@@ -276,11 +243,11 @@ class Run:
                 allow_other_workers=False,
                 resources=self.ctx.resources,
             )
-            for i, w in enumerate(self.workers)
+            for i, w in enumerate(self.ctx.workers)
         ]
         self._futures = futures
         self._validation_shards = val
-        with _config_override("step-timeout", config.get("replica-timeout")):
+        with dask.config.set({"dasktf.step-timeout": config.get("replica-timeout")}):
             wait_for(self.ctx, futures, "building the replicas")
         self.replica_info = self.client.gather(futures)
 
@@ -289,10 +256,87 @@ class Run:
         """What the factory builds this run's engine from (replicas built)."""
         return EngineInputs(
             options=self.options, fault=self.inputs.fault, epochs=self.inputs.epochs,
-            ctx=self.ctx, workers=self.workers, slow_workers=self.slow_workers,
+            ctx=self.ctx, slow_workers=self.slow_workers,
             placed=self.placed, model=self.model, config=self._cfg,
             # the engines' replicas and holders start from the package's weights (None)
             weights=None, validation=self._validation_shards, plan=self.engine_plan)
+
+    def _guarded(self) -> GuardedRun:
+        """What the run's guard reads of it and asks it to change."""
+        return GuardedRun(
+            self.ctx, self.spec_description, batch_size=lambda: self.batch_size,
+            schedule=lambda: self.placed.schedule, publish=self.publish,
+            announce=self.announce,
+            reform=self.reform, statistics=functools.partial(model_statistics, self.model),
+            load=self._load_state, archive=self._archive)
+
+    # -- the client's model: written here only --------------------------------------
+    def _load_state(self, state: dict[str, Any]) -> None:
+        """A resumed checkpoint's weights and learning rate."""
+        self.model.set_weights(state["weights"])
+        adopt_learning_rate(self.model, state["optimizer"])
+
+    def _archive(self, cut: Checkpoint | None) -> bytes:
+        """The client's model as Keras saves it (a checkpoint's ``.keras``), holding
+        ``cut``'s state first (weights, the optimizer's variables but its learning
+        rate, which stays the client's): the newest state the run has."""
+        model = self.model
+        if cut is not None:
+            model.set_weights(cut.state["weights"])
+            if cut.model_optimizer:
+                adopt_optimizer(model, cut.state["optimizer"], learning_rate=False)
+            elif not model.optimizer.built:  # saved fresh, whole: loads without a warning
+                model.optimizer.build(model.trainable_variables)
+        return keras_archive(model)
+
+    def _adopt_optimizer(self, engine: Engine, learning_rate: bool = True) -> None:
+        """The trained optimizer's state (:meth:`Engine.final_state`) into the
+        client's model: ``history.model`` saves and resumes like a model Keras
+        trained (the weights are the last epoch's report's, already there)."""
+        state = engine.final_state()
+        if state is not None:
+            adopt_optimizer(self.model, state["optimizer"], learning_rate=learning_rate)
+
+    def _hooks(self) -> RunHooks:
+        """What the run's engine (and its end's guard) report to and ask of it."""
+        import keras
+
+        guard, fault = self.guard, self.inputs.fault
+        assert guard is not None, "the guard comes first"
+        return RunHooks(
+            publish=self.publish, announce=self.announce, reload=self._reload,
+            last_checkpoint=guard.last_checkpoint_path, holder_inputs=self._holder_inputs,
+            on_worker_loss=fault.on_worker_loss, shuffle=self.inputs.shuffle,
+            on_epoch_end=self.options.on_epoch_end, heard=self.heard,
+            workers_changed=self._use_workers,
+            stop_on_nonfinite=any(isinstance(c, keras.callbacks.TerminateOnNaN)
+                                  for c in self.inputs.callbacks))
+
+    def _reload(self, index: int, worker: str) -> tuple[Any, Any]:
+        """Shard ``index`` (and its validation piece) placed on ``worker`` again."""
+        schedule, validation_data = self.placed.schedule, self.inputs.validation_data
+        shard = self.inputs.source.reload(self.client, index, worker, schedule,
+                                          self.batch_size)
+        val = None
+        if validation_data is not None:
+            from dasktf.data.validation import validation_piece, validation_shard
+
+            piece = validation_piece(validation_shard(validation_data), index,
+                                     schedule.shape[1])
+            val = self.client.scatter(piece, workers=[worker], direct=True, hash=False)
+        return shard, val
+
+    def _holder_inputs(self, worker: str) -> tuple[Any, list[Any]]:
+        """What a parameter holder rebuilt on ``worker`` starts from: a probe batch
+        (to build its model) and the whole validation set, placed there."""
+        val = None
+        if self.inputs.validation_data is not None:
+            from dasktf.data.validation import validation_shard
+
+            val = self.client.scatter(validation_shard(self.inputs.validation_data),
+                                      workers=[worker], direct=True, hash=False)
+        probe = val if val is not None else self._reload(0, worker)[0]
+        return probe, [val]
 
     def train(self) -> History:
         """The epoch loop, on a run :meth:`set_up` set up; returns its History."""
@@ -304,7 +348,7 @@ class Run:
         engine, guard, setup = self.engine, self.guard, self.setup
         assert engine and guard and setup, "Run.set_up() comes first"
         history = History()
-        history.run_id, history.workers = self.run_id, list(self.workers)
+        history.run_id, history.workers = self.run_id, list(self.ctx.workers)
         history.replica_info = self.replica_info
         cbs = list(inputs.callbacks)
         if verbose:
@@ -327,11 +371,8 @@ class Run:
             self.publish(record)
         self.client.subscribe_topic(LOSS_TOPIC, self._on_event)
         self.model.stop_training = False
-        engine.stop_on_nonfinite = any(isinstance(c, keras.callbacks.TerminateOnNaN)
-                                       for c in cbs)
         cb.on_train_begin()
-        ending = EndGuard(self.ctx, inputs.fault.on_worker_loss, self.publish,
-                          guard.announce)
+        ending = EndGuard(self.ctx, self._hooks())
         #: the engine's losses before the first step completed (its recoveries)
         first: list[int] = []
 
@@ -345,7 +386,7 @@ class Run:
             cb.on_train_batch_end(engine.last_step(unit, self.ctx.steps_per_epoch),
                                   {} if latest is None else {"loss": latest})
             if self.model.stop_training:
-                engine.stop_requested = True
+                engine.request_stop()
             guard.after_step(engine, epoch, unit)
 
         try:
@@ -366,7 +407,9 @@ class Run:
                 self.model.set_weights(reports[0].weights)
                 set_seed_states(self.model, tuple(reports[0].seeds or ()), 0)
                 if saves_optimizer(cbs, logs):  # ModelCheckpoint: the optimizer too
-                    read = functools.partial(guard.optimizer_to_model, engine)
+                    # the trained optimizer's state (not its learning rate: the
+                    # client's, which callbacks set) for a callback saving it whole
+                    read = functools.partial(self._adopt_optimizer, engine, False)
                     if epoch + 1 < epochs:
                         read()
                     else:  # a loss there is the run's end's
@@ -394,7 +437,8 @@ class Run:
                 history.holder_traffic = outcome.holder_traffic
             settled = first[0] if first else len(engine.losses)
             history.applied_updates = ending.run(END_PHASES[2], engine.applied_logs)
-            ending.run(END_PHASES[3], functools.partial(guard.finish, self.model, engine))
+            ending.run(END_PHASES[3], functools.partial(self._adopt_optimizer, engine))
+            guard.finish()
             history.recoveries = [*setup.losses, *(
                 {**r, "phase": "the first step" if i < settled else "training"}
                 for i, r in enumerate(engine.losses)), *ending.losses]
@@ -432,7 +476,7 @@ class Run:
         local, epochs = engine.local, self.inputs.epochs
         return run_start_record(
             self.run_id, mode=engine.mode, engine=engine.engine,
-            model=self.spec_description, workers=self.workers,
+            model=self.spec_description, workers=self.ctx.workers,
             replica_info=self.replica_info, epochs=epochs,
             steps_per_epoch=self.ctx.steps_per_epoch, batch_size=self.batch_size,
             n_samples=self.placed.n_samples,
@@ -450,6 +494,12 @@ class Run:
         except Exception:
             logger.warning("publishing the %s record of run %s failed",
                            record["kind"], self.run_id, exc_info=True)
+
+    def announce(self, line: str) -> None:
+        """One line for the user (a loss, a re-form, a resume), and the log's."""
+        if self.inputs.verbose:
+            print(f"dasktf: {line}", flush=True)  # the CLI's one line per loss
+        logger.warning("%s", line)
 
     def _on_event(self, event: Any) -> None:
         for record in unpack(event):
@@ -525,15 +575,3 @@ class _LinePrinter(ProgressBar):
     def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         pass
 
-
-class _config_override:
-    def __init__(self, key: str, value: Any) -> None:
-        import dask
-
-        self._cm = dask.config.set({f"dasktf.{key}": value})
-
-    def __enter__(self) -> None:
-        self._cm.__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        self._cm.__exit__(*exc)

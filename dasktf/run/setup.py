@@ -18,9 +18,8 @@ the scheduler's notice, never a raw ``CommClosedError`` or a wait on a dead peer
   the survivors, an async resume, whose checkpoint needs its own worker count):
   :class:`~dasktf.exceptions.WorkerLostError` naming the workers and the phase.
 
-A loss at the first step is the engine's (:mod:`dasktf.engines.graph.elastic`,
-:mod:`dasktf.engines.holder.recovery`; the collective engine cannot re-form a ring
-in a running process and raises); the run labels it ``"the first step"`` until the
+A loss at the first step is the engine's recovery (docs/faults.md; the collective
+engine cannot re-form a ring in a running process and raises); the run labels it ``"the first step"`` until the
 client has seen a step (the collective engine's steps reach it at each epoch end:
 there, that is the first epoch).
 """
@@ -38,7 +37,9 @@ from dasktf import compat, config
 from dasktf.cluster.deadline import poll_until
 from dasktf.cluster.local import alive_workers
 from dasktf.cluster.waits import call_watched, lost_workers
+from dasktf.diagnostics.events import recovered_record, worker_lost_records
 from dasktf.exceptions import AllWorkersLostError, DasktfError, WorkerLostError
+from dasktf.run.engine import setup_refusal
 
 if TYPE_CHECKING:
     from dasktf.cluster.waits import RunContext
@@ -72,11 +73,13 @@ class SetupGuard:
     """The phases of one run's set-up and what a worker lost in one of them leads to
     (see the module)."""
 
-    def __init__(self, ctx: RunContext, inputs: RunInputs) -> None:
+    def __init__(self, ctx: RunContext, inputs: RunInputs,
+                 announce: Callable[[str], None]) -> None:
         #: the run's workers and id now (a set-up done again changes both)
         self.ctx = ctx
         self.inputs = inputs
         self.policy = inputs.fault.on_worker_loss
+        self.announce = announce
         #: the ``recovered`` records, one per loss the set-up went on without
         self.losses: list[dict[str, Any]] = []
         #: ``worker_lost`` and ``recovered`` records, published once the run is
@@ -123,30 +126,18 @@ class SetupGuard:
             raise AllWorkersLostError(
                 f"{where}, and no worker of the run is left. Start workers and train "
                 "again.", lost, phase=phase) from loss
-        options = self.inputs.options
-        why = None
-        if self.policy == "raise":
-            why = ("on_worker_loss='raise' stops the run. Restart the worker(s), or "
-                   "pass on_worker_loss='recover' to go on with the others")
-        elif options.sync_quorum is not None and options.sync_quorum > len(survivors):
-            why = (f"sync_quorum={options.sync_quorum} needs that many workers and "
-                   f"{len(survivors)} are left. Restart the worker(s) or lower sync_quorum")
-        elif options.mode == "async" and self.inputs.fault.resume:
-            why = ("an async run resumes only on as many workers as wrote its "
-                   "checkpoint. Restart the worker(s) and resume again")
+        why = ("on_worker_loss='raise' stops the run. Restart the worker(s), or "
+               "pass on_worker_loss='recover' to go on with the others"
+               if self.policy == "raise" else
+               setup_refusal(self.inputs.options, self.inputs.fault, len(survivors)))
         if why is not None:
             raise WorkerLostError(f"{where}; {why}.", lost, phase=phase) from loss
-        record = {"run": ctx.run_id, "kind": "recovered", "phase": phase,
-                  "workers": survivors, "lost": lost, "moved": [], "reformed": True,
-                  "steps_lost": 0, "steps_recomputed": 0, "detected_at": detected,
-                  "resume_s": None, "wall_time": time.time()}
-        self.records.extend(
-            {"run": ctx.run_id, "kind": "worker_lost", "worker_address": w,
-             "phase": phase, "detected_at": detected, "wall_time": time.time()}
-            for w in lost)
+        self.records.extend(worker_lost_records(ctx.run_id, lost, detected, phase=phase))
+        record = recovered_record(ctx.run_id, survivors, lost, None, phase=phase,
+                                  reformed=True, steps_recomputed=0, detected_at=detected)
         self.records.append(record)
         self.losses.append(record)
-        self._announce(f"worker lost while setting up ({phase}): {', '.join(lost)}; "
+        self.announce(f"worker lost while setting up ({phase}): {', '.join(lost)}; "
                        f"setting the run up again on {len(survivors)} worker(s)")
         return survivors
 
@@ -159,13 +150,9 @@ class SetupGuard:
             if record["resume_s"] is None:
                 record["resume_s"] = now - record["detected_at"]
         if self.losses:
-            self._announce(f"set up on {len(self.ctx.workers)} worker(s) "
+            self.announce(f"set up on {len(self.ctx.workers)} worker(s) "
                            f"{now - (self._detected or now):.2f}s after the loss")
 
-    def _announce(self, line: str) -> None:
-        if self.inputs.verbose:
-            print(f"dasktf: {line}", flush=True)  # the CLI's one line per loss
-        logger.warning("%s", line)
 
 
 def register_worker_plugin(ctx: RunContext, plugin: Any, what: str) -> None:

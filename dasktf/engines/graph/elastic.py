@@ -35,7 +35,6 @@ a worker that joined gets a replica and a share), state copied from a replica.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -45,15 +44,9 @@ from distributed import Future
 from dasktf.cluster.waits import RunContext, wait_for
 from dasktf.engines.base import Capabilities, RunHooks
 from dasktf.engines.graph.topology import CommEngine
-from dasktf.engines.mirrored import (
-    adopt_shards,
-    all_lost,
-    recover_again,
-    report_recovery,
-)
 from dasktf.exceptions import WorkerLostError
 from dasktf.runtime import reconcile
-from dasktf.runtime.reconcile import ramp_learning_rate, round_state, set_state_task
+from dasktf.runtime.reconcile import round_state, set_state_task
 from dasktf.runtime.replica import EpochReport
 from dasktf.runtime.servers import (
     merge_server_states,
@@ -70,9 +63,6 @@ if TYPE_CHECKING:
     from dasktf.runtime.rounds import LocalSpec
 
 logger = logging.getLogger(__name__)
-
-#: Accepted values of ``on_worker_loss``.
-ON_WORKER_LOSS = ("recover", "raise")
 
 
 # -- the client side ------------------------------------------------------------------
@@ -122,14 +112,10 @@ class ElasticSyncEngine(CommEngine):
         local: LocalSpec | None = None,
     ) -> None:
         super().__init__(ctx, spec, shapes)
-        self.schedule = schedule
-        self.examples_per_epoch = int(schedule.sum())
+        self.take_shards(schedule)
         self.local = local
-        #: ``{worker address: [replica indices whose shards it trains on]}``
-        self.carried = {w: [i] for i, w in enumerate(ctx.workers)}
         self.hooks = hooks
-        self.announce = hooks.announce
-        self.attempt = 0
+        self._finished: int | None = None
         #: ``"recover"`` or ``"raise"`` (the trainer's ``on_worker_loss``)
         self.policy = hooks.on_worker_loss
         self.average_stats = average_stats
@@ -142,58 +128,44 @@ class ElasticSyncEngine(CommEngine):
     def run_epoch(
         self, epoch: int, on_step: Callable[[int], None] | None = None, start: int = 0
     ) -> list[EpochReport]:
-        while True:
-            try:
-                return super().run_epoch(epoch, on_step, start)
-            except WorkerLostError as exc:
-                if self.policy == "raise":
-                    raise
-                start = recover_again(lambda lost: self.recover(lost, epoch),
-                                      exc.workers)
+        return self.recover_epoch(
+            epoch, lambda s: super(ElasticSyncEngine, self).run_epoch(epoch, on_step, s),
+            start)
 
-    def recover(self, lost: list[str], epoch: int) -> int:
-        """Reconcile the survivors, hand out the lost shards; the step to resume at."""
-        detected = time.time()
-        ctx = self.ctx
-        removals = {c.worker: c for c in ctx.watcher.removed(lost)} if ctx.watcher else {}
-        lost = sorted(set(lost) | set(removals))
-        survivors = [w for w in ctx.workers if w not in lost]
+    def stop_steps(self, lost: list[str], survivors: list[str]) -> None:
+        """Release the steps in flight (not cancelled: a cancel must reach only keys
+        the client wants, and the steps' inner tasks are the scheduler's alone;
+        unwanted, they are dropped, and a fenced replica applies nothing of what
+        still runs); the last of them whose sum was complete is kept for
+        :meth:`catch_up`."""
         finished = [s for s, (_, total) in sorted(self.in_flight.items())
                     if all(f.status == "finished" for f in _futures(total))]
-        # 1. nothing in flight may apply from here on
-        # (released, not cancelled: a cancel must reach only keys the client wants,
-        # and the steps' inner tasks are the scheduler's alone; unwanted, they are
-        # dropped, and a fenced replica applies nothing of what still runs)
+        self._finished = finished[-1] if finished else None
         for _, (parts, total) in self.in_flight.items():
             for f in [*parts, *_futures(total)]:
                 if isinstance(f, Future):
                     f.release()
         self.in_flight = {}
-        if not survivors:
-            raise all_lost(self.hooks, lost)
-        ctx.workers = survivors
-        self.attempt += 1
-        self.key_suffix = f"-r{self.attempt}"  # the cancelled keys may linger
-        applied = reconcile.fence(ctx, survivors, self.attempt)
-        if self.spec.placement == "ps":
-            return self._rewind(lost, epoch, removals, detected, max(applied))
-        # 2. everyone to the most advanced survivor's state
-        target = reconcile.reconcile(ctx, survivors, applied)
-        moved = self._adopt(lost, survivors)
-        # Updates whose sum was complete but that no survivor had applied: computed
-        # again (never skipped: numbering goes on from the survivors' last update).
-        last_finished = self.update_base + finished[-1] if finished else target
-        recomputed = max(0, last_finished - target)
-        self._report(lost, epoch, removals, detected, moved, target, recomputed,
-                     applied=applied)
-        return target + 1 - self.update_base
 
-    def _rewind(
-        self, lost: list[str], epoch: int, removals: dict[str, Any], detected: float,
-        reached: int,
-    ) -> int:
+    def regroup(self) -> None:
+        self.key_suffix = f"-r{self.attempt}"  # the cancelled keys may linger
+
+    def catch_up(self, lost: list[str], survivors: list[str], applied: list[int]
+                 ) -> tuple[int, int, str | None]:
+        """Everyone to the most advanced survivor's state; updates whose sum was
+        complete but that no survivor had applied are computed again (never
+        skipped: numbering goes on from the survivors' last update). Sharded
+        servers rewind instead (:meth:`_rewind`)."""
+        if self.spec.placement == "ps":
+            return self._rewind(lost, max(applied))
+        target = reconcile.reconcile(self.ctx, survivors, applied)
+        last_finished = (self.update_base + self._finished if self._finished is not None
+                         else target)
+        return target, max(0, last_finished - target), None
+
+    def _rewind(self, lost: list[str], reached: int) -> tuple[int, int, str]:
         """Sharded servers: every survivor and a new set of servers on them go back
-        to the restore point; the step to resume at (see the module)."""
+        to the restore point (see the module)."""
         client, ctx = self.ctx.client, self.ctx
         restore = self.restore_point
         if restore is None or restore["applied"] + 1 < self.update_base:
@@ -208,37 +180,9 @@ class ElasticSyncEngine(CommEngine):
                                  workers=[w], allow_other_workers=False, pure=False)
                    for w in ctx.workers]
         wait_for(ctx, rewinds, "rewinding the surviving replicas to the restore point")
-        moved = self._adopt(lost, ctx.workers)
         target = int(restore["applied"])
-        self._report(lost, epoch, removals, detected, moved, target,
-                     max(0, reached - target), rewound=True)
-        return target + 1 - self.update_base
-
-    def _adopt(self, lost: list[str], survivors: list[str]) -> list[tuple[int, str]]:
-        """The lost shards go to the survivors carrying the fewest."""
-        moved = adopt_shards(self.ctx, self.hooks, self.carried, self.schedule, lost,
-                             survivors)
-        self.reform_needed = True
-        return moved
-
-    def _report(
-        self, lost: list[str], epoch: int, removals: dict[str, Any], detected: float,
-        moved: list[tuple[int, str]], target: int, recomputed: int,
-        rewound: bool = False, applied: list[int] | None = None,
-    ) -> None:
-        """The ``worker_lost`` and ``recovered`` records, and the one line."""
-        note = (f"servers on {', '.join(self.servers)} rewound to the restore point"
-                if rewound else None)
-        self.losses.append(report_recovery(self.ctx, self.hooks, lost, epoch, removals,
-                                           detected, moved, target, recomputed, note,
-                                           applied))
-
-    def schedule_column(self, index: int) -> np.ndarray:
-        return self.schedule[:, index]
-
-    def applied_logs(self) -> dict[int, list[int]]:
-        """``{replica index: updates it applied, in order}`` over the survivors."""
-        return reconcile.applied_logs(self.ctx)
+        return (target, max(0, reached - target),
+                f"servers on {', '.join(self.servers)} rewound to the restore point")
 
     def state(self) -> dict[str, Any]:
         """The run's training state: the replicas' (identical) state, read from the
@@ -284,9 +228,6 @@ class ElasticSyncEngine(CommEngine):
                  for w, slices in mine.items()]
         wait_for(ctx, loads, "loading the parameter servers' slices")
 
-    def ramp_learning_rate(self, factor: float, steps: int) -> tuple[float, float]:
-        return ramp_learning_rate(self.ctx, factor, steps)
-
     def keep_restore_point(self, state: dict[str, Any] | None = None) -> None:
         """Sharded servers: keep ``state`` (read now if not given) to rewind to;
         a run that raises on a loss never rewinds and keeps none."""
@@ -299,13 +240,8 @@ class ElasticSyncEngine(CommEngine):
         self.load_servers(state)
 
     def reform(self, schedule: np.ndarray) -> None:
-        """Go on over ``ctx.workers`` as they are now (the run re-placed its data
-        with ``schedule``), one shard each; the caller loads the state."""
         self.respec(len(self.ctx.workers))
-        self.carried = {w: [i] for i, w in enumerate(self.ctx.workers)}
-        self.schedule = schedule
-        self.examples_per_epoch = int(schedule.sum())
-        self.reform_needed = False
+        super().reform(schedule)
 
 
 def _futures(total: Any) -> list[Any]:

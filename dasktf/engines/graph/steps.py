@@ -28,7 +28,7 @@ from dasktf import config
 from dasktf.cluster.waits import RunContext, wait_for
 from dasktf.engines.base import Capabilities, Engine
 from dasktf.engines.batch import Pending, TaskBatch, resolve
-from dasktf.runtime.reconcile import set_learning_rate
+from dasktf.engines.mirrored import Mirrored
 from dasktf.runtime.replica import EpochReport
 from dasktf.runtime.tasks import end_epoch_task, epoch_stats_task, step_task
 from dasktf.wire.messages import sum_gradients
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class SyncEngine(Engine):
+class SyncEngine(Mirrored, Engine):
     """Runs epochs of synchronous data-parallel steps as Dask task graphs."""
 
     mode = "sync"
@@ -77,23 +77,6 @@ class SyncEngine(Engine):
         self.losses: list[dict[str, Any]] = []
         #: The first replica's outer updates of the last epoch (rounds of local steps).
         self.round_log: list[dict[str, Any]] = []
-
-    def final_state(self) -> dict[str, Any]:
-        return self.state()
-
-    def round_records(self) -> list[dict[str, Any]]:
-        return list(self.round_log)
-
-    def last_step(self, unit: int, steps_per_epoch: int) -> int:
-        """A round ends at its last step, which callbacks count in."""
-        if self.local is None:
-            return unit
-        return self.local.round_steps(unit, steps_per_epoch)[-1]
-
-    @property
-    def units_per_epoch(self) -> int:
-        """The updates of an epoch: its steps, or its rounds (``local_steps``)."""
-        return self.units(self.ctx.steps_per_epoch)
 
     def _reduce(self, parts: list[Any], epoch: int, step: int) -> Pending:
         level, depth = parts, 0
@@ -217,24 +200,6 @@ class SyncEngine(Engine):
         for i, (s, item) in enumerate(window):
             window[i] = (s, resolve(item, futures))
         return resolve(previous, futures)
-
-    def set_learning_rate(self, lr: float) -> None:
-        """Every replica's optimizer takes ``lr`` (between epochs: nothing in flight)."""
-        set_learning_rate(self.ctx, lr)
-
-    def set_checkpoint_grid(self, every: int | None) -> None:
-        self.keep_every = every
-
-    def start_at(self, update: int) -> None:
-        self.update_base = update
-
-    def checkpoint_due(self, step: int) -> bool:
-        """Whether the update of ``step`` (of an epoch) is one ``keep_every`` asks a
-        checkpoint of; an epoch's last step is checkpointed at the epoch end."""
-        every = self.keep_every
-        return every is not None and (step + 1) % every == 0 and (
-            step + 1 < self.units_per_epoch
-        )
 
     def kept_request(self) -> tuple[int | None, Any]:
         """``(update, the step task that kept the state after it)`` for the state

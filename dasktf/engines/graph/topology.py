@@ -36,7 +36,6 @@ from typing import TYPE_CHECKING, Any
 from dasktf.cluster.waits import RunContext
 from dasktf.engines.batch import Pending
 from dasktf.engines.graph.steps import SyncEngine
-from dasktf.engines.mirrored import mirrored_epoch_logs
 from dasktf.runtime.servers import ps_apply_task, server_workers
 from dasktf.wire.packets import (
     CommSpec,
@@ -170,13 +169,6 @@ class CommEngine(SyncEngine):
                             self.ctx.workers)
         return reports
 
-    def epoch_logs(self, seconds: float) -> dict[str, float]:
-        """Per worker and update (a step, or a round of local steps): the bytes
-        against the allreduce bound (:meth:`dasktf.wire.packets.TrafficLog.logs`);
-        with rounds, their number and mean drift (:func:`dasktf.runtime.rounds.drift`)."""
-        return mirrored_epoch_logs(self.traffic, self.n_params, len(self.ctx.workers),
-                                   self.units_per_epoch, self.examples_per_epoch,
-                                   self.round_log if self.local is not None else None)
 
 
 def _size(shape: tuple[int, ...]) -> int:

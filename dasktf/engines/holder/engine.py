@@ -171,6 +171,7 @@ class AsyncEngine(Recovery, Engine):
         self.policy = hooks.on_worker_loss
         self.publish = hooks.publish
         self.announce = hooks.announce
+        self.workers_changed = hooks.workers_changed
         self.last_checkpoint = hooks.last_checkpoint
         #: (probe, validation shards) for a new holder on a worker (the RunGuard's)
         self.holder_inputs = hooks.holder_inputs

@@ -59,6 +59,7 @@ from dasktf import config
 from dasktf.cluster.deadline import Deadline
 from dasktf.cluster.waits import check_alive
 from dasktf.data.shards import Shard
+from dasktf.diagnostics.events import recovered_record, worker_lost_records
 from dasktf.engines.holder.instructions import AddHelper, Adopt, RebuildHolder
 from dasktf.engines.holder.rpc import HolderLostError
 from dasktf.exceptions import AllWorkersLostError, WorkerLostError
@@ -108,6 +109,7 @@ class Recovery:
         holder_inputs: Callable[[str], tuple[Any, list[Any]]] | None
         publish: Callable[[dict[str, Any]], None]
         announce: Callable[[str], None]
+        workers_changed: Callable[[list[str]], None]
         last_checkpoint: Callable[[], str | None]
         building: dict[int, tuple[Future]]
         losses: list[dict[str, Any]]
@@ -158,13 +160,11 @@ class Recovery:
         lost. Raises :class:`WorkerLostError` under ``on_worker_loss="raise"``."""
         workers = self.run_state.workers()
         lost = self._lost_now()
+        if not lost or self.policy == "raise":
+            self.workers_changed(workers)
+            check_alive(self.ctx, what)
         if not lost:
-            self.ctx.workers = workers
-            check_alive(self.ctx, what)
             return False
-        if self.policy == "raise":
-            self.ctx.workers = workers
-            check_alive(self.ctx, what)
         self._recover(lost)  # raises, naming the last checkpoint, if the holder went
         return True
 
@@ -188,7 +188,7 @@ class Recovery:
                 lost,
             )
         first = len(state.cursors)
-        ctx.workers = survivors
+        self.workers_changed(survivors)
         instructions = state.worker_lost(lost)
         self._carry_out(instructions)
         moved = [(state.shard_index[i], state.addresses[i]) for i in range(first, len(state.cursors))]
@@ -200,27 +200,16 @@ class Recovery:
                             "restore_s": time.time() - self._rebuilt_at}
                 if self.sharded is not None:
                     restored["workers"] = list(ins.workers)
-        resumed = time.time()
         since = min((c.seen_time for c in removals.values()), default=detected)
-        for w in lost:
-            change = removals.get(w)
-            self.publish({
-                "run": ctx.run_id, "kind": "worker_lost", "worker_address": w,
-                "detect_s": (change.seen_time - change.scheduler_time) if change else None,
-                "removed_at": change.scheduler_time if change else None,
-                "detected_at": change.seen_time if change else detected,
-                "wall_time": time.time(),
-            })
-        recovered = {"run": ctx.run_id, "kind": "recovered", "workers": survivors,
-                     "lost": list(lost), "moved": [[i, a] for i, a in moved],
-                     "steps_lost": 0, "resume_s": resumed - since, "wall_time": time.time()}
-        if restored is not None:
-            recovered["holder"] = restored
+        for record in worker_lost_records(ctx.run_id, lost, detected, removals):
+            self.publish(record)
+        recovered = recovered_record(ctx.run_id, survivors, lost, since, moved,
+                                     **({"holder": restored} if restored else {}))
         self.publish(recovered)
         self.losses.append(recovered)
         self.announce(
             f"worker lost: {', '.join(lost)}; async run goes on with {len(survivors)} "
-            f"worker(s) in {resumed - since:.2f}s, shard(s) "
+            f"worker(s) in {recovered['resume_s']:.2f}s, shard(s) "
             f"{', '.join(f'{i}->{a}' for i, a in moved)} (in-flight gradients dropped)"
             + (f"; parameter holder(s) rebuilt on "
                f"{', '.join(restored.get('workers', [restored['worker']]))} from update "
@@ -246,7 +235,7 @@ class Recovery:
             instructions = state.worker_joined(worker)
             (adopt,) = [i for i in instructions if isinstance(i, Adopt)]
             (helps,) = [i.owner for i in instructions if isinstance(i, AddHelper)]
-            ctx.workers = sorted(set(ctx.workers) | {worker})
+            self.workers_changed(sorted(set(ctx.workers) | {worker}))
             self._carry_out(instructions)
             record = {"run": ctx.run_id, "kind": "worker_joined", "worker_address": worker,
                       "worker": adopt.identity, "shard": adopt.shard, "helps": helps,

@@ -38,16 +38,9 @@ import numpy as np
 from dasktf import compat
 from dasktf.cluster.waits import RunContext, call_watched
 from dasktf.engines.base import Capabilities, Engine, RunHooks
-from dasktf.engines.mirrored import (
-    adopt_shards,
-    all_lost,
-    mirrored_epoch_logs,
-    recover_again,
-    report_recovery,
-)
+from dasktf.engines.mirrored import Mirrored
 from dasktf.engines.p2p.flight import Flight
 from dasktf.engines.p2p.options import group_spec
-from dasktf.exceptions import WorkerLostError
 from dasktf.runtime import reconcile
 from dasktf.runtime.p2p.plugin import PLUGIN_NAME, P2PPlugin
 from dasktf.runtime.p2p.segment import Segment, SegmentResult
@@ -61,7 +54,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class P2PEngine(Engine):
+class P2PEngine(Mirrored, Engine):
     """Sync training over worker-to-worker all-reduces (see the module).
 
     Parameters
@@ -94,8 +87,6 @@ class P2PEngine(Engine):
         self.ctx = ctx
         self.spec = spec
         self.n_params = int(sum(int(np.prod(s)) for s in shapes))
-        self.schedule = schedule
-        self.examples_per_epoch = int(schedule.sum())
         self.hooks = hooks
         self.policy = hooks.on_worker_loss
         self.batch_size = int(batch_size)
@@ -103,11 +94,9 @@ class P2PEngine(Engine):
         self.local = local
         self.losses: list[dict[str, Any]] = []
         self.update_base = 0
-        #: ``{worker address: [indices of the shards it trains on]}``
-        self.carried = {w: [i] for i, w in enumerate(ctx.workers)}
+        self.take_shards(schedule)  # the shards each worker trains on
         #: a new group id for every membership (a loss, a re-form)
         self.generation = 0
-        self.attempt = 0
         self.keep_every: int | None = None
         self.traffic = TrafficLog()
         self.round_log: list[dict[str, Any]] = []
@@ -117,23 +106,13 @@ class P2PEngine(Engine):
         self._told = -1
         self._stop_sent = False
         #: the survivors' results of an epoch they had ended, found by this
-        #: recovery's first try (:func:`~dasktf.engines.mirrored.recover_again`)
+        #: recovery's first try (:meth:`~dasktf.engines.mirrored.Mirrored.recover_epoch`)
         self._ended: list[SegmentResult] | None = None
 
     # -- the contract -------------------------------------------------------------
     @property
     def gid(self) -> str:
         return f"dasktf-p2p-{self.ctx.run_id}-{self.generation}"
-
-    @property
-    def units_per_epoch(self) -> int:
-        return self.units(self.ctx.steps_per_epoch)
-
-    def last_step(self, unit: int, steps_per_epoch: int) -> int:
-        """A round ends at its last step, which callbacks count in."""
-        if self.local is None:
-            return unit
-        return self.local.round_steps(unit, steps_per_epoch)[-1]
 
     def prepare(self) -> None:
         """Put the collective handlers on every worker (idempotent: the first one
@@ -145,19 +124,15 @@ class P2PEngine(Engine):
     def run_epoch(self, epoch: int, on_step: Callable[[int], None] | None = None,
                   start: int = 0) -> list[EpochReport]:
         self._told = start - 1
-        while True:
-            try:
-                return self._epoch(epoch, on_step, start)
-            except WorkerLostError as exc:
-                if self.policy == "raise":
-                    self.close()
-                    raise
-                self._ended = None
-                start, ended = recover_again(lambda lost: self.recover(lost, epoch),
-                                             exc.workers)
-                if ended is not None:  # the survivors had ended the epoch: theirs
-                    self._tell(on_step, ended[0].last)
-                    return self._end_epoch(self._weighed(ended))
+
+        def train(start: int) -> list[EpochReport]:
+            ended, self._ended = self._ended, None
+            if ended is not None:  # the survivors had ended the epoch: theirs
+                self._tell(on_step, ended[0].last)
+                return self._end_epoch(self._weighed(ended))
+            return self._epoch(epoch, on_step, start)
+
+        return self.recover_epoch(epoch, train, start)
 
     def _epoch(self, epoch: int, on_step: Callable[[int], None] | None, start: int
                ) -> list[EpochReport]:
@@ -218,7 +193,7 @@ class P2PEngine(Engine):
                           first, last, self.update_base, ends,
                           scale=1.0 / max(1, self.batch_size),
                           average_stats=self.average_stats,
-                          stop_on_nonfinite=self.stop_on_nonfinite)
+                          stop_on_nonfinite=self.hooks.stop_on_nonfinite)
 
         def tick() -> None:  # the steps the client hears of, and a stop to pass on
             heard = self.hooks.heard()
@@ -248,57 +223,20 @@ class P2PEngine(Engine):
             if on_step is not None:
                 on_step(self._told)
 
-    # -- a lost worker ------------------------------------------------------------------
-    def recover(self, lost: list[str], epoch: int
-                ) -> tuple[int, list[SegmentResult] | None]:
-        """Stop the survivors, reconcile them, hand out the lost shards; the step to
-        resume at, and the survivors' results if they had ended the epoch (the loss
-        came between their last collective and the client's reading: the epoch's
-        logs then lack the lost worker's part; see the module)."""
-        detected = time.time()
-        ctx = self.ctx
-        removals = {c.worker: c for c in ctx.watcher.removed(lost)} if ctx.watcher else {}
-        lost = sorted(set(lost) | set(removals))
-        survivors = [w for w in ctx.workers if w not in lost]
-        # (none left when a first try of this recovery stopped them: what it found)
+    # -- a lost worker (Mirrored's walk) ------------------------------------
+    def stop_steps(self, lost: list[str], survivors: list[str]) -> None:
+        """Stop the survivors' segments; keep their results if they had ended the
+        epoch (the loss came between their last collective and the client's
+        reading: the epoch's logs then lack the lost worker's part; see the
+        module). None are left to stop when a first try of this recovery did."""
         ended = self.flight.stop(survivors, f"worker(s) {', '.join(lost)} lost")
-        ended = self._ended = ended if ended is not None else self._ended
-        if not survivors:
-            raise all_lost(self.hooks, lost)
-        ctx.workers = survivors
-        self.attempt += 1
+        self._ended = ended if ended is not None else self._ended
+
+    def regroup(self) -> None:
         self.generation += 1
-        applied = reconcile.fence(ctx, survivors, self.attempt)
-        target = reconcile.reconcile(ctx, survivors, applied)
-        moved = adopt_shards(ctx, self.hooks, self.carried, self.schedule, lost, survivors)
-        self.reform_needed = True
         self._stop_sent = False  # a stop asked for goes to the new group again
-        # the update in flight was computed by the survivors and is computed again;
-        # none had a complete sum no survivor applied (a complete sum is applied)
-        self.losses.append(report_recovery(ctx, self.hooks, lost, epoch, removals,
-                                           detected, moved, target, 0, applied=applied))
-        return target + 1 - self.update_base, ended
 
     # -- state, checkpoints, re-forms ------------------------------------------------
-    def set_learning_rate(self, lr: float) -> None:
-        reconcile.set_learning_rate(self.ctx, lr)
-
-    def ramp_learning_rate(self, factor: float, steps: int) -> tuple[float, float]:
-        return reconcile.ramp_learning_rate(self.ctx, factor, steps)
-
-    def set_checkpoint_grid(self, every: int | None) -> None:
-        self.keep_every = every
-
-    def checkpoint_due(self, step: int) -> bool:
-        """Whether the update of ``step`` is on the checkpoint grid (an epoch's last
-        step is checkpointed at the epoch end); a segment ends there."""
-        every = self.keep_every
-        return every is not None and (step + 1) % every == 0 and (
-            step + 1 < self.units_per_epoch)
-
-    def start_at(self, update: int) -> None:
-        self.update_base = update
-
     def state(self) -> dict[str, Any]:
         """The replicas' (identical) training state, read from the first one
         between segments; rounds: with every replica's inner optimizer state."""
@@ -306,35 +244,10 @@ class P2PEngine(Engine):
             return reconcile.round_state(self.ctx, None, [None] * len(self.ctx.workers))
         return reconcile.read_state(self.ctx)
 
-    def final_state(self) -> dict[str, Any]:
-        return self.state()
-
     def load_state(self, state: dict[str, Any]) -> None:
         reconcile.load_state(self.ctx, state)
 
-    def reform(self, schedule: np.ndarray) -> None:
-        """Go on over ``ctx.workers`` as they are now, one shard each, in a new group."""
-        self.carried = {w: [i] for i, w in enumerate(self.ctx.workers)}
-        self.schedule = schedule
-        self.examples_per_epoch = int(schedule.sum())
-        self.generation += 1
-        self.reform_needed = False
-
-    # -- figures and the end ------------------------------------------------------------
-    def epoch_logs(self, seconds: float) -> dict[str, float]:
-        """The bytes per update against the allreduce bound
-        (:meth:`dasktf.wire.packets.TrafficLog.logs`); with rounds, their number and
-        mean drift."""
-        return mirrored_epoch_logs(self.traffic, self.n_params, len(self.ctx.workers),
-                                   self.units_per_epoch, self.examples_per_epoch,
-                                   self.round_log if self.local is not None else None)
-
-    def round_records(self) -> list[dict[str, Any]]:
-        return list(self.round_log)
-
-    def applied_logs(self) -> dict[int, list[int]]:
-        return reconcile.applied_logs(self.ctx)
-
+    # -- the end ------------------------------------------------------------------------
     def close(self) -> None:
         """A segment still running (the run failed): abort its group, release it."""
         self.flight.abort("the run ended")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dask.utils import parse_bytes
 
@@ -31,6 +31,13 @@ def refusal(mode: str, sync_quorum: int | None, comm: CommSpec | None) -> str | 
                 "engine='p2p' picks its own all-reduce (dasktf.p2p.algorithm: "
                 "doubling, direct or ring). Drop topology, or use engine='graph'.")
     return None
+
+
+def options_refusal(options: Any, fault: Any = None) -> str | None:
+    """:func:`refusal` of a trainer's ``options`` that ask for ``engine="p2p"``."""
+    if options.engine != "p2p":
+        return None
+    return refusal(options.mode, options.sync_quorum, options.comm)
 
 
 def group_spec(gid: str, members: list[str], compression: str) -> GroupSpec:
