@@ -9,9 +9,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from dasktf.data.named_inputs import frame_inputs
 from dasktf.data.partitions import compute_leaves
 from dasktf.data.shards import Shard, check_stats, shard_of
-from dasktf.data.sources import input_kind, read_on_client, reads_on_client
+from dasktf.data.sources import input_kind, is_frame, read_on_client, reads_on_client
 from dasktf.data.structure import (
     as_arrays,
     holds_frames,
@@ -60,9 +61,10 @@ def split_validation(x: Any, y: Any, sample_weight: Any, fraction: float
             (val["x"], val["y"], val.get("sample_weight")))
 
 
-def unpack_validation(validation_data: Any) -> tuple[Any, Any, Any]:
+def unpack_validation(validation_data: Any, model: Any = None) -> tuple[Any, Any, Any]:
     """``(x, y)`` or ``(x, y, sample_weight)``, a ``tf.data.Dataset`` or a
-    ``keras.utils.PyDataset`` (read here), as Keras takes ``validation_data``."""
+    ``keras.utils.PyDataset`` (read here), as Keras takes ``validation_data``; a
+    DataFrame ``x`` matched to ``model``'s named inputs as the training frame is."""
     if reads_on_client(validation_data):
         data, _ = read_on_client(validation_data, "validation_data")
         return data.x, data.y, data.w
@@ -75,7 +77,8 @@ def unpack_validation(validation_data: Any) -> tuple[Any, Any, Any]:
                 validation_data, (tuple, list)) else ".")
         )
     x, y, *rest = validation_data
-    return x, y, rest[0] if rest else None
+    w = rest[0] if rest else None
+    return frame_inputs(model, x, y, w) if is_frame(x) else (x, y, w)
 
 
 def validation_shard(validation_data: tuple[Any, Any, Any]) -> Shard:

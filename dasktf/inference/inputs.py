@@ -23,6 +23,7 @@ import numpy as np
 
 from dasktf import compat
 from dasktf.data.feeds import STRING, Feed, probe_rows, read_feeds
+from dasktf.data.named_inputs import by_column, input_columns, model_inputs
 from dasktf.data.partitions import is_dask_frame
 from dasktf.data.structure import Nest, is_nested, leaves, map_named, map_nest
 
@@ -197,42 +198,25 @@ def _is_text(dtype: Any) -> bool:
     return np.dtype(dtype).kind in "OUS"
 
 
-# -- matching the model's inputs ------------------------------------------------------
-def model_inputs(model: Any) -> Nest:
-    """The model's input specs (``KerasTensor``) in the structure its call takes,
-    or ``None`` where Keras does not know them (a subclassed model)."""
-    if isinstance(model, compat.functional_class()):
-        return model.input
-    try:
-        inputs = model.inputs
-    except (AttributeError, ValueError):
-        return None
-    return inputs[0] if inputs and len(inputs) == 1 else None
-
-
+# -- matching the model's inputs (a frame's columns by name: dasktf.data.named_inputs) --
 def match_inputs(model: Any, x: Nest, found: dict[str, tuple[int, Any, Any]]) -> Nest:
     """A nest of :class:`Feed` in the model's input structure (``found``: x's leaf
     paths to their position, collection and (dtype, row shape))."""
     specs = model_inputs(model)
     if specs is None:  # unknown until called: the probe checks
         return map_named(lambda path, _: _feed(found[path], None, path, None), x, "x")
+    columns = [str(c) for c in x.columns] if is_dask_frame(x) and x.ndim == 2 else None
+    if columns is not None and (is_nested(specs) or by_column(specs, columns)):
+        position, _, _ = found["x"]
+        fed = {key: _column_feed(position, x, name, kt)
+               for key, name, kt in input_columns(specs, columns)}
+        if not is_nested(specs):
+            return fed[None]
+        return fed if isinstance(specs, dict) else [fed[i] for i in range(len(fed))]
     if not is_nested(specs):
         return _match_one(specs, x, found)
     wanted = list(specs.items()) if isinstance(specs, dict) else list(enumerate(specs))
     by_name = {str(kt.name): key for key, kt in wanted}
-    if is_dask_frame(x) and x.ndim == 2:
-        columns = [str(c) for c in x.columns]
-        missing = [str(kt.name) for _, kt in wanted if str(kt.name) not in columns]
-        if missing:
-            raise ValueError(
-                f"The model's inputs {missing} are not columns of x (its columns: "
-                f"{columns}): a DataFrame feeds a model with several inputs column by "
-                "column, by input name. Rename the columns, or pass x as a dict "
-                "{input name: array}.")
-        position, _, _ = found["x"]
-        fed = {key: _column_feed(position, x, str(kt.name), kt)
-               for key, kt in wanted}
-        return fed if isinstance(specs, dict) else [fed[i] for i in range(len(wanted))]
     if isinstance(x, dict):
         keys = [str(k) for k in x]
         names = [str(k) for k, _ in wanted] if isinstance(specs, dict) else list(by_name)
