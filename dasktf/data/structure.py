@@ -136,8 +136,8 @@ def check_frame_columns(path: str, frame: Any) -> None:
             "string or categorical columns takes each as an input of its own "
             "(keras.io's structured data classification), matched to the frame's "
             "columns by name when fit gets the built keras.Model (not a function "
-            "that builds it): pass the model itself, or pass dict(df). Or encode "
-            "them first."
+            "that builds it): pass the model itself, or pass {name: df[name] for "
+            "name in df.columns} (dict(df)). Or encode them first."
         )
 
 
