@@ -205,6 +205,21 @@ def test_structured_data_from_the_dataframe_itself_matches_keras(client, form):
     _assert_same_weights(history.model, reference)
 
 
+def test_structured_data_frame_with_validation_split_matches_keras(client):
+    """validation_split on a pandas frame: its last rows by position, both parts
+    matched to the inputs by name; Keras' on the columns as a dict."""
+    train_df, _, train_ds, columns = _heart()
+    frame = train_df.reset_index(drop=True)
+    reference = heart_model(train_ds)
+    want = reference.fit(columns(frame), frame["target"].to_numpy(), epochs=2,
+                         batch_size=32, shuffle=False, verbose=0, validation_split=0.25)
+    history = dasktf.fit(heart_model(train_ds), frame, "target", client=client,
+                         n_workers=1, epochs=2, batch_size=32, shuffle=False, verbose=0,
+                         validation_split=0.25)
+    _assert_close(history.history, want.history, ["loss", "val_loss", "val_accuracy"])
+    _assert_same_weights(history.model, reference)
+
+
 # -- keras.io: Text classification from scratch ---------------------------------------
 # https://keras.io/examples/nlp/text_classification_from_scratch/ (the end-to-end
 # model: TextVectorization with a custom standardization inside the model; IMDB
