@@ -98,4 +98,3 @@ def frame_inputs(model: Any, x: Any, y: Any, sample_weight: Any) -> tuple[Nest, 
     if not is_nested(specs):
         return fed[used[0]], y, sample_weight
     return {name: fed[name] for name in used}, y, sample_weight
-
