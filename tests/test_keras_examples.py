@@ -203,6 +203,15 @@ def test_structured_data_from_the_dataframe_itself_matches_keras(client, form):
     _assert_close(history.history, want.history, ["loss", "accuracy", "val_loss",
                                                   "val_accuracy"])
     _assert_same_weights(history.model, reference)
+    # predict and evaluate take the same frame, matched the same way
+    x_keras, y_keras = columns(train_df), train_df["target"].to_numpy()
+    np.testing.assert_allclose(
+        np.asarray(dasktf.predict(history.model, frame.drop(columns="target"),
+                                  client=client).compute()),
+        reference.predict(x_keras, verbose=0), rtol=RTOL, atol=1e-6)
+    _assert_close(dasktf.evaluate(history.model, frame, "target", client=client),
+                  reference.evaluate(x_keras, y_keras, verbose=0, return_dict=True),
+                  ["loss", "accuracy"])
 
 
 def test_structured_data_frame_with_validation_split_matches_keras(client):

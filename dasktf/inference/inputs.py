@@ -25,7 +25,14 @@ from dasktf import compat
 from dasktf.data.feeds import STRING, Feed, probe_rows, read_feeds
 from dasktf.data.named_inputs import by_column, input_columns, model_inputs
 from dasktf.data.partitions import is_dask_frame
-from dasktf.data.structure import Nest, is_nested, leaves, map_named, map_nest
+from dasktf.data.structure import (
+    Nest,
+    is_nested,
+    is_pandas,
+    leaves,
+    map_named,
+    map_nest,
+)
 
 #: Arrays turned into Dask arrays here are cut into blocks of about this many bytes.
 _NUMPY_BLOCK_BYTES = 64 * 2**20
@@ -99,6 +106,8 @@ def plan_inputs(model: Any, x: Nest, y: Nest = None, sample_weight: Nest = None)
     """
     if x is None:
         raise ValueError("x is required: a Dask array or DataFrame (or a nest of them).")
+    if is_pandas(x, frame=True) and by_column(model_inputs(model), [str(c) for c in x.columns]):
+        x, y, sample_weight = _pandas_as_dask(x, y, sample_weight)
     named = _named_leaves({"x": x, "y": y, "sample_weight": sample_weight})
     collections, metas = _align([c for _, c in named])
     index = {path: i for i, (path, _) in enumerate(named)}
@@ -113,6 +122,23 @@ def plan_inputs(model: Any, x: Nest, y: Nest = None, sample_weight: Nest = None)
 
     return InputPlan(kind, collections, metas, feeds_x, plain(y, "y"), plain(sample_weight,
                                                                            "sample_weight"))
+
+
+def _pandas_as_dask(x: Any, y: Nest, sample_weight: Nest) -> tuple[Any, Nest, Nest]:
+    """A pandas frame for a model with named inputs, and its pandas labels and
+    weights, as Dask frames of the same partitions: read column by column as a
+    Dask frame is (text columns as strings), not as one NumPy matrix."""
+    import dask.dataframe as dd
+
+    n = max(1, -(-int(x.memory_usage(index=False).sum()) // _NUMPY_BLOCK_BYTES))
+
+    def lazy(nest: Nest) -> Nest:
+        if nest is None:
+            return None
+        return map_nest(lambda leaf: dd.from_pandas(leaf, npartitions=n, sort=False)
+                        if is_pandas(leaf) or is_pandas(leaf, frame=True) else leaf, nest)
+
+    return lazy(x), lazy(y), lazy(sample_weight)
 
 
 def _named_leaves(nests: dict[str, Nest]) -> list[tuple[str, Any]]:
