@@ -395,10 +395,12 @@ class Trainer:
         if call["validation_split"] and validation_data is None:
             (x, y, sample_weight), validation_data = split_validation(
                 x, y, sample_weight, call["validation_split"])
+        known = self.options.model if self.model is None else self.model  # its inputs
         if validation_data is not None:
-            validation_data = unpack_validation(validation_data)
+            validation_data = unpack_validation(validation_data, known)
         source = make_source(x, y, sample_weight, call["class_weight"],
-                             stream=bool(call["stream"]), seed=self.options.seed)
+                             stream=bool(call["stream"]), seed=self.options.seed,
+                             model=known)
         if batch_size is None:  # a dataset's batches', as Keras takes them; else ours
             batch_size = source.batch_size_read or DEFAULT_BATCH_SIZE
         options = FaultOptions(**{**fault, "resume": bool(fault["resume"]),

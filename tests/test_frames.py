@@ -153,3 +153,53 @@ def test_frames_and_dask_arrays_mixed_in_one_input_dict(client, digits, stream):
                          shuffle=False, verbose=0, stream=stream)
     for got, want in zip(history.model.get_weights(), reference.get_weights(), strict=True):
         assert relative_error(got, want) < 2e-5
+
+
+def _named_model() -> keras.Model:
+    """keras.io's structured-data form: one named Input per column."""
+    keras.utils.set_random_seed(0)
+    age = keras.Input((1,), name="age")
+    city = keras.Input((1,), name="city", dtype="string")
+    lookup = keras.layers.StringLookup(vocabulary=["Lyon", "Oslo"], output_mode="one_hot")
+    h = keras.layers.Concatenate()([keras.layers.Normalization(mean=40.0, variance=100.0)(age),
+                                    lookup(city)])
+    model = keras.Model([age, city], keras.layers.Dense(1, activation="sigmoid")(h))
+    model.compile(optimizer="sgd", loss="binary_crossentropy")
+    return model
+
+
+def _people(n: int = 40) -> pd.DataFrame:
+    return pd.DataFrame({"age": np.arange(n) % 50 + 20.0, "city": ["Lyon", "Oslo"] * (n // 2),
+                         "label": np.arange(n) % 2})
+
+
+@pytest.mark.parametrize("as_dask", [False, True])
+def test_a_frame_for_named_inputs_names_leftover_and_missing_columns(client, as_dask):
+    """Matched by name, a frame must hold every input and nothing else but y and
+    sample_weight: both refused by name, before anything reaches a worker."""
+    def frame(df: pd.DataFrame):
+        return dd.from_pandas(df, npartitions=2) if as_dask else df
+
+    people = _people()
+    started = time.perf_counter()
+    with pytest.raises(ValueError, match=r"not inputs of the model: \['notes'\]"):
+        dasktf.fit(_named_model(), frame(people.assign(notes="x")), "label", client=client,
+                   n_workers=2, verbose=0)
+    with pytest.raises(ValueError, match=r"inputs \['city'\] are not columns of x"):
+        dasktf.fit(_named_model(), frame(people.drop(columns="city")), "label",
+                   client=client, n_workers=2, verbose=0)
+    with pytest.raises(ValueError, match=r"Columns \['labels'\] are not in x"):
+        dasktf.fit(_named_model(), frame(people), "labels", client=client, n_workers=2,
+                   verbose=0)
+    assert time.perf_counter() - started < 5
+
+
+def test_a_frame_with_text_for_a_model_factory_says_to_pass_the_model(client):
+    """A factory's inputs are unknown until the workers build it: the text columns
+    are refused, saying to pass the built model."""
+    df = dd.from_pandas(_people(), npartitions=2)
+    with pytest.raises(ValueError, match=r"'city' \(.*pass the model itself"):
+        dasktf.fit(_named_model, df, "label", client=client, n_workers=2, verbose=0)
+    history = dasktf.fit(_named_model(), df, "label", client=client,
+                         n_workers=2, epochs=1, batch_size=8, verbose=0)
+    assert np.isfinite(history.history["loss"][0])

@@ -180,6 +180,55 @@ def test_structured_data_from_a_dask_dataframe_with_string_columns(client):
                                rtol=0.15)
 
 
+@pytest.mark.parametrize("form", ["pandas", "dask", "dask-stream"])
+def test_structured_data_from_the_dataframe_itself_matches_keras(client, form):
+    """The frame as it is read (heart.csv's columns and 'target'), with y naming the
+    label column: each column feeds the Input of its name, 'thal' as strings into
+    the StringLookup, the numbers into IntegerLookup and Normalization (issue 36)."""
+    dd = pytest.importorskip("dask.dataframe")
+    train_df, val_df, train_ds, columns = _heart()
+    reference = heart_model(train_ds)
+    want = reference.fit(columns(train_df), train_df["target"].to_numpy(), epochs=3,
+                         batch_size=32, shuffle=False, verbose=0,
+                         validation_data=(columns(val_df), val_df["target"].to_numpy()))
+    frame = train_df.reset_index(drop=True)
+    if form != "pandas":
+        frame = dd.from_pandas(frame, npartitions=4)
+    # validation_data as a frame of features and its labels: matched by name too
+    validation = (val_df.drop(columns="target"), val_df["target"])
+    ours = heart_model(train_ds)
+    history = dasktf.fit(ours, frame, "target", client=client, n_workers=1, epochs=3,
+                         batch_size=32, shuffle=False, verbose=0, validation_data=validation,
+                         stream=form == "dask-stream")
+    _assert_close(history.history, want.history, ["loss", "accuracy", "val_loss",
+                                                  "val_accuracy"])
+    _assert_same_weights(history.model, reference)
+    # predict and evaluate take the same frame, matched the same way
+    x_keras, y_keras = columns(train_df), train_df["target"].to_numpy()
+    np.testing.assert_allclose(
+        np.asarray(dasktf.predict(history.model, frame.drop(columns="target"),
+                                  client=client).compute()),
+        reference.predict(x_keras, verbose=0), rtol=RTOL, atol=1e-6)
+    _assert_close(dasktf.evaluate(history.model, frame, "target", client=client),
+                  reference.evaluate(x_keras, y_keras, verbose=0, return_dict=True),
+                  ["loss", "accuracy"])
+
+
+def test_structured_data_frame_with_validation_split_matches_keras(client):
+    """validation_split on a pandas frame: its last rows by position, both parts
+    matched to the inputs by name; Keras' on the columns as a dict."""
+    train_df, _, train_ds, columns = _heart()
+    frame = train_df.reset_index(drop=True)
+    reference = heart_model(train_ds)
+    want = reference.fit(columns(frame), frame["target"].to_numpy(), epochs=2,
+                         batch_size=32, shuffle=False, verbose=0, validation_split=0.25)
+    history = dasktf.fit(heart_model(train_ds), frame, "target", client=client,
+                         n_workers=1, epochs=2, batch_size=32, shuffle=False, verbose=0,
+                         validation_split=0.25)
+    _assert_close(history.history, want.history, ["loss", "val_loss", "val_accuracy"])
+    _assert_same_weights(history.model, reference)
+
+
 # -- keras.io: Text classification from scratch ---------------------------------------
 # https://keras.io/examples/nlp/text_classification_from_scratch/ (the end-to-end
 # model: TextVectorization with a custom standardization inside the model; IMDB

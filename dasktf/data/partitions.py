@@ -27,6 +27,7 @@ from dasktf.data.structure import (
     first_leaf,
     holds_frames,
     is_dask_frame,
+    is_pandas,
     leaves,
     map_named,
     map_nest,
@@ -167,13 +168,14 @@ def select_columns(x: Nest, y: Any, sample_weight: Any) -> tuple[Nest, Nest, Nes
 
 
 def label_columns(x: Nest, y: Any, sample_weight: Any) -> tuple[Nest, Nest, Nest]:
-    """``y`` and ``sample_weight`` given as column names of a DataFrame ``x`` become
-    those columns, taken out of ``x``; anything else is returned as it is."""
+    """``y`` and ``sample_weight`` given as column names of a DataFrame ``x``
+    (pandas or Dask) become those columns, taken out of ``x``; anything else is
+    returned as it is."""
     named = [v for v in (y, sample_weight) if _names_columns(v)]
     if named:
-        if not is_dask_frame(x) or x.ndim != 2:
-            raise ValueError("y or sample_weight names columns, so x must be one Dask "
-                             "DataFrame holding them.")
+        if not (is_dask_frame(x) or is_pandas(x, frame=True)) or x.ndim != 2:
+            raise ValueError("y or sample_weight names columns, so x must be one "
+                             "DataFrame (pandas or Dask) holding them.")
         columns = [c for v in named for c in ([v] if isinstance(v, str) else v)]
         missing = [c for c in columns if c not in x.columns]
         if missing:
@@ -210,11 +212,14 @@ def check_numeric(nests: dict[str, Nest]) -> None:
             if name == "x" and leaf.ndim == 2:
                 raise ValueError(
                     f"{path} has columns that are not numeric: {said}. A DataFrame of "
-                    "features is one float32 matrix; a model that takes string or "
-                    "categorical columns takes each as an input of its own (keras.io's "
-                    "structured data classification): pass x={name: df[name] for name "
-                    "in df.columns}, matched to the model's inputs by name. Or encode "
-                    "them first (df[col].cat.codes after categorize(), dd.get_dummies).")
+                    "features for a model without named inputs is one float32 matrix; "
+                    "a model that takes string or categorical columns takes each as an "
+                    "input of its own (keras.io's structured data classification), "
+                    "matched to the frame's columns by name when fit gets the built "
+                    "keras.Model (a function that builds it is called on the workers, "
+                    "after the data is placed): pass the model itself, or pass "
+                    "x={name: df[name] for name in df.columns}. Or encode them first "
+                    "(df[col].cat.codes after categorize(), dd.get_dummies).")
             raise ValueError(
                 f"{path} is not numeric: {said}. "
                 + ("Labels and sample weights must be numbers: encode them first (e.g. "

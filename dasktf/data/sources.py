@@ -17,18 +17,22 @@ from dasktf.data.base import Source
 from dasktf.data.dask_collections import dask_source
 from dasktf.data.keras_inputs import generator_refused, read_input
 from dasktf.data.loaders import DatasetFnSource, LoaderSource
+from dasktf.data.named_inputs import frame_inputs
 from dasktf.data.shards import Shard, check_class_weight
-from dasktf.data.structure import is_dask, is_nested, leaves
+from dasktf.data.structure import is_dask, is_dask_frame, is_nested, is_pandas, leaves
 
 
 def make_source(x: Any, y: Any = None, sample_weight: Any = None,
                 class_weight: dict[int, float] | None = None, stream: bool = False,
-                seed: int = 0) -> Source:
+                seed: int = 0, model: Any = None) -> Source:
     """Pick the adapter for what the user passed as training data.
 
     ``x``, ``y`` and ``sample_weight`` may each be an array or a (nested) list,
     tuple or dict of arrays, matched to the model's inputs and outputs as Keras
-    matches them.
+    matches them. A DataFrame (pandas or Dask) feeds a ``model`` with named inputs
+    column by column, by input name (:mod:`.named_inputs`); ``y`` and
+    ``sample_weight`` may name its columns. ``model``: the built model where the
+    client has it (a factory's inputs are unknown here: its frames are read whole).
 
     Raises
     ------
@@ -47,6 +51,8 @@ def make_source(x: Any, y: Any = None, sample_weight: Any = None,
                              f"{type(x).__name__} (it yields them).")
         data, batch_size = read_on_client(x, "x")
         x, y, sample_weight = data.x, data.y, data.w
+    if is_frame(x):
+        x, y, sample_weight = frame_inputs(model, x, y, sample_weight)
     source = _adapter(x, y, sample_weight, class_weight, stream, seed)
     #: the batches' size of data read on the client: the run's if fit gets none
     source.batch_size_read = batch_size
@@ -100,6 +106,11 @@ def input_kind(x: Any, y: Any = None, sample_weight: Any = None) -> str:
     dask = {is_dask(leaf) for nest in (x, y, sample_weight) if nest is not None
             for _, leaf in leaves(nest) if not isinstance(leaf, str)}  # str: a column
     return "mixed" if dask == {True, False} else "dask" if dask == {True} else "arrays"
+
+
+def is_frame(x: Any) -> bool:
+    """A pandas or Dask DataFrame (not a Series): matched to a model's named inputs."""
+    return is_pandas(x, frame=True) or (is_dask_frame(x) and x.ndim == 2)
 
 
 def accepts_context(fn: Any) -> bool:

@@ -131,11 +131,13 @@ def check_frame_columns(path: str, frame: Any) -> None:
     if bad:
         said = ", ".join(f"{c!r} ({t})" for c, t in bad.items())
         raise ValueError(
-            f"{path} has columns that are not numeric: {said}. A DataFrame is one "
-            "matrix input; a model that takes string or categorical columns takes "
-            "each as an input of its own (keras.io's structured data classification): "
-            "pass {name: df[name] for name in df.columns} (or dict(df) for pandas), "
-            "matched to the model's inputs by name. Or encode them first."
+            f"{path} has columns that are not numeric: {said}. A DataFrame for a "
+            "model without named inputs is one matrix input; a model that takes "
+            "string or categorical columns takes each as an input of its own "
+            "(keras.io's structured data classification), matched to the frame's "
+            "columns by name when fit gets the built keras.Model (not a function "
+            "that builds it): pass the model itself, or pass {name: df[name] for "
+            "name in df.columns} (dict(df)). Or encode them first."
         )
 
 

@@ -23,8 +23,16 @@ import numpy as np
 
 from dasktf import compat
 from dasktf.data.feeds import STRING, Feed, probe_rows, read_feeds
+from dasktf.data.named_inputs import by_column, input_columns, model_inputs
 from dasktf.data.partitions import is_dask_frame
-from dasktf.data.structure import Nest, is_nested, leaves, map_named, map_nest
+from dasktf.data.structure import (
+    Nest,
+    is_nested,
+    is_pandas,
+    leaves,
+    map_named,
+    map_nest,
+)
 
 #: Arrays turned into Dask arrays here are cut into blocks of about this many bytes.
 _NUMPY_BLOCK_BYTES = 64 * 2**20
@@ -98,6 +106,8 @@ def plan_inputs(model: Any, x: Nest, y: Nest = None, sample_weight: Nest = None)
     """
     if x is None:
         raise ValueError("x is required: a Dask array or DataFrame (or a nest of them).")
+    if is_pandas(x, frame=True) and by_column(model_inputs(model), [str(c) for c in x.columns]):
+        x, y, sample_weight = _pandas_as_dask(x, y, sample_weight)
     named = _named_leaves({"x": x, "y": y, "sample_weight": sample_weight})
     collections, metas = _align([c for _, c in named])
     index = {path: i for i, (path, _) in enumerate(named)}
@@ -112,6 +122,23 @@ def plan_inputs(model: Any, x: Nest, y: Nest = None, sample_weight: Nest = None)
 
     return InputPlan(kind, collections, metas, feeds_x, plain(y, "y"), plain(sample_weight,
                                                                            "sample_weight"))
+
+
+def _pandas_as_dask(x: Any, y: Nest, sample_weight: Nest) -> tuple[Any, Nest, Nest]:
+    """A pandas frame for a model with named inputs, and its pandas labels and
+    weights, as Dask frames of the same partitions: read column by column as a
+    Dask frame is (text columns as strings), not as one NumPy matrix."""
+    import dask.dataframe as dd
+
+    n = max(1, -(-int(x.memory_usage(index=False).sum()) // _NUMPY_BLOCK_BYTES))
+
+    def lazy(nest: Nest) -> Nest:
+        if nest is None:
+            return None
+        return map_nest(lambda leaf: dd.from_pandas(leaf, npartitions=n, sort=False)
+                        if is_pandas(leaf) or is_pandas(leaf, frame=True) else leaf, nest)
+
+    return lazy(x), lazy(y), lazy(sample_weight)
 
 
 def _named_leaves(nests: dict[str, Nest]) -> list[tuple[str, Any]]:
@@ -197,42 +224,25 @@ def _is_text(dtype: Any) -> bool:
     return np.dtype(dtype).kind in "OUS"
 
 
-# -- matching the model's inputs ------------------------------------------------------
-def model_inputs(model: Any) -> Nest:
-    """The model's input specs (``KerasTensor``) in the structure its call takes,
-    or ``None`` where Keras does not know them (a subclassed model)."""
-    if isinstance(model, compat.functional_class()):
-        return model.input
-    try:
-        inputs = model.inputs
-    except (AttributeError, ValueError):
-        return None
-    return inputs[0] if inputs and len(inputs) == 1 else None
-
-
+# -- matching the model's inputs (a frame's columns by name: dasktf.data.named_inputs) --
 def match_inputs(model: Any, x: Nest, found: dict[str, tuple[int, Any, Any]]) -> Nest:
     """A nest of :class:`Feed` in the model's input structure (``found``: x's leaf
     paths to their position, collection and (dtype, row shape))."""
     specs = model_inputs(model)
     if specs is None:  # unknown until called: the probe checks
         return map_named(lambda path, _: _feed(found[path], None, path, None), x, "x")
+    columns = [str(c) for c in x.columns] if is_dask_frame(x) and x.ndim == 2 else None
+    if columns is not None and (is_nested(specs) or by_column(specs, columns)):
+        position, _, _ = found["x"]
+        fed = {key: _column_feed(position, x, name, kt)
+               for key, name, kt in input_columns(specs, columns)}
+        if not is_nested(specs):
+            return fed[None]
+        return fed if isinstance(specs, dict) else [fed[i] for i in range(len(fed))]
     if not is_nested(specs):
         return _match_one(specs, x, found)
     wanted = list(specs.items()) if isinstance(specs, dict) else list(enumerate(specs))
     by_name = {str(kt.name): key for key, kt in wanted}
-    if is_dask_frame(x) and x.ndim == 2:
-        columns = [str(c) for c in x.columns]
-        missing = [str(kt.name) for _, kt in wanted if str(kt.name) not in columns]
-        if missing:
-            raise ValueError(
-                f"The model's inputs {missing} are not columns of x (its columns: "
-                f"{columns}): a DataFrame feeds a model with several inputs column by "
-                "column, by input name. Rename the columns, or pass x as a dict "
-                "{input name: array}.")
-        position, _, _ = found["x"]
-        fed = {key: _column_feed(position, x, str(kt.name), kt)
-               for key, kt in wanted}
-        return fed if isinstance(specs, dict) else [fed[i] for i in range(len(wanted))]
     if isinstance(x, dict):
         keys = [str(k) for k in x]
         names = [str(k) for k, _ in wanted] if isinstance(specs, dict) else list(by_name)
