@@ -26,7 +26,8 @@ rate is measured over a bounded window (``--window-rows`` rows, 2 epochs, the se
 epoch's rate) on the shaped links, and its time to 0.95 is the epochs its accuracy
 curve on plain links needs (``--plain-from``, a ``compressed_allreduce.py
 --part per-example`` JSON, or run here with ``--plain-epochs``) times the 60,000 rows
-over that rate. Each rounds configuration (``--rounds``, ``H:CODEC`` with the
+over that rate. The same window is also measured on plain links and on the rate
+alone (without the delay), to show what each costs H=1. Each rounds configuration (``--rounds``, ``H:CODEC`` with the
 Nesterov outer step) is trained on the shaped links for ``--epochs`` epochs on the
 60,000 rows, and its time to 0.95 is the training time (epoch seconds: the set-up
 and the data's scatter are left out, for both) until its test accuracy first
@@ -155,10 +156,13 @@ def main() -> None:
                 if plain is None:
                     plain = fit(client, data, args.rows, args.plain_epochs, 1, "none")
                     print(f"  plain links, H=1: {plain['val_accuracy']}", flush=True)
+                # (H=1's rate on plain links and on the rate alone: what the delay adds)
+                before = [fit(client, data, args.window_rows, 2, 1, "none")]
                 net.shape(rate_mbit=args.rate_mbit,
                           delay_ms=args.delay_ms / 2 if netem else 0)
                 try:
                     if not netem:
+                        before.append(fit(client, data, args.window_rows, 2, 1, "none"))
                         client.run(delay_messages, args.delay_ms / 1000)
                     window = fit(client, data, args.window_rows, 2, 1, "none")
                     print(f"  shaped, H=1 window: {window['epoch_seconds']} s an epoch "
@@ -174,7 +178,8 @@ def main() -> None:
                     client.run(delay_messages, 0.0)
         finally:
             cluster.close()
-    out.update(plain=plain, window=window, rounds=rounds, load_after=os.getloadavg())
+    out.update(plain=plain, window=window, window_plain=before[0],
+               window_rate_only=before[1] if len(before) > 1 else None, rounds=rounds, load_after=os.getloadavg())
     report(out)
     if args.json:
         with open(args.json, "w") as f:
@@ -189,6 +194,11 @@ def report(out: dict[str, Any]) -> None:
     h1_epochs = epochs_to(plain["val_accuracy"], TARGET)
     rows = out["rounds"][0]["rows"] if out["rounds"] else ROWS
     h1_time = None if h1_epochs is None else h1_epochs * rows / h1_rate
+    for name in ("window_plain", "window_rate_only"):
+        w = out[name]
+        if w is not None:
+            print(f"H=1 over {w['rows']:,} rows, {name[7:].replace('_', ' ')} links: "
+                  f"{w['rows'] / w['epoch_seconds'][-1]:,.0f} examples/s")
     print(f"\n| run (shaped links) | examples/s | epochs to {TARGET} | time to {TARGET} (s) "
           f"| faster than H=1 | test accuracy per epoch |")
     print("|---|---|---|---|---|---|")
