@@ -23,7 +23,10 @@ against each ``--rounds`` configuration (``H:CODEC``, the Nesterov outer step), 
 same epochs (``--epochs``, ``--rows`` training rows), one run each, side by side: the
 test-accuracy curve per epoch, the bytes sent per example trained (dasktf's
 ``bytes_per_example``) and how many times fewer than H=1, and whether a configuration
-is within 0.3 points of H=1 at the last epoch with >= 1,000x fewer bytes.
+is within 0.3 points of H=1 at the last epoch with >= 1,000x fewer bytes. As run for
+docs/local_steps.md: ``--part per-example`` (the MLP, 60,000 rows, 8 epochs) and
+``--part per-example --models cnn --rows 16384 --epochs 3 --rounds
+4:topk:0.0013,2:topk:0.00065``.
 
 Usage: ``python benchmarks/compressed_allreduce.py [--part bytes,accuracy,per-example]
 [--out benchmarks/results/compressed-allreduce.json]``.
