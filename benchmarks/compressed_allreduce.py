@@ -18,7 +18,17 @@ Adam 1e-3, seed 0, the p2p engine: H=1 for ``--epochs-h1`` epochs and H=64 with 
 Nesterov outer step for ``--epochs-h64``, each codec beside no codec; the test
 accuracy after each epoch and the bytes per step (a round) per worker.
 
-Usage: ``python benchmarks/compressed_allreduce.py [--part bytes,accuracy]
+``per-example`` (issue 39's 1,000x): for each ``--models`` model, H=1 without a codec
+against each ``--rounds`` configuration (``H:CODEC``, the Nesterov outer step), the
+same epochs (``--epochs``, ``--rows`` training rows), one run each, side by side: the
+test-accuracy curve per epoch, the bytes sent per example trained (dasktf's
+``bytes_per_example``) and how many times fewer than H=1, and whether a configuration
+is within 0.3 points of H=1 at the last epoch with >= 1,000x fewer bytes. As run for
+docs/local_steps.md: ``--part per-example`` (the MLP, 60,000 rows, 8 epochs) and
+``--part per-example --models cnn --rows 16384 --epochs 3 --rounds
+4:topk:0.0013,2:topk:0.00065``.
+
+Usage: ``python benchmarks/compressed_allreduce.py [--part bytes,accuracy,per-example]
 [--out benchmarks/results/compressed-allreduce.json]``.
 """
 
@@ -183,6 +193,79 @@ def accuracy_part(epochs_h1: int, epochs_h64: int, codecs: list[str],
     return rows
 
 
+def parse_rounds(spec: str) -> list[tuple[int, str]]:
+    """``"64:topk:0.01,128:int8"`` -> ``[(64, "topk:0.01"), (128, "int8")]``."""
+    out = []
+    for item in spec.split(","):
+        h, _, codec = item.partition(":")
+        out.append((int(h), codec or "none"))
+    return out
+
+
+def per_example_part(models: list[str], rows: int, epochs: int,
+                     rounds: list[tuple[int, str]]) -> list[dict[str, Any]]:
+    """H=1 without a codec against rounds with a codec: bytes per example and the
+    test accuracy per epoch, side by side (see the module)."""
+    from distributed import Client
+
+    import dasktf
+    from dasktf.cli.bench import load_data
+
+    data = load_data("mnist", rows, 10_000)
+    runs = [(1, "none"), *rounds]
+    out = []
+    with dasktf.make_local_cluster(3) as cluster, Client(cluster) as client:
+        client.wait_for_workers(3, timeout=120)
+        for model in models:
+            for h, codec in runs:
+                began = time.perf_counter()
+                options = ({} if h == 1 else
+                           {"local_steps": h, "outer_optimizer": "nesterov"})
+                history = dasktf.fit(
+                    model, data["x"], data["y"], client=client, n_workers=3,
+                    epochs=epochs, batch_size=256, optimizer="adam", learning_rate=1e-3,
+                    metrics=["accuracy"], validation_data=(data["x_val"], data["y_val"]),
+                    seed=0, verbose=0, engine="p2p",
+                    compression=None if codec == "none" else codec, **options)
+                hist = history.history
+                row = {"model": model, "rows": len(data["x"]), "local_steps": h,
+                       "codec": codec, "epochs": epochs,
+                       "val_accuracy": [float(a) for a in hist["val_accuracy"]],
+                       "bytes_per_example": float(np.mean(hist["bytes_per_example"])),
+                       "bytes_per_step": float(np.mean(hist["bytes_per_step"])),
+                       "epoch_seconds": [float(t) for t in hist["epoch_seconds"]],
+                       "seconds": time.perf_counter() - began, "load": os.getloadavg()[0]}
+                out.append(row)
+                print(f"  {model} H={h} {codec}: {row['val_accuracy']}, "
+                      f"{row['bytes_per_example']:,.2f} B/example, {row['seconds']:.0f} s "
+                      f"(load {row['load']:.1f})", flush=True)
+    print_per_example(out)
+    return out
+
+
+def print_per_example(rows: list[dict[str, Any]]) -> None:
+    """The side-by-side table: accuracy per epoch, bytes per example, the verdict."""
+    for model in dict.fromkeys(r["model"] for r in rows):
+        same = [r for r in rows if r["model"] == model]
+        base = next(r for r in same if r["local_steps"] == 1 and r["codec"] == "none")
+        epochs = len(base["val_accuracy"])
+        print(f"\n{model}, {base['rows']:,} rows, test accuracy after each epoch\n")
+        print("| run | bytes sent per example | fewer than H=1 | "
+              + " | ".join(f"epoch {e + 1}" for e in range(epochs))
+              + " | last vs H=1 | >= 1,000x within 0.3 points |")
+        print("|---|---|---|" + "---|" * epochs + "---|---|")
+        for r in same:
+            fewer = base["bytes_per_example"] / r["bytes_per_example"]
+            gap = r["val_accuracy"][-1] - base["val_accuracy"][-1]
+            ok = fewer >= 1000 and gap >= -0.003
+            name = ("H=1, no codec" if r is base
+                    else f"H={r['local_steps']} nesterov, {r['codec']}")
+            print(f"| {name} | {r['bytes_per_example']:,.2f} | {fewer:,.0f}x | "
+                  + " | ".join(f"{a:.4f}" for a in r["val_accuracy"])
+                  + f" | {gap:+.4f} | {'' if r is base else ('yes' if ok else 'no')} |",
+                  flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", default="bytes,accuracy")
@@ -192,6 +275,11 @@ def main() -> None:
     parser.add_argument("--codecs", default=",".join(ACCURACY_CODECS),
                         help="the accuracy part's codecs")
     parser.add_argument("--cases", default="h1,h64", help="the accuracy part's runs")
+    parser.add_argument("--models", default="mnist-mlp", help="the per-example part's")
+    parser.add_argument("--rows", type=int, default=60_000, help="the per-example part's")
+    parser.add_argument("--epochs", type=int, default=8, help="the per-example part's")
+    parser.add_argument("--rounds", default="64:topk:0.01,128:topk:0.01",
+                        help="the per-example part's rounds: H:CODEC,...")
     parser.add_argument("--out", default=os.path.join(
         os.path.dirname(__file__), "results", "compressed-allreduce.json"))
     args = parser.parse_args()
@@ -205,6 +293,9 @@ def main() -> None:
     if "accuracy" in parts:
         out["accuracy"] = accuracy_part(args.epochs_h1, args.epochs_h64,
                                         args.codecs.split(","), args.cases.split(","))
+    if "per-example" in parts:
+        out["per_example"] = per_example_part(args.models.split(","), args.rows,
+                                              args.epochs, parse_rounds(args.rounds))
     out["load_after"] = os.getloadavg()
     print(f"load average after {out['load_after']}")
     with open(args.out, "w") as f:
