@@ -10,10 +10,13 @@ writing into the Trainer.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dasktf.data.base import Source
 from dasktf.run.options import FaultOptions, TrainOptions
+
+if TYPE_CHECKING:
+    from dasktf.run.compiling import ClientModel
 
 #: The batch of the replicas' validation passes when fit is given none.
 DEFAULT_EVAL_BATCH_SIZE = 256
@@ -43,3 +46,7 @@ class RunInputs:
     #: the model an earlier ``fit`` of the same trainer trained (this one goes on
     #: from its weights), else ``None``
     model: Any = None
+    #: the client's model, built and checked before the cluster was contacted
+    #: (:func:`~dasktf.run.compiling.check_before_placing`); ``None``: the run
+    #: builds it from the placed shards' stats
+    prepared: ClientModel | None = None
