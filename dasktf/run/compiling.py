@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -29,7 +28,8 @@ from dasktf.models import (
     overrides_compute_loss,
     portable_metrics,
 )
-from dasktf.run.engine import EnginePlan, check_staleness_lr, plan_engine
+from dasktf.run.engine import check_staleness_lr, plan_engine
+from dasktf.run.inputs import ClientModel
 from dasktf.run.options import (
     TrainOptions,
     resolve_metrics,
@@ -44,20 +44,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _SPARSE_LOSSES = ("sparse_categorical_crossentropy", "SparseCategoricalCrossentropy")
-
-
-@dataclass(frozen=True)
-class ClientModel:
-    """The client's model, built (or taken) and checked against the data, with
-    what every replica compiles it with: :func:`client_model`'s result."""
-
-    model: Any
-    #: its outputs on a probe batch
-    y_pred: Any
-    #: what rebuilds a subclassed model dasktf made (``None``: none)
-    factory: Any
-    recipe: CompileRecipe
-    plan: EnginePlan
 
 
 def client_model(inputs: RunInputs, stats: list[ShardStats]) -> ClientModel:

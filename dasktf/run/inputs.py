@@ -16,10 +16,26 @@ from dasktf.data.base import Source
 from dasktf.run.options import FaultOptions, TrainOptions
 
 if TYPE_CHECKING:
-    from dasktf.run.compiling import ClientModel
+    from dasktf.models import CompileRecipe
+    from dasktf.run.engine import EnginePlan
 
 #: The batch of the replicas' validation passes when fit is given none.
 DEFAULT_EVAL_BATCH_SIZE = 256
+
+
+@dataclass(frozen=True)
+class ClientModel:
+    """The client's model, built (or taken) and checked against the data, with
+    what every replica compiles it with
+    (:func:`~dasktf.run.compiling.client_model`)."""
+
+    model: Any
+    #: its outputs on a probe batch
+    y_pred: Any
+    #: what rebuilds a subclassed model dasktf made (``None``: none)
+    factory: Any
+    recipe: CompileRecipe
+    plan: EnginePlan
 
 
 @dataclass(frozen=True)
