@@ -167,7 +167,11 @@ class Trainer:
         As in ``keras.Model.compile`` (per-output dicts or lists included); what is
         not given comes from the model's own ``compile``. A model that is neither
         compiled nor given a loss is refused, except the built-in models, whose
-        loss is sparse categorical cross-entropy for integer labels, else MSE.
+        loss is sparse categorical cross-entropy for integer labels, else MSE, and
+        a model overriding ``compute_loss`` (its own loss, as Keras' ``fit`` takes
+        it). A model whose class overrides ``train_step`` is refused. The model's
+        checks run before the cluster is contacted (for a model built from a name
+        or a factory on data only the workers read, once the data is placed).
     seed
         Seeds the initial weights (of a model dasktf builds), the per-epoch shuffles
         and the replicas' own random draws. ``None``: drawn from NumPy's global
