@@ -146,6 +146,14 @@ def check_trainable_by_dasktf(model: Any) -> None:
         )
 
 
+def overrides_compute_loss(model: Any) -> bool:
+    """Whether ``model``'s class makes its own loss (``compute_loss`` overridden):
+    Keras' ``fit`` then needs no compiled loss, and neither does dasktf."""
+    import keras
+
+    return type(model).compute_loss is not keras.Model.compute_loss
+
+
 @dataclass(frozen=True)
 class MetricRecipe:
     """A metric instance as its class and config: the instance holds variables,

@@ -9,6 +9,7 @@ replicas' metrics and call Keras callbacks on the client.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import functools
 import inspect
@@ -32,6 +33,7 @@ from dasktf.engines.base import check_integer
 from dasktf.inference.evaluate import evaluate
 from dasktf.inference.predict import predict
 from dasktf.models import ModelLike
+from dasktf.run.compiling import check_before_placing
 from dasktf.run.engine import check_mode_options, refuse_options
 from dasktf.run.inputs import DEFAULT_EVAL_BATCH_SIZE, RunInputs
 from dasktf.run.options import (
@@ -165,7 +167,11 @@ class Trainer:
         As in ``keras.Model.compile`` (per-output dicts or lists included); what is
         not given comes from the model's own ``compile``. A model that is neither
         compiled nor given a loss is refused, except the built-in models, whose
-        loss is sparse categorical cross-entropy for integer labels, else MSE.
+        loss is sparse categorical cross-entropy for integer labels, else MSE, and
+        a model overriding ``compute_loss`` (its own loss, as Keras' ``fit`` takes
+        it). A model whose class overrides ``train_step`` is refused. The model's
+        checks run before the cluster is contacted (for a model built from a name
+        or a factory on data only the workers read, once the data is placed).
     seed
         Seeds the initial weights (of a model dasktf builds), the per-epoch shuffles
         and the replicas' own random draws. ``None``: drawn from NumPy's global
@@ -407,13 +413,7 @@ class Trainer:
                                   "scale_lr": bool(fault["scale_lr"])})
         refuse_options(self.options, options)  # what its engine or mode cannot do
         started = time.perf_counter()
-        client = self.client
         o = self.options
-        workers, resources = choose_run_workers(client, o.n_workers, o.gpus)
-        check_mode_options(o, len(workers))  # the quorum and slowed indices, against them
-        plugin = None
-        if o.threads_per_worker is not None or not getattr(self, "_owned", False):
-            plugin = TensorFlowSetup(o.threads_per_worker or default_tf_threads(len(workers)))
         inputs = RunInputs(
             options=o, fault=options, source=source, batch_size=batch_size,
             epochs=epochs, initial_epoch=initial_epoch, shuffle=call["shuffle"],
@@ -421,6 +421,15 @@ class Trainer:
             eval_batch_size=validation_batch_size or DEFAULT_EVAL_BATCH_SIZE,
             verbose=verbose, callbacks=tuple(callbacks or ()), model=self.model,
         )
+        # The model's checks before the cluster is touched (an embedded one started,
+        # a plugin registered, data placed): a refusal comes at once (issue 36).
+        inputs = dataclasses.replace(inputs, prepared=check_before_placing(inputs))
+        client = self.client
+        workers, resources = choose_run_workers(client, o.n_workers, o.gpus)
+        check_mode_options(o, len(workers))  # the quorum and slowed indices, against them
+        plugin = None
+        if o.threads_per_worker is not None or not getattr(self, "_owned", False):
+            plugin = TensorFlowSetup(o.threads_per_worker or default_tf_threads(len(workers)))
         run = Run(inputs, client, workers, resources)
         try:
             history = run.fit(plugin)

@@ -20,13 +20,16 @@ import numpy as np
 from dasktf.data.shards import ShardStats, check_labels
 from dasktf.data.structure import is_nested, leaves, map_nest
 from dasktf.models import (
+    BUILTIN_MODELS,
     CompileRecipe,
     check_trainable_by_dasktf,
     compiled_args,
     model_spec,
+    overrides_compute_loss,
     portable_metrics,
 )
-from dasktf.run.engine import check_staleness_lr
+from dasktf.run.engine import check_staleness_lr, plan_engine
+from dasktf.run.inputs import ClientModel
 from dasktf.run.options import (
     TrainOptions,
     resolve_metrics,
@@ -35,6 +38,7 @@ from dasktf.run.options import (
 from dasktf.runtime.replica import non_trainable_floats
 
 if TYPE_CHECKING:
+    from dasktf.data.base import Source
     from dasktf.run.inputs import RunInputs
 
 logger = logging.getLogger(__name__)
@@ -42,9 +46,63 @@ logger = logging.getLogger(__name__)
 _SPARSE_LOSSES = ("sparse_categorical_crossentropy", "SparseCategoricalCrossentropy")
 
 
-def compile_recipe(options: TrainOptions, model: Any, stats: ShardStats, y_pred: Any,
-                   builtin: bool) -> CompileRecipe:
-    """The optimizer, loss, loss weights and metrics every replica compiles with."""
+def client_model(inputs: RunInputs, stats: list[ShardStats]) -> ClientModel:
+    """Build (or take) the client's model and check it against the data's
+    ``stats``: its ``train_step``, its inputs, its compile recipe, the sparse labels
+    against its outputs and the engine's needs (:func:`plan_engine`). Nothing here
+    contacts the cluster."""
+    o = inputs.options
+    model, y_pred, factory = reference_model(inputs, stats)
+    builtin = isinstance(o.model, str) and o.model in BUILTIN_MODELS
+    recipe = compile_recipe(o, model, stats[0], y_pred, builtin)
+    check_sparse_labels(recipe.loss, model, y_pred, stats)
+    return ClientModel(model, y_pred, factory, recipe, plan_engine(o, model, recipe))
+
+
+def check_before_placing(inputs: RunInputs) -> ClientModel | None:
+    """Every check of the model that needs no worker, run before the cluster is
+    contacted, so that a refusal comes at once rather than after the workers
+    have imported TensorFlow and received the data (issue 36).
+
+    Data the client holds (NumPy arrays, a dataset read here) has its stats now:
+    the whole :class:`ClientModel` is built and returned, and the run uses it. The
+    stats of data built on the workers (Dask collections, loaders) come from
+    there: a ``keras.Model`` instance is still checked now (``train_step``, its
+    loss and compile arguments), while a model built from a name or a factory,
+    whose ``input_shape`` and ``num_outputs`` are those stats, is built and
+    checked after placement (``None`` is returned).
+    """
+    stats = client_stats(inputs.source)
+    if stats is not None:
+        return client_model(inputs, [stats])
+    model = given_model(inputs)
+    if model is not None:
+        check_trainable_by_dasktf(model)
+        compile_recipe(inputs.options, model, None, None, builtin=False)
+    return None
+
+
+def client_stats(source: Source) -> ShardStats | None:
+    """The stats of data the client holds (an array source's, computed when it
+    was made); ``None`` where the workers compute them on placement."""
+    stats = getattr(source, "stats", None)
+    return stats if isinstance(stats, ShardStats) else None
+
+
+def given_model(inputs: RunInputs) -> Any:
+    """The ``keras.Model`` instance the run trains, if it was given one (or an
+    earlier ``fit`` of the trainer trained one); ``None`` for a name or factory."""
+    import keras
+
+    if inputs.model is not None:
+        return inputs.model
+    return inputs.options.model if isinstance(inputs.options.model, keras.Model) else None
+
+
+def compile_recipe(options: TrainOptions, model: Any, stats: ShardStats | None,
+                   y_pred: Any, builtin: bool) -> CompileRecipe:
+    """The optimizer, loss, loss weights and metrics every replica compiles with
+    (``stats`` and ``y_pred`` are only read for a built-in model's default loss)."""
     o = options
     compiled = compiled_args(model) or {}
     if o.optimizer is not None:
@@ -61,9 +119,11 @@ def compile_recipe(options: TrainOptions, model: Any, stats: ShardStats, y_pred:
         loss = compiled["loss"]
         if loss_weights is None:
             loss_weights = compiled.get("loss_weights")
-    elif builtin:
+    elif builtin and stats is not None:
         loss = default_loss(stats, y_pred)
         logger.info("No loss given; using %s", loss)
+    elif overrides_compute_loss(model):
+        loss = None  # its compute_loss makes the loss, as Keras' fit lets it
     else:
         raise ValueError(
             f"The model {getattr(model, 'name', '')!r} is not compiled and no loss was "
@@ -195,11 +255,8 @@ def reference_model(inputs: RunInputs, stats: list[ShardStats]) -> tuple[Any, An
     import keras
 
     o, first, factory = inputs.options, stats[0], None
-    if inputs.model is not None:  # a second fit() continues from its weights
-        model = inputs.model
-    elif isinstance(o.model, keras.Model):
-        model = o.model
-    else:
+    model = given_model(inputs)  # a second fit() continues from its weights
+    if model is None:
         # Keras' seeds are the process's: two fits in threads of one client must
         # not draw one's initial weights from the other's seed.
         with SEEDED_BUILD:

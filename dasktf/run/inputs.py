@@ -10,13 +10,32 @@ writing into the Trainer.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dasktf.data.base import Source
 from dasktf.run.options import FaultOptions, TrainOptions
 
+if TYPE_CHECKING:
+    from dasktf.models import CompileRecipe
+    from dasktf.run.engine import EnginePlan
+
 #: The batch of the replicas' validation passes when fit is given none.
 DEFAULT_EVAL_BATCH_SIZE = 256
+
+
+@dataclass(frozen=True)
+class ClientModel:
+    """The client's model, built (or taken) and checked against the data, with
+    what every replica compiles it with
+    (:func:`~dasktf.run.compiling.client_model`)."""
+
+    model: Any
+    #: its outputs on a probe batch
+    y_pred: Any
+    #: what rebuilds a subclassed model dasktf made (``None``: none)
+    factory: Any
+    recipe: CompileRecipe
+    plan: EnginePlan
 
 
 @dataclass(frozen=True)
@@ -43,3 +62,7 @@ class RunInputs:
     #: the model an earlier ``fit`` of the same trainer trained (this one goes on
     #: from its weights), else ``None``
     model: Any = None
+    #: the client's model, built and checked before the cluster was contacted
+    #: (:func:`~dasktf.run.compiling.check_before_placing`); ``None``: the run
+    #: builds it from the placed shards' stats
+    prepared: ClientModel | None = None

@@ -38,17 +38,14 @@ from dasktf.diagnostics.events import (
 from dasktf.diagnostics.metrics import ensure_store
 from dasktf.engines.base import Checkpoint, Engine, RunHooks
 from dasktf.exceptions import WorkerLostError
-from dasktf.models import BUILTIN_MODELS
 from dasktf.run.compiling import (
     adopt_optimizer,
-    check_sparse_labels,
-    compile_recipe,
+    client_model,
     compile_reference,
     model_statistics,
-    reference_model,
 )
 from dasktf.run.ending import END_PHASES, EndGuard
-from dasktf.run.engine import EngineInputs, make_engine, plan_engine
+from dasktf.run.engine import EngineInputs, make_engine
 from dasktf.run.guard import GuardedRun, RunGuard
 from dasktf.run.inputs import RunInputs
 from dasktf.run.setup import SetupGuard, enter_phase, register_worker_plugin
@@ -188,18 +185,17 @@ class Run:
     def _prepare(self) -> None:
         """The client's model, its compile recipe and the replicas' config (once)."""
         o = self.options
-        model, y_pred, self._factory = reference_model(self.inputs, self.placed.stats)
-        stats = self.placed.stats[0]
-        builtin = isinstance(o.model, str) and o.model in BUILTIN_MODELS
-        recipe = compile_recipe(o, model, stats, y_pred, builtin)
-        check_sparse_labels(recipe.loss, model, y_pred, self.placed.stats)
+        # built and checked before the cluster was contacted where the client holds
+        # the data, else here from the placed shards' stats
+        prepared = self.inputs.prepared or client_model(self.inputs, self.placed.stats)
+        model, recipe, self._factory = prepared.model, prepared.recipe, prepared.factory
         compile_reference(recipe, model, o.learning_rate)
-        probe_x, probe_y, probe_w = stats.probe(1)
+        probe_x, probe_y, probe_w = self.placed.stats[0].probe(1)
         build_metrics(model, probe_x, probe_y, probe_w)
         self.model = model
         self.spec_description = (o.model if isinstance(o.model, str) else
                                  getattr(model, "name", ""))
-        self.engine_plan = plan_engine(o, model, recipe)  # refused here, before any work
+        self.engine_plan = prepared.plan
         # The model travels whole, once per worker (dasktf.transport): the optimizer's
         # state too where the run continues it and it has one.
         package = ModelPackage.pack(
