@@ -2,11 +2,13 @@
 
 Two workers in one process (``processes=False``) show what a per-process registry
 got wrong: a slow-down armed on one worker slowed the other, and releasing a run on
-one dropped the other's replicas. Closing a worker closes its manager.
+one dropped the other's replicas (and parameter-server slices). Closing a worker
+closes its manager.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from types import SimpleNamespace
 
@@ -29,6 +31,18 @@ def _hold_replica(run_id: str) -> None:
     from dasktf.runtime.replica import register_replica
 
     register_replica(run_id, SimpleNamespace(shard=None, adopted=[]))  # type: ignore[arg-type]
+
+
+def _hold_slice(run_id: str) -> None:
+    from dasktf.runtime.manager import run_manager
+
+    run_manager().shards[(run_id, 0)] = SimpleNamespace(lock=threading.Lock())
+
+
+def _slices(run_id: str, dask_worker=None) -> list[int]:
+    from dasktf.runtime.manager import run_manager
+
+    return [s for r, s in run_manager(dask_worker).shards if r == run_id]
 
 
 def _held(run_id: str, dask_worker=None) -> int:
@@ -54,10 +68,13 @@ def test_a_workers_state_is_its_own_and_closes_with_it():
         assert on_slow >= 0.5 and on_other < 0.25, (on_slow, on_other)
         assert max(_timed(client, [slow, other])) < 0.25  # the block restored it
 
-        client.gather([client.submit(_hold_replica, "run-a", pure=False, workers=[w],
-                                     allow_other_workers=False) for w in (slow, other)])
+        client.gather([client.submit(f, "run-a", pure=False, workers=[w],
+                                     allow_other_workers=False)
+                       for w in (slow, other) for f in (_hold_replica, _hold_slice)])
         assert client.run(release_replicas, "run-a", workers=[slow]) == {slow: 1}
         assert client.run(_held, "run-a") == {slow: 0, other: 1}
+        assert client.run(_slices, "run-a") == {slow: [], other: [0]}
         workers = list(cluster.workers.values())
     # the worker's close released what its manager held
     assert [w.extensions["dasktf"].replicas for w in workers] == [{}, {}]
+    assert [w.extensions["dasktf"].shards for w in workers] == [{}, {}]

@@ -280,3 +280,12 @@ def recovered_record(run: str, workers: list[str], lost: list[str],
     return {"run": run, "kind": "recovered", "workers": list(workers), "lost": list(lost),
             "moved": [[i, a] for i, a in moved or []], "steps_lost": 0, **fields,
             "resume_s": None if since is None else now - since, "wall_time": now}
+
+
+def worker_joined_record(run: str, address: str, since: float, **fields: Any
+                         ) -> dict[str, Any]:
+    """The ``worker_joined`` record of ``address`` put to work ``join_s`` after
+    ``since``; ``fields``: the engine's own (``worker``, ``shard``, ...)."""
+    now = time.time()
+    return {"run": run, "kind": "worker_joined", "worker_address": address, **fields,
+            "join_s": now - since, "wall_time": now}

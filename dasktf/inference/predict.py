@@ -20,6 +20,7 @@ import numpy as np
 
 from dasktf import compat, config
 from dasktf.data.structure import Nest
+from dasktf.engines.base import check_integer
 from dasktf.inference.inputs import InputPlan, plan_inputs, probe_outputs
 from dasktf.runtime.inference import pick_output, predict_frame_part, predict_part
 from dasktf.transport import ModelPackage, SharedModel, share_model
@@ -110,8 +111,7 @@ def load_model(model: Any) -> Any:
 def positive_batch_size(batch_size: int | None) -> int:
     """``batch_size``, else ``dasktf.inference.batch-size``; refused unless positive."""
     value = config.get("inference.batch-size", batch_size)
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"batch_size must be a positive integer; got {value!r}.")
+    check_integer("batch_size", value)
     return int(value)
 
 

@@ -31,9 +31,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from dasktf import config
 from dasktf.cluster.waits import lost_workers
-from dasktf.diagnostics.events import recovered_record, worker_lost_records
-from dasktf.exceptions import AllWorkersLostError, WorkerLostError
-from dasktf.run.setup import enter_phase
+from dasktf.exceptions import WorkerLostError
+from dasktf.run.setup import enter_phase, go_on_without
 
 if TYPE_CHECKING:
     from dasktf.cluster.waits import RunContext
@@ -92,24 +91,17 @@ class EndGuard:
             if cause is not None:
                 raise cause
             return
-        survivors = [w for w in ctx.workers if w not in lost]
-        where = (f"Worker(s) {', '.join(lost)} left the cluster at the end of run "
-                 f"{ctx.run_id}, after its training (phase: {phase})")
-        if not survivors:
-            raise AllWorkersLostError(
-                f"{where}, and no worker of the run is left.", lost, phase=phase
-            ) from cause
-        if self.hooks.on_worker_loss == "raise":
-            raise WorkerLostError(
-                f"{where}; on_worker_loss='raise' stops the run. Pass "
-                "on_worker_loss='recover' to have the survivors hand back the model.",
-                lost, phase=phase) from cause
+        refusal = None if self.hooks.on_worker_loss != "raise" else (
+            "on_worker_loss='raise' stops the run. Pass on_worker_loss='recover' to "
+            "have the survivors hand back the model")
+        records = go_on_without(
+            ctx, lost, phase, detected, cause, refusal,
+            f"Worker(s) {', '.join(lost)} left the cluster at the end of run "
+            f"{ctx.run_id}, after its training (phase: {phase})", since=detected)
+        survivors = records[-1]["workers"]
         self.hooks.workers_changed(survivors)
-        for record in worker_lost_records(ctx.run_id, lost, detected, phase=phase):
+        for record in records:
             self.hooks.publish(record)
-        record = recovered_record(ctx.run_id, survivors, lost, detected, phase=phase,
-                                  steps_recomputed=0, detected_at=detected)
-        self.hooks.publish(record)
-        self.losses.append(record)
+        self.losses.append(records[-1])
         self.hooks.announce(f"worker lost at the run's end ({phase}): {', '.join(lost)}; "
                             f"reading on from {len(survivors)} worker(s)")

@@ -120,23 +120,17 @@ class SetupGuard:
         phase = loss.phase or "the set-up"
         lost = sorted(set(loss.workers) | set(lost_workers(ctx)))
         survivors = [w for w in ctx.workers if w not in lost]
-        where = (f"Worker(s) {', '.join(lost)} left the cluster while run {ctx.run_id} "
-                 f"was being set up (phase: {phase}), before its first step")
-        if not survivors:
-            raise AllWorkersLostError(
-                f"{where}, and no worker of the run is left. Start workers and train "
-                "again.", lost, phase=phase) from loss
         why = ("on_worker_loss='raise' stops the run. Restart the worker(s), or "
                "pass on_worker_loss='recover' to go on with the others"
                if self.policy == "raise" else
                setup_refusal(self.inputs.options, self.inputs.fault, len(survivors)))
-        if why is not None:
-            raise WorkerLostError(f"{where}; {why}.", lost, phase=phase) from loss
-        self.records.extend(worker_lost_records(ctx.run_id, lost, detected, phase=phase))
-        record = recovered_record(ctx.run_id, survivors, lost, None, phase=phase,
-                                  reformed=True, steps_recomputed=0, detected_at=detected)
-        self.records.append(record)
-        self.losses.append(record)
+        records = go_on_without(
+            ctx, lost, phase, detected, loss, why,
+            f"Worker(s) {', '.join(lost)} left the cluster while run {ctx.run_id} "
+            f"was being set up (phase: {phase}), before its first step",
+            " Start workers and train again.", since=None, reformed=True)
+        self.records.extend(records)
+        self.losses.append(records[-1])
         self.announce(f"worker lost while setting up ({phase}): {', '.join(lost)}; "
                        f"setting the run up again on {len(survivors)} worker(s)")
         return survivors
@@ -153,6 +147,24 @@ class SetupGuard:
             self.announce(f"set up on {len(self.ctx.workers)} worker(s) "
                            f"{now - (self._detected or now):.2f}s after the loss")
 
+
+def go_on_without(ctx: RunContext, lost: list[str], phase: str, detected: float,
+                  cause: BaseException | None, refusal: str | None, where: str,
+                  all_lost_hint: str = "", *, since: float | None, **fields: Any
+                  ) -> list[dict[str, Any]]:
+    """The ``worker_lost`` records and, last, the ``recovered`` one of a set-up or
+    end going on without ``lost``; raises if no worker is left or ``refusal`` says
+    why it cannot (``where``: the messages' start)."""
+    survivors = [w for w in ctx.workers if w not in lost]
+    if not survivors:
+        raise AllWorkersLostError(
+            f"{where}, and no worker of the run is left.{all_lost_hint}", lost,
+            phase=phase) from cause
+    if refusal is not None:
+        raise WorkerLostError(f"{where}; {refusal}.", lost, phase=phase) from cause
+    return [*worker_lost_records(ctx.run_id, lost, detected, phase=phase),
+            recovered_record(ctx.run_id, survivors, lost, since, phase=phase,
+                             steps_recomputed=0, detected_at=detected, **fields)]
 
 
 def register_worker_plugin(ctx: RunContext, plugin: Any, what: str) -> None:

@@ -2,8 +2,9 @@
 
 As Dask's P2P shuffle keeps its runs in one ``_ShuffleRunManager`` on its worker
 plugin (``distributed/shuffle/_worker_plugin.py``), a :class:`RunManager` holds
-this worker's replicas (every engine's), the p2p runs' links and the all-reduce
-groups' endpoints, and the faults tests arm (:mod:`dasktf.testing`). It lives in
+this worker's replicas (every engine's), the parameter-server slices
+(``placement="ps"``), the p2p runs' links and the all-reduce groups' endpoints,
+and the faults tests arm (:mod:`dasktf.testing`). It lives in
 ``worker.extensions`` (:func:`run_manager` makes it on first use: the graph and
 holder engines register no plugin); the p2p plugin holds the same object.
 Releasing a run, or closing the worker (Dask closes its extensions), closes what
@@ -37,6 +38,8 @@ class RunManager:
         # (typed Any: the modules of these classes import this one)
         #: Replica by (run id, address; "address#slot": one adopted for a lost worker)
         self.replicas: dict[tuple[str, str], Any] = {}
+        #: servers.PSShard by (run id, slice index)
+        self.shards: dict[tuple[str, int], Any] = {}
         self.links: dict[str, Any] = {}  #: p2p.links.Link by run id
         self.endpoints: dict[str, Any] = {}  #: p2p.loop.Endpoint by group id
         self._closed_groups: deque[str] = deque(maxlen=_CLOSED_KEPT)
@@ -71,11 +74,13 @@ class RunManager:
             self._closed_groups.append(gid)
 
     def release(self, run_id: str) -> int:
-        """Drop the replicas of ``run_id`` and leave its groups (never waits: it
-        runs on the event loop); how many replicas there were."""
+        """Drop the replicas and server slices of ``run_id`` and leave its groups
+        (never waits: it runs on the event loop); how many replicas there were."""
         with self.lock:
             keys = [k for k in self.replicas if k[0] == run_id]
             replicas = [self.replicas.pop(k) for k in keys]
+            for key in [k for k in self.shards if k[0] == run_id]:
+                del self.shards[key]
             link = self.links.pop(run_id, None)
         for replica in replicas:
             for shard in [replica.shard, *(s for _, s, _ in replica.adopted)]:
@@ -91,7 +96,7 @@ class RunManager:
             if self.closed:
                 return
             self.closed = True
-            runs = {run for run, _ in self.replicas} | set(self.links)
+            runs = {run for run, _ in [*self.replicas, *self.shards]} | set(self.links)
             endpoints = list(self.endpoints.values())
         for ep in endpoints:
             ep.mailbox.fail(CollectiveAbortedError(

@@ -109,18 +109,14 @@ def ramp_lr_task(run_id: str, factor: float, steps: int) -> tuple[float, float]:
 def ramp_learning_rate(ctx: RunContext, factor: float, steps: int) -> tuple[float, float]:
     """Every replica (and server) of the run scales its learning rate by ``factor``
     over the next ``steps`` updates; the rates before and after."""
-    futures = [ctx.client.submit(ramp_lr_task, ctx.run_id, factor, steps, workers=[w],
-                                 allow_other_workers=False, pure=False)
-               for w in ctx.workers]
-    wait_for(ctx, futures, "rescaling the learning rate")
+    futures = on_every_worker(ctx, "rescaling the learning rate", ramp_lr_task,
+                              ctx.run_id, factor, steps)
     return ctx.client.gather(futures)[0]  # type: ignore[no-any-return]
 
 
 def set_learning_rate(ctx: RunContext, lr: float) -> None:
     """Every replica's optimizer takes ``lr`` (between epochs: nothing in flight)."""
-    futures = [_pinned(ctx, set_learning_rate_task, ctx.run_id, lr, worker=w)
-               for w in ctx.workers]
-    wait_for(ctx, futures, "setting the learning rate")
+    on_every_worker(ctx, "setting the learning rate", set_learning_rate_task, ctx.run_id, lr)
 
 
 def applied_log_task(run_id: str) -> tuple[int, list[int]]:
@@ -134,6 +130,14 @@ def _pinned(ctx: RunContext, func: Any, *args: Any, worker: str, key: str | None
     kw = {} if key is None else {"key": key}
     return ctx.client.submit(func, *args, workers=[worker], allow_other_workers=False,
                              pure=False, **kw)
+
+
+def on_every_worker(ctx: RunContext, what: str, func: Any, *args: Any) -> list[Any]:
+    """``func(*args)`` pinned to each of the run's workers, waited for (``what``:
+    named if a worker is lost meanwhile); the futures, in the workers' order."""
+    futures = [_pinned(ctx, func, *args, worker=w) for w in ctx.workers]
+    wait_for(ctx, futures, what)
+    return futures
 
 
 def fence(ctx: RunContext, survivors: list[str], attempt: int) -> list[int]:
@@ -173,15 +177,14 @@ def read_state(ctx: RunContext, update: int | None = None, after: Any = None
 def load_state(ctx: RunContext, state: dict[str, Any]) -> None:
     """Load ``state`` (a checkpoint's, or the run's at a re-form) into every replica."""
     big = ctx.client.scatter(state, broadcast=True, hash=False)
-    futures = [_pinned(ctx, set_state_task, ctx.run_id, big, worker=w)
-               for w in ctx.workers]
-    wait_for(ctx, futures, "loading the checkpoint into the replicas")
+    on_every_worker(ctx, "loading the checkpoint into the replicas", set_state_task,
+                    ctx.run_id, big)
 
 
 def applied_logs(ctx: RunContext) -> dict[int, list[int]]:
     """``{replica index: updates it applied, in order}`` over the run's workers."""
-    futures = [_pinned(ctx, applied_log_task, ctx.run_id, worker=w) for w in ctx.workers]
-    wait_for(ctx, futures, "reading the applied updates")
+    futures = on_every_worker(ctx, "reading the applied updates", applied_log_task,
+                              ctx.run_id)
     return dict(ctx.client.gather(futures))
 
 

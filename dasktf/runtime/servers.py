@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from dasktf.runtime.manager import run_manager
 from dasktf.wire.codecs import get_codec
 from dasktf.wire.packets import (
     Packet,
@@ -46,9 +47,6 @@ from dasktf.wire.packets import (
 
 if TYPE_CHECKING:
     from dasktf.runtime.replica import Replica
-
-_SHARDS: dict[tuple[str, int], PSShard] = {}
-
 
 def server_workers(workers: list[str], num_ps: int) -> list[str]:
     """The worker each server runs on: ``s mod N`` (beside a replica)."""
@@ -139,14 +137,15 @@ def _server(run_id: str, shard: int, ranges: Ranges, generation: int) -> PSShard
     generation's task (cancelled, yet still running)."""
     from dasktf.runtime.replica import get_replica
 
-    state = _SHARDS.get((run_id, shard))
+    shards = run_manager().shards
+    state = shards.get((run_id, shard))
     if state is None:
         if generation:
             raise RuntimeError(
                 f"server slice {shard} of run {run_id} is not on this worker for "
                 f"generation {generation}; this is a dasktf bug."
             )
-        state = _SHARDS[(run_id, shard)] = PSShard(get_replica(run_id), ranges)
+        state = shards[(run_id, shard)] = PSShard(get_replica(run_id), ranges)
     return state
 
 
@@ -214,15 +213,16 @@ def ps_load_task(
     or a resume. The run's other slices here are dropped."""
     from dasktf.runtime.replica import get_replica
 
-    for key in [k for k in _SHARDS if k[0] == run_id]:
-        with _SHARDS[key].lock:  # after an apply in progress
-            del _SHARDS[key]
+    shards = run_manager().shards
+    for key in [k for k in shards if k[0] == run_id]:
+        with shards[key].lock:  # after an apply in progress
+            del shards[key]
     replica = get_replica(run_id)
     for shard, (ranges, values, optimizer) in slices.items():
         state = PSShard(replica, ranges, generation)
         state.load(values, optimizer)
         state.applied = applied
-        _SHARDS[(run_id, shard)] = state
+        shards[(run_id, shard)] = state
     return len(slices)
 
 
@@ -376,7 +376,7 @@ def split_server_states(
 
 def set_shards_learning_rate(run_id: str, lr: float) -> None:
     """The servers' optimizers on this worker follow a learning rate the run set."""
-    for key, state in _SHARDS.items():
+    for key, state in run_manager().shards.items():
         if key[0] == run_id:
             state.lr_ramp = None
             state.optimizer.learning_rate = lr
@@ -385,13 +385,9 @@ def set_shards_learning_rate(run_id: str, lr: float) -> None:
 def ramp_shards_learning_rate(run_id: str, factor: float, steps: int) -> None:
     """The servers on this worker warm up to ``factor`` times their learning rate
     over the next ``steps`` updates (``scale_lr``), as the replicas do."""
-    for key, state in _SHARDS.items():
+    for key, state in run_manager().shards.items():
         if key[0] == run_id:
             with state.lock:
                 old = float(state.optimizer.learning_rate.numpy())
                 state.lr_ramp = (state.applied + 1, max(1, int(steps)), old, old * factor)
 
-
-def release_shards(run_id: str, dask_worker: Any = None) -> None:
-    for key in [k for k in _SHARDS if k[0] == run_id]:
-        del _SHARDS[key]

@@ -27,7 +27,7 @@ from dasktf.runtime.replica import (
     straggle,
 )
 from dasktf.runtime.reports import epoch_report
-from dasktf.runtime.servers import release_shards, set_shards_learning_rate
+from dasktf.runtime.servers import set_shards_learning_rate
 from dasktf.transport import forget_model
 from dasktf.wire.packets import release_run
 
@@ -156,5 +156,4 @@ def release_replicas(run_id: str, model_key: str | None = None,
     if model_key is not None:
         forget_model(model_key)
     release_run(run_id)
-    release_shards(run_id)
     return released

@@ -272,8 +272,6 @@ _CODECS: dict[str, type[Codec]] = {
 }
 #: The codec names :func:`get_codec` accepts (``topk`` takes a ratio: ``topk:0.01``).
 CODECS = (*_CODECS, "topk:RATIO")
-#: Lower-precision forms the weights may travel in.
-WEIGHT_DTYPES = (None, "fp16", "bf16")
 
 
 def get_codec(spec: str | Codec | None) -> Codec:

@@ -176,10 +176,8 @@ class ElasticSyncEngine(CommEngine):
         self.servers = server_workers(ctx.workers, self.spec.num_ps)
         self.load_servers(restore)
         state = client.scatter(restore, broadcast=True, hash=False)
-        rewinds = [client.submit(set_state_task, ctx.run_id, state, True, True,
-                                 workers=[w], allow_other_workers=False, pure=False)
-                   for w in ctx.workers]
-        wait_for(ctx, rewinds, "rewinding the surviving replicas to the restore point")
+        reconcile.on_every_worker(ctx, "rewinding the surviving replicas to the restore "
+                                  "point", set_state_task, ctx.run_id, state, True, True)
         target = int(restore["applied"])
         return (target, max(0, reached - target),
                 f"servers on {', '.join(self.servers)} rewound to the restore point")

@@ -89,6 +89,7 @@ from dasktf.engines.holder.sharded import ShardedHolders, byte_logs
 from dasktf.engines.holder.state import AsyncState
 from dasktf.engines.holder.tasks import async_step_task, flush_events
 from dasktf.exceptions import DasktfError, StepTimeoutError
+from dasktf.runtime.reconcile import on_every_worker
 from dasktf.runtime.replica import (
     EpochReport,
     ReplicaConfig,
@@ -482,11 +483,8 @@ class AsyncEngine(Recovery, Engine):
             # The workers' replicas were built from the initial weights: their moving
             # statistics, whose mean the holder takes at each epoch end, go on from the
             # checkpoint's too.
-            ctx = self.ctx
-            futures = [ctx.client.submit(set_non_trainable_task, ctx.run_id, saved.statistics,
-                                         workers=[w], allow_other_workers=False, pure=False)
-                       for w in ctx.workers]
-            wait_for(ctx, futures, "loading the checkpoint's moving statistics")
+            on_every_worker(self.ctx, "loading the checkpoint's moving statistics",
+                            set_non_trainable_task, self.ctx.run_id, saved.statistics)
         epoch = self.run_state.first_epoch()
         applied = sum(len(v) for v in done.values())
         return Resumed(

@@ -59,7 +59,11 @@ from dasktf import config
 from dasktf.cluster.deadline import Deadline
 from dasktf.cluster.waits import check_alive
 from dasktf.data.shards import Shard
-from dasktf.diagnostics.events import recovered_record, worker_lost_records
+from dasktf.diagnostics.events import (
+    recovered_record,
+    worker_joined_record,
+    worker_lost_records,
+)
 from dasktf.engines.holder.instructions import AddHelper, Adopt, RebuildHolder
 from dasktf.engines.holder.rpc import HolderLostError
 from dasktf.exceptions import AllWorkersLostError, WorkerLostError
@@ -237,9 +241,8 @@ class Recovery:
             (helps,) = [i.owner for i in instructions if isinstance(i, AddHelper)]
             self.workers_changed(sorted(set(ctx.workers) | {worker}))
             self._carry_out(instructions)
-            record = {"run": ctx.run_id, "kind": "worker_joined", "worker_address": worker,
-                      "worker": adopt.identity, "shard": adopt.shard, "helps": helps,
-                      "left": left, "join_s": time.time() - started, "wall_time": time.time()}
+            record = worker_joined_record(ctx.run_id, worker, started, worker=adopt.identity,
+                                          shard=adopt.shard, helps=helps, left=left)
             self.publish(record)
             self.losses.append(record)
             self.announce(f"worker joined: {worker} helps shard {adopt.shard} as worker "

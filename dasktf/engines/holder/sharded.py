@@ -113,22 +113,6 @@ def plan_holders(
     return spread_holders([workers[i] for i in fast], num_ps), plan
 
 
-def _build_shard(
-    config_: ReplicaConfig,
-    weights: list[np.ndarray],
-    probe: Shard,
-    ranges: Ranges,
-    index: int,
-) -> tuple[Any, PSShard]:
-    from dasktf.runtime.replica import Replica
-
-    shard = probe.take(slice(0, 1))
-    replica = Replica(
-        config_, HOLDER_INDEX + index, shard, np.ones((1,), int), weights, None, False
-    )
-    return replica, PSShard(replica, ranges)
-
-
 class SliceHolder:
     """Holder ``s >= 1`` of a ``num_ps=K`` async run (an actor): the float32 master
     slice and its optimizer state; applies what the coordinator orders, in order."""
@@ -142,7 +126,11 @@ class SliceHolder:
         index: int,
         timeout: float,
     ) -> None:
-        _, self.shard = _build_shard(config_, weights, probe, ranges, index)
+        from dasktf.runtime.replica import Replica
+
+        replica = Replica(config_, HOLDER_INDEX + index, probe.take(slice(0, 1)),
+                          np.ones((1,), int), weights, None, False)
+        self.shard = PSShard(replica, ranges)
         self.index = index
         self.timeout = timeout
         self.flat = np.asarray(self.shard.variable.numpy(), np.float32)
