@@ -27,8 +27,7 @@ from dasktf.cluster.local import (
     default_tf_threads,
 )
 from dasktf.cluster.tfbuild import require_tensorflow
-from dasktf.data.sources import make_source
-from dasktf.data.validation import split_validation, unpack_validation
+from dasktf.data.sources import fit_inputs
 from dasktf.engines.base import check_integer
 from dasktf.inference.evaluate import evaluate
 from dasktf.inference.predict import predict
@@ -398,15 +397,11 @@ class Trainer:
                       expected=f"an integer in [0, epochs={epochs})")
         check_integer("validation_batch_size", validation_batch_size, allow_none=True)
         callbacks = check_callbacks(call["callbacks"])
-        if call["validation_split"] and validation_data is None:
-            (x, y, sample_weight), validation_data = split_validation(
-                x, y, sample_weight, call["validation_split"])
         known = self.options.model if self.model is None else self.model  # its inputs
-        if validation_data is not None:
-            validation_data = unpack_validation(validation_data, known)
-        source = make_source(x, y, sample_weight, call["class_weight"],
-                             stream=bool(call["stream"]), seed=self.options.seed,
-                             model=known)
+        source, validation_data = fit_inputs(
+            x, y, sample_weight, validation_data=validation_data,
+            validation_split=call["validation_split"], class_weight=call["class_weight"],
+            stream=bool(call["stream"]), seed=self.options.seed, model=known)
         if batch_size is None:  # a dataset's batches', as Keras takes them; else ours
             batch_size = source.batch_size_read or DEFAULT_BATCH_SIZE
         options = FaultOptions(**{**fault, "resume": bool(fault["resume"]),

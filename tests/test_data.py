@@ -112,7 +112,7 @@ def test_datasets_and_py_datasets_are_read_with_their_batch_size_and_generators_
     import keras
     import tensorflow as tf
 
-    from dasktf.data.validation import unpack_validation
+    from dasktf.data.sources import fit_inputs
 
     x, y = np.arange(40, dtype="float32").reshape(20, 2), np.arange(20) % 2
     with pytest.warns(UserWarning, match="read it into memory once"):
@@ -130,7 +130,7 @@ def test_datasets_and_py_datasets_are_read_with_their_batch_size_and_generators_
         source = make_source(Batches())
     assert source.batch_size_read == 5 and np.array_equal(source.data.y, y)
     with pytest.warns(UserWarning):
-        val_x, val_y, val_w = unpack_validation(Batches())
+        val_x, val_y, val_w = fit_inputs(x, y, validation_data=Batches())[1]
     assert np.array_equal(val_x, x) and np.array_equal(val_y, y) and val_w is None
     with pytest.raises(TypeError, match=r"generator: .*read only once and only here"):
         make_source((x[i:i + 5], y[i:i + 5]) for i in range(0, 20, 5))

@@ -14,8 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from dasktf import compat
-from dasktf.data.partitions import label_columns
-from dasktf.data.structure import Nest, is_nested
+from dasktf.data.structure import Nest, is_frame, is_nested
 
 
 def model_inputs(model: Any) -> Nest:
@@ -98,3 +97,28 @@ def frame_inputs(model: Any, x: Any, y: Any, sample_weight: Any) -> tuple[Nest, 
     if not is_nested(specs):
         return fed[used[0]], y, sample_weight
     return {name: fed[name] for name in used}, y, sample_weight
+
+
+def label_columns(x: Nest, y: Any, sample_weight: Any) -> tuple[Nest, Nest, Nest]:
+    """``y`` and ``sample_weight`` given as column names of a DataFrame ``x``
+    (pandas or Dask) become those columns, taken out of ``x``; anything else is
+    returned as it is."""
+    named = [v for v in (y, sample_weight) if names_columns(v)]
+    if named:
+        if not is_frame(x):
+            raise ValueError("y or sample_weight names columns, so x must be one "
+                             "DataFrame (pandas or Dask) holding them.")
+        columns = [c for v in named for c in ([v] if isinstance(v, str) else v)]
+        missing = [c for c in columns if c not in x.columns]
+        if missing:
+            raise ValueError(f"Columns {missing} are not in x (its columns: "
+                             f"{list(x.columns)}).")
+        y = x[y] if names_columns(y) else y
+        sample_weight = x[sample_weight] if names_columns(sample_weight) else sample_weight
+        x = x.drop(columns=columns)
+    return x, y, sample_weight
+
+
+def names_columns(value: Any) -> bool:
+    return isinstance(value, str) or (
+        isinstance(value, list) and bool(value) and all(isinstance(v, str) for v in value))

@@ -27,7 +27,6 @@ from dasktf.data.structure import (
     first_leaf,
     holds_frames,
     is_dask_frame,
-    is_pandas,
     leaves,
     map_named,
     map_nest,
@@ -157,39 +156,13 @@ def compute_leaves(x: Nest, y: Nest, sample_weight: Nest) -> tuple[Nest, Nest, N
 
 
 def select_columns(x: Nest, y: Any, sample_weight: Any) -> tuple[Nest, Nest, Nest]:
-    """``y`` and ``sample_weight`` given as column names of a DataFrame ``x`` become
-    those columns, taken out of the features; every frame's dtypes are checked."""
+    """Every frame's dtypes checked (``y`` and ``sample_weight`` that named columns
+    were taken out of ``x`` by the factory: :func:`.named_inputs.frame_inputs`)."""
     if y is None:
         raise ValueError("y is required when x is a Dask DataFrame: give a Series, a "
                          "DataFrame, or the name(s) of x's label column(s).")
-    x, y, sample_weight = label_columns(x, y, sample_weight)
     check_numeric({"x": x, "y": y, "sample_weight": sample_weight})
     return x, y, sample_weight
-
-
-def label_columns(x: Nest, y: Any, sample_weight: Any) -> tuple[Nest, Nest, Nest]:
-    """``y`` and ``sample_weight`` given as column names of a DataFrame ``x``
-    (pandas or Dask) become those columns, taken out of ``x``; anything else is
-    returned as it is."""
-    named = [v for v in (y, sample_weight) if _names_columns(v)]
-    if named:
-        if not (is_dask_frame(x) or is_pandas(x, frame=True)) or x.ndim != 2:
-            raise ValueError("y or sample_weight names columns, so x must be one "
-                             "DataFrame (pandas or Dask) holding them.")
-        columns = [c for v in named for c in ([v] if isinstance(v, str) else v)]
-        missing = [c for c in columns if c not in x.columns]
-        if missing:
-            raise ValueError(f"Columns {missing} are not in x (its columns: "
-                             f"{list(x.columns)}).")
-        y = x[y] if _names_columns(y) else y
-        sample_weight = x[sample_weight] if _names_columns(sample_weight) else sample_weight
-        x = x.drop(columns=columns)
-    return x, y, sample_weight
-
-
-def _names_columns(value: Any) -> bool:
-    return isinstance(value, str) or (
-        isinstance(value, list) and bool(value) and all(isinstance(v, str) for v in value))
 
 
 def check_numeric(nests: dict[str, Nest]) -> None:

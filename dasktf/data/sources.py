@@ -17,15 +17,27 @@ from dasktf.data.base import Source
 from dasktf.data.dask_collections import dask_source
 from dasktf.data.keras_inputs import generator_refused, read_input
 from dasktf.data.loaders import DatasetFnSource, LoaderSource
-from dasktf.data.named_inputs import frame_inputs
+from dasktf.data.named_inputs import frame_inputs, names_columns
 from dasktf.data.shards import Shard, check_class_weight
-from dasktf.data.structure import is_dask, is_dask_frame, is_nested, is_pandas, leaves
+from dasktf.data.structure import is_dask, is_frame, is_nested, leaves
+from dasktf.data.validation import Validation, split_validation, validation_parts
 
 
 def make_source(x: Any, y: Any = None, sample_weight: Any = None,
                 class_weight: dict[int, float] | None = None, stream: bool = False,
                 seed: int = 0, model: Any = None) -> Source:
-    """Pick the adapter for what the user passed as training data.
+    """Pick the adapter for what the user passed as training data (see
+    :func:`fit_inputs`, which also takes the validation data)."""
+    return fit_inputs(x, y, sample_weight, class_weight=class_weight, stream=stream,
+                      seed=seed, model=model)[0]
+
+
+def fit_inputs(x: Any, y: Any = None, sample_weight: Any = None, *,
+               validation_data: Any = None, validation_split: float = 0.0,
+               class_weight: dict[int, float] | None = None, stream: bool = False,
+               seed: int = 0, model: Any = None) -> tuple[Source, Validation | None]:
+    """``fit``'s data, decided once: the training data's adapter and the validation
+    data as ``(x, y, sample_weight)`` (given, or Keras' ``validation_split``).
 
     ``x``, ``y`` and ``sample_weight`` may each be an array or a (nested) list,
     tuple or dict of arrays, matched to the model's inputs and outputs as Keras
@@ -44,26 +56,45 @@ def make_source(x: Any, y: Any = None, sample_weight: Any = None,
     """
     if class_weight is not None and sample_weight is not None:
         raise ValueError("Give sample_weight or class_weight, not both (as in Keras).")
+    if validation_split and validation_data is None and reads_on_client(x):
+        raise ValueError("validation_split is only supported for arrays and frames (as "
+                         f"in Keras), not a {type(x).__name__}; pass validation_data.")
+    x, y, sample_weight, batch_size = _as_given(x, y, sample_weight, model, "x")
+    kind = input_kind(x, y, sample_weight)
+    if validation_data is not None:
+        if reads_on_client(validation_data):
+            validation_data = (validation_data, None, None)
+        validation_data = _as_given(*validation_parts(validation_data), model,
+                                    "validation_data")[:3]
+    elif validation_split:
+        (x, y, sample_weight), validation_data = split_validation(
+            x, y, sample_weight, validation_split, kind)
+    source = _adapter(kind, x, y, sample_weight, class_weight, stream, seed)
+    #: the batches' size of data read on the client: the run's if fit gets none
+    source.batch_size_read = batch_size
+    return source, validation_data
+
+
+def _as_given(x: Any, y: Any, sample_weight: Any, model: Any, what: str
+              ) -> tuple[Any, Any, Any, int | None]:
+    """Data read here (a Dataset, a PyDataset) as arrays and its batch size; a
+    DataFrame as the model takes it; anything else as it is."""
     batch_size = None
     if reads_on_client(x):  # tf.data.Dataset, keras.utils.PyDataset, a generator
         if y is not None or sample_weight is not None:
             raise ValueError(f"y and sample_weight must be None when x is a "
                              f"{type(x).__name__} (it yields them).")
-        data, batch_size = read_on_client(x, "x")
+        data, batch_size = read_on_client(x, what)
         x, y, sample_weight = data.x, data.y, data.w
-    if is_frame(x):
+    if is_frame(x) or names_columns(y) or names_columns(sample_weight):
         x, y, sample_weight = frame_inputs(model, x, y, sample_weight)
-    source = _adapter(x, y, sample_weight, class_weight, stream, seed)
-    #: the batches' size of data read on the client: the run's if fit gets none
-    source.batch_size_read = batch_size
-    return source
+    return x, y, sample_weight, batch_size
 
 
-def _adapter(x: Any, y: Any, sample_weight: Any, class_weight: dict[int, float] | None,
-             stream: bool, seed: int) -> Source:
+def _adapter(kind: str, x: Any, y: Any, sample_weight: Any,
+             class_weight: dict[int, float] | None, stream: bool, seed: int) -> Source:
     if class_weight is not None and not callable(x):
         check_class_weight(class_weight, y)
-    kind = input_kind(x, y, sample_weight)
     if kind == "function":
         if y is not None or sample_weight is not None:
             raise ValueError(
@@ -106,11 +137,6 @@ def input_kind(x: Any, y: Any = None, sample_weight: Any = None) -> str:
     dask = {is_dask(leaf) for nest in (x, y, sample_weight) if nest is not None
             for _, leaf in leaves(nest) if not isinstance(leaf, str)}  # str: a column
     return "mixed" if dask == {True, False} else "dask" if dask == {True} else "arrays"
-
-
-def is_frame(x: Any) -> bool:
-    """A pandas or Dask DataFrame (not a Series): matched to a model's named inputs."""
-    return is_pandas(x, frame=True) or (is_dask_frame(x) and x.ndim == 2)
 
 
 def accepts_context(fn: Any) -> bool:

@@ -116,6 +116,11 @@ def is_dask_frame(value: Any) -> bool:
     return module.startswith(("dask.dataframe", "dask_expr")) and hasattr(value, "npartitions")
 
 
+def is_frame(x: Any) -> bool:
+    """A pandas or Dask DataFrame (not a Series): matched to a model's named inputs."""
+    return is_pandas(x, frame=True) or (is_dask_frame(x) and x.ndim == 2)
+
+
 def is_dask(value: Any) -> bool:
     return is_dask_array(value) or is_dask_frame(value)
 

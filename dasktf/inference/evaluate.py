@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dasktf.data.partitions import label_columns
+from dasktf.data.named_inputs import label_columns
 from dasktf.inference.inputs import plan_inputs, probe_outputs
 from dasktf.inference.predict import client_of, load_model, positive_batch_size
 from dasktf.models import CompileRecipe, compiled_args, portable_metrics
