@@ -111,7 +111,7 @@ def plan_engine(options: Options, model: Any, recipe: CompileRecipe) -> EnginePl
 
         shard_plan([tuple(v.shape) for v in model.trainable_variables], options.comm.num_ps)
     if getattr(options, "shard_state", None) is not None:
-        from dasktf.runtime.sharding import optimizer_refusal
+        from dasktf.runtime.p2p.sharding import optimizer_refusal
 
         why = optimizer_refusal(model.optimizer)
         if why is not None:

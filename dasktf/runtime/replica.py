@@ -196,7 +196,7 @@ class Replica:
         #: round's start; ``None`` for sync steps.
         self.rounds = Rounds(self, config.local) if config.local is not None else None
         #: ``shard_state="optimizer"``: this replica's slice of the optimizer
-        #: (:class:`dasktf.runtime.sharding.ShardOptimizer`), made by the first step
+        #: (:class:`dasktf.runtime.p2p.sharding.ShardOptimizer`), made by the first step
         self.shard_optimizer: Any = None
 
     # -- compiled bodies (traced here, and into a round's loop by rounds.py) ---
@@ -282,7 +282,7 @@ class Replica:
                     self._apply_fn(summed.total, np.float32(summed.count))
 
     def claim_update(self, update: int) -> bool:
-        """Whether a sharded step (:mod:`dasktf.runtime.sharding`) applies ``update``
+        """Whether a sharded step (:mod:`dasktf.runtime.p2p.sharding`) applies ``update``
         here, counted once as :meth:`apply` counts its sums (a warm-up's rate set)."""
         with self.apply_lock:
             claimed = self._claim(update)

@@ -45,7 +45,7 @@ from dasktf.exceptions import ShardingError
 from dasktf.runtime import reconcile
 from dasktf.runtime.p2p.plugin import PLUGIN_NAME, P2PPlugin
 from dasktf.runtime.p2p.segment import Segment, SegmentResult
-from dasktf.runtime.sharding import assemble_optimizer, shard_state_task
+from dasktf.runtime.p2p.sharding import assemble_optimizer, shard_state_task
 from dasktf.wire.packets import TrafficLog
 
 if TYPE_CHECKING:
@@ -79,7 +79,7 @@ class P2PEngine(Mirrored, Engine):
         Rounds of local steps, or ``None``.
     shard_state
         ``"optimizer"``: each worker keeps and applies its slice of the optimizer
-        (:mod:`dasktf.runtime.sharding`); ``None``: every replica all of it.
+        (:mod:`dasktf.runtime.p2p.sharding`); ``None``: every replica all of it.
     """
 
     mode = "sync"
@@ -272,7 +272,7 @@ class P2PEngine(Mirrored, Engine):
 
     def _sharded_state(self) -> dict[str, Any]:
         """The training state with the whole optimizer, its slices gathered from
-        every replica (:func:`~dasktf.runtime.sharding.assemble_optimizer`)."""
+        every replica (:func:`~dasktf.runtime.p2p.sharding.assemble_optimizer`)."""
         client = self.ctx.client
         # pinned: each replica (and its slice) lives on its own worker
         futures = [client.submit(shard_state_task, self.ctx.run_id, workers=[w],

@@ -8,7 +8,7 @@ from dask.utils import parse_bytes
 
 from dasktf import config
 from dasktf.runtime.p2p.links import GroupSpec
-from dasktf.runtime.sharding import check_shard_state
+from dasktf.runtime.p2p.sharding import check_shard_state
 
 if TYPE_CHECKING:
     from dasktf.wire.packets import CommSpec

@@ -44,11 +44,10 @@ from dasktf.runtime.p2p.plugin import P2PPlugin
 from dasktf.wire.codecs import Codec, get_codec
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from types import TracebackType
 
     from distributed import Worker
-
-    from collections.abc import Callable
 
     from dasktf.runtime.p2p.loop import Endpoint
 
@@ -203,7 +202,7 @@ class Group:
         runner
             Another collective over this group's transport, called as the
             algorithms are (``runner(group, buf, scalars, coding, step)``): a
-            sharded step (:func:`dasktf.runtime.sharding.sharded_update`).
+            sharded step (:func:`dasktf.runtime.p2p.sharding.sharded_update`).
 
         Raises
         ------

@@ -29,9 +29,9 @@ import numpy as np
 from dasktf.exceptions import CollectiveAbortedError
 from dasktf.runtime.p2p.gradients import allreduce_step
 from dasktf.runtime.p2p.links import GroupSpec, Link, link
+from dasktf.runtime.p2p.sharding import sharded_step
 from dasktf.runtime.replica import EpochReport, StepTiming, get_replica, straggle
 from dasktf.runtime.reports import epoch_report
-from dasktf.runtime.sharding import sharded_step
 from dasktf.wire.messages import GradientSum
 from dasktf.wire.packets import record_traffic
 
@@ -60,7 +60,7 @@ class Segment:
     #: ``TerminateOnNaN``: the same step on every member, the loss being the same)
     stop_on_nonfinite: bool = False
     #: ``"optimizer"``: each member applies the optimizer to its slice of the
-    #: parameters (:mod:`dasktf.runtime.sharding`); ``None``: to all of them
+    #: parameters (:mod:`dasktf.runtime.p2p.sharding`); ``None``: to all of them
     shard_state: str | None = None
 
 

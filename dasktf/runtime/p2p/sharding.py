@@ -83,11 +83,6 @@ def optimizer_refusal(optimizer: Any) -> str | None:
         if config.get(key):
             return (f"shard_state='optimizer' cannot apply {name}({key}=...) on "
                     f"slices yet ({what}); drop {key}, or use shard_state=None.")
-    if getattr(optimizer, "_exclude_from_weight_decay", None) or getattr(
-            optimizer, "_exclude_from_weight_decay_pattern", None):
-        return (f"shard_state='optimizer' applies weight decay to flat slices, whose "
-                f"names are not the variables'; {name}'s exclude_from_weight_decay "
-                "cannot be honoured: drop it, or use shard_state=None.")
     return None
 
 
