@@ -3,7 +3,8 @@ applies 1/N of the optimizer, and training stays exact.
 
 On real worker processes: the weights and the optimizer's variables (the slots put
 back together at the end) equal single-process Keras ``fit`` and unsharded p2p on
-the same global batches, for Adam, SGD with momentum (one layer frozen) and AdamW,
+the same global batches, for Adam, SGD with momentum (one layer frozen), AdamW,
+a learning-rate schedule and a rate a callback sets,
 with a variable split across workers; a second ``fit`` of ``history.model``
 continues its optimizer as Keras' does; each replica holds about 1/N of the
 unsharded optimizer's bytes; what is not supported yet is refused before the run
@@ -37,10 +38,21 @@ def _model(frozen: bool = False, seed: int = 7) -> keras.Model:
     return keras.Sequential(layers)
 
 
+def _halving(epoch: int, lr: float) -> float:
+    return 0.02 * 0.5 ** epoch
+
+
+#: name: (the optimizer, a frozen layer, the callbacks of each fit)
 OPTIMIZERS = {
-    "adam": (lambda: keras.optimizers.Adam(0.01), False),
-    "sgd-momentum-frozen": (lambda: keras.optimizers.SGD(0.1, momentum=0.9), True),
-    "adamw": (lambda: keras.optimizers.AdamW(0.01, weight_decay=0.05), False),
+    "adam": (lambda: keras.optimizers.Adam(0.01), False, list),
+    "sgd-momentum-frozen": (lambda: keras.optimizers.SGD(0.1, momentum=0.9), True, list),
+    "adamw": (lambda: keras.optimizers.AdamW(0.01, weight_decay=0.05), False, list),
+    # a schedule (counted by the slice's iterations), and a rate a callback sets
+    # (the set_learning_rate path) at each epoch's start
+    "adam-decay-schedule": (lambda: keras.optimizers.Adam(
+        keras.optimizers.schedules.ExponentialDecay(0.01, 3, 0.7)), False, list),
+    "adam-lr-callback": (lambda: keras.optimizers.Adam(0.02), False,
+                         lambda: [keras.callbacks.LearningRateScheduler(_halving)]),
 }
 
 
@@ -71,18 +83,20 @@ def _assert_same(got: keras.Model, want: keras.Model, what: str) -> None:
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_sharded_equals_keras_and_unsharded_p2p(client, small_digits, name):
     x, y = small_digits  # 250 rows at batch 48: a short last step, uneven shares
-    make, frozen = OPTIMIZERS[name]
+    make, frozen, callbacks = OPTIMIZERS[name]
     reference = _model(frozen)
     initial = [w.copy() for w in reference.get_weights()]
     sharded_model, plain_model = _twin(reference), _twin(reference)
     reference.compile(optimizer=make(), loss="sparse_categorical_crossentropy")
-    reference.fit(x, y, batch_size=48, epochs=2, shuffle=False, verbose=0)
+    reference.fit(x, y, batch_size=48, epochs=2, shuffle=False, verbose=0,
+                  callbacks=callbacks())
     moved = max(relative_error(w, w0) for w, w0 in zip(reference.get_weights(), initial,
                                                        strict=True))
     assert moved > 1e-3, "training must move the weights for the comparison to mean much"
 
-    sharded = _fit(sharded_model, x, y, client, make(), shard_state="optimizer")
-    plain = _fit(plain_model, x, y, client, make())
+    sharded = _fit(sharded_model, x, y, client, make(), shard_state="optimizer",
+                   callbacks=callbacks())
+    plain = _fit(plain_model, x, y, client, make(), callbacks=callbacks())
     _assert_same(sharded.model, reference, "sharded vs Keras")
     _assert_same(sharded.model, plain.model, "sharded vs unsharded p2p")
     np.testing.assert_allclose(sharded.history["loss"], plain.history["loss"], rtol=1e-5)
@@ -91,8 +105,10 @@ def test_sharded_equals_keras_and_unsharded_p2p(client, small_digits, name):
 
     # A second fit continues the optimizer (its gathered slots, cut again), as a
     # second Keras fit does.
-    reference.fit(x, y, batch_size=48, epochs=1, shuffle=False, verbose=0)
-    again = _fit(sharded.model, x, y, client, epochs=1, shard_state="optimizer")
+    reference.fit(x, y, batch_size=48, epochs=1, shuffle=False, verbose=0,
+                  callbacks=callbacks())
+    again = _fit(sharded.model, x, y, client, epochs=1, shard_state="optimizer",
+                 callbacks=callbacks())
     _assert_same(again.model, reference, "second sharded fit vs Keras")
 
 
