@@ -227,7 +227,8 @@ class Group:
         self._ep.mailbox.begin(step)
         name = algorithm or self.algorithm
         if runner is not None:
-            name = getattr(runner, "name", "custom")
+            # (a functools.partial of one: its function's name)
+            name = getattr(getattr(runner, "func", runner), "__name__", "custom")
         elif name == "auto":
             name = choose(flat.nbytes, self.size, self.threshold, codec=self.coding.codec)
         self._step_sent = self._step_received = self._messages = 0
