@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dasktf.exceptions import ShardingError
+from dasktf.runtime.keras_step import SignatureFunction
 from dasktf.runtime.p2p.algorithms import chunk_edges, values_of
 from dasktf.runtime.p2p.mailbox import Key
 from dasktf.wire.messages import GradientSum
@@ -121,8 +122,13 @@ class ShardOptimizer:
         self._continue(whole)
         replica.model.optimizer = opt
         self.variables = replica.variables
-        self._apply = tf.function(self._apply_body, input_signature=[
+        self.shapes = list(replica.shapes)
+        # the short call path (one concrete function, arguments handed flat): a
+        # small model's step is mostly the fixed cost of each TensorFlow call
+        self._apply = SignatureFunction(self._apply_body, [
             tf.TensorSpec((hi - lo,), tf.float32), tf.TensorSpec((), tf.float32)])
+        self._take = SignatureFunction(self._take_body, [
+            tf.TensorSpec((int(sum(self.sizes)),), tf.float32)])
 
     def _continue(self, whole: Any) -> None:
         """Start from ``whole``'s state: its scalars (iterations), its slots' parts
@@ -151,6 +157,19 @@ class ShardOptimizer:
         grads = tf.split(chunk / count, [b - a for a, b in self.parts])
         self.optimizer.apply(grads, self.pieces)
         return tf.concat([tf.identity(p) for p in self.pieces], 0)
+
+    def _take_body(self, flat: Any) -> None:
+        """Assign the trainable variables from the gathered flat weights, in one
+        TensorFlow call (a TF body)."""
+        import tensorflow as tf
+
+        for v, part, shape in zip(self.variables, tf.split(flat, self.sizes),
+                                  self.shapes, strict=True):
+            v.assign(tf.reshape(part, shape))
+
+    def take(self, flat: np.ndarray) -> None:
+        """The model's weights from the all-gather's flat buffer."""
+        self._take(flat)
 
     def apply(self, chunk: np.ndarray, count: float) -> np.ndarray:
         """:meth:`_apply_body` on NumPy values."""
@@ -277,7 +296,7 @@ def sharded_step(replica: Replica, group: Group, grad: GradientSum, update: int,
     assert sums is not None
     if claimed:
         with replica.apply_lock:
-            replica.set_flat_weights(flat)
+            shard.take(flat)
     summed = GradientSum(None, round(float(sums[0])), float(sums[1]),
                          grad.compute_seconds, grad.update, float(sums[2]))
     return summed, sums[3:]
