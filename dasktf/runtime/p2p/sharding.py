@@ -23,8 +23,9 @@ same order as the whole optimizer's, each slot a flat part of the whole one. So 
 elementwise update (Adam, SGD with momentum, RMSprop, ``clipvalue``, weight decay)
 gives the same values on the slice as on the whole variable, and the whole
 optimizer is put back together by concatenating the owners' parts
-(:func:`assemble_optimizer`). What needs a norm over a whole variable or over all of
-them (``clipnorm``, ``global_clipnorm``), a loss-scale optimizer, gradient
+(:func:`assemble_optimizer`). Clipping by a norm (``clipnorm``: each whole
+variable's; ``global_clipnorm``: all of them) sums the slices' squared norms over
+the members first (:meth:`ShardOptimizer.scales`). A loss-scale optimizer, gradient
 accumulation or weight averaging is refused (:func:`optimizer_refusal`).
 """
 
@@ -76,9 +77,7 @@ def optimizer_refusal(optimizer: Any) -> str | None:
                 "loss scaling: a step skipped on one slice must be skipped on all) "
                 "yet; train with mixed_precision=False or shard_state=None.")
     config = optimizer.get_config()
-    for key, what in (("clipnorm", "a norm over each whole variable"),
-                      ("global_clipnorm", "a norm over every variable"),
-                      ("gradient_accumulation_steps", "accumulated gradients"),
+    for key, what in (("gradient_accumulation_steps", "accumulated gradients"),
                       ("use_ema", "averaged weights"),
                       ("loss_scale_factor", "a scaled loss")):
         if config.get(key):
@@ -112,7 +111,14 @@ class ShardOptimizer:
         why = optimizer_refusal(whole)
         if why is not None:
             raise ValueError(why)
-        self.optimizer = opt = type(whole).from_config(whole.get_config())
+        config = whole.get_config()
+        # Clipping by a norm needs the norm of each whole variable (clipnorm) or of
+        # all of them (global_clipnorm): summed across the slices (:meth:`scales`)
+        # and applied here as a factor per variable, not by the slice's optimizer.
+        self.clipnorm = config.get("clipnorm") or None
+        self.global_clipnorm = config.get("global_clipnorm") or None
+        config.update(clipnorm=None, global_clipnorm=None)
+        self.optimizer = opt = type(whole).from_config(config)
         with tf.device(replica.device):
             self.pieces = [keras.Variable(np.zeros(b - a, np.float32), name=f"dasktfpiece{j}x")
                            for j, (a, b) in enumerate(self.parts)]
@@ -126,7 +132,8 @@ class ShardOptimizer:
         # the short call path (one concrete function, arguments handed flat): a
         # small model's step is mostly the fixed cost of each TensorFlow call
         self._apply = SignatureFunction(self._apply_body, [
-            tf.TensorSpec((hi - lo,), tf.float32), tf.TensorSpec((), tf.float32)])
+            tf.TensorSpec((hi - lo,), tf.float32), tf.TensorSpec((), tf.float32),
+            tf.TensorSpec((len(self.parts),), tf.float32)])
         self._take = SignatureFunction(self._take_body, [
             tf.TensorSpec((int(sum(self.sizes)),), tf.float32)])
 
@@ -147,7 +154,7 @@ class ShardOptimizer:
         for mine, value in zip(scalars, theirs, strict=False):
             mine.assign(np.asarray(value.numpy()))
 
-    def _apply_body(self, chunk: Any, count: Any) -> Any:
+    def _apply_body(self, chunk: Any, count: Any, scales: Any) -> Any:
         """The slice's update from its summed gradient ``chunk`` over ``count``
         examples; the slice's new values (a TF body)."""
         import tensorflow as tf
@@ -155,6 +162,7 @@ class ShardOptimizer:
         for piece, v, (a, b) in zip(self.pieces, self.variables, self.parts, strict=True):
             piece.assign(tf.reshape(v, [-1])[a:b])  # the weights as the model has them
         grads = tf.split(chunk / count, [b - a for a, b in self.parts])
+        grads = [g * scales[j] for j, g in enumerate(grads)]  # clipping; else ones
         self.optimizer.apply(grads, self.pieces)
         return tf.concat([tf.identity(p) for p in self.pieces], 0)
 
@@ -171,9 +179,35 @@ class ShardOptimizer:
         """The model's weights from the all-gather's flat buffer."""
         self._take(flat)
 
-    def apply(self, chunk: np.ndarray, count: float) -> np.ndarray:
-        """:meth:`_apply_body` on NumPy values."""
-        return np.asarray(self._apply(chunk, np.float32(count)))
+    def apply(self, chunk: np.ndarray, count: float,
+              exchange: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+        """:meth:`_apply_body` on NumPy values; ``exchange`` sums a small vector
+        over the members (every member calls it, or none)."""
+        scales = self.scales(chunk, count, exchange)
+        return np.asarray(self._apply(chunk, np.float32(count), scales))
+
+    def scales(self, chunk: np.ndarray, count: float,
+               exchange: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+        """The factor each variable's gradient is clipped by (Keras' ``clipnorm``
+        per variable, ``global_clipnorm`` over all), from the squared norms of the
+        slices' parts summed over the members; ones without clipping."""
+        ones = np.ones(len(self.parts), np.float32)
+        if self.clipnorm is None and self.global_clipnorm is None:
+            return ones
+        mean = np.asarray(chunk, np.float32) / np.float32(count)
+        at = np.cumsum([0] + [b - a for a, b in self.parts])
+        squares = exchange(np.array([np.sum(np.square(mean[at[j]:at[j + 1]],
+                                                      dtype=np.float64))
+                                     for j in range(len(self.parts))]))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            if self.clipnorm is not None:
+                norms = np.sqrt(squares)
+                c = float(self.clipnorm)
+                return np.where(norms > 0, c / np.maximum(norms, c), 1.0).astype(np.float32)
+            c = float(self.global_clipnorm)
+            norm = float(np.sqrt(np.sum(squares)))
+            scale = c * min(1.0 / norm if norm else np.inf, 1.0 / c) + (norm - norm)
+            return ones * np.float32(scale)
 
     def own_values(self) -> np.ndarray:
         """The slice's current weights, read from the model (nothing to apply)."""
@@ -192,7 +226,7 @@ def _piece_of(variable: Any) -> int:
     return int(found.group(1)) if found else -1
 
 
-def sharded_update(apply: Callable[[np.ndarray, np.ndarray], np.ndarray],
+def sharded_update(apply: Callable[..., np.ndarray],
                    t: Transport, buf: np.ndarray, scalars: np.ndarray | None,
                    coding: Coding, step: int) -> tuple[np.ndarray, np.ndarray | None]:
     """One sharded step as a collective runner (``Group.allreduce(runner=...)``):
@@ -221,7 +255,18 @@ def sharded_update(apply: Callable[[np.ndarray, np.ndarray], np.ndarray],
         acc = np.array(part, np.float32, copy=True) if acc is None else acc + part
         total = np.array(theirs, copy=True) if total is None else total + theirs
     assert acc is not None and total is not None
-    mine = np.ascontiguousarray(apply(acc, total), np.float32)
+    def exchange(vector: np.ndarray) -> np.ndarray:
+        """``vector`` (float64) summed over the members in rank order."""
+        for k in range(1, n):
+            t.send((r + k) % n, Key(step, "zn", 0, r), (np.zeros(0, np.float32), vector))
+        out = None
+        for source in range(n):
+            theirs = vector if source == r else t.recv(source, Key(step, "zn", 0, source))[1]
+            out = np.array(theirs, np.float64) if out is None else out + theirs
+        assert out is not None
+        return out
+
+    mine = np.ascontiguousarray(apply(acc, total, exchange), np.float32)
     out = np.empty(buf.size, np.float32)
     out[seg(r)] = mine
     for k in range(1, n):
@@ -285,11 +330,12 @@ def sharded_step(replica: Replica, group: Group, grad: GradientSum, update: int,
                               np.asarray(votes, np.float64).ravel()])
     claimed = False
 
-    def apply(chunk: np.ndarray, sums: np.ndarray) -> np.ndarray:
+    def apply(chunk: np.ndarray, sums: np.ndarray,
+              exchange: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
         nonlocal claimed
         count = round(float(sums[0]))
         claimed = bool(count) and replica.claim_update(update)
-        return shard.apply(chunk, count) if claimed else shard.own_values()
+        return shard.apply(chunk, count, exchange) if claimed else shard.own_values()
 
     runner = functools.partial(sharded_update, apply)
     flat, sums = group.allreduce(total, update, scalars, runner=runner)
