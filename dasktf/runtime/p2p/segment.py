@@ -13,6 +13,9 @@ Riding on each step's collective, exactly summed: the members' stop votes (the
 client's :func:`~dasktf.runtime.p2p.links.request_stop`: every member stops after the
 same update) and, on the epoch's last step, the replicas' moving statistics
 (BatchNormalization's), averaged in float64 so every replica takes the same mean.
+With ``shard_state="optimizer"`` a step's sum, its apply and the new weights are
+one collective (:func:`~dasktf.runtime.p2p.sharding.sharded_step`: each member
+applies its slice of the optimizer), never fused with the next gradient.
 An epoch's last segment (or one a vote stopped) returns the epoch's report
 (:func:`~dasktf.runtime.reports.epoch_report`).
 """
