@@ -65,6 +65,12 @@ class ReplicaError(DasktfError):
     """Building a replica, or a step on one, failed on its worker."""
 
 
+class ShardingError(DasktfError):
+    """A run with sharded optimizer state (``shard_state="optimizer"``) met what it
+    cannot do yet without losing state: a lost worker (its slice of the optimizer
+    had no other copy), the optimizer re-sharded over other workers."""
+
+
 class StepTimeoutError(DasktfError, TimeoutError):
     """A step did not finish within ``dasktf.step-timeout``."""
 

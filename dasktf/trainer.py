@@ -228,6 +228,12 @@ class Trainer:
         averaging), ``"nesterov"`` (DiLoCo: SGD with Nesterov momentum, learning
         rate 0.7 and momentum 0.9 unless given) or any Keras optimizer instance.
         Its state lives with the averaged weights and is checkpointed.
+    shard_state
+        ``None`` (default): every replica holds the whole optimizer.
+        ``"optimizer"`` (``engine="p2p"``; ZeRO-1): each worker keeps and applies
+        1/N of the optimizer's state, exactly (docs/sharding.md); refused with the
+        reason where not supported yet (``"gradients"``, codecs, local steps,
+        checkpoints, a lost worker).
 
     Examples
     --------

@@ -83,6 +83,9 @@ from dasktf.models import BUILTIN_MODELS
 @click.option("--outer-lr", "outer_learning_rate",
               type=click.FloatRange(min=0, min_open=True), default=None,
               help="the outer optimizer's learning rate (average: 1, nesterov: 0.7).")
+@click.option("--shard-state", type=click.Choice(["optimizer", "gradients"]),
+              default=None, help="with --engine p2p: each worker keeps and applies "
+              "1/N of the optimizer's state (optimizer: ZeRO-1; gradients: not yet).")
 @click.option("--epochs", "-e", type=click.IntRange(min=1), default=None,
               help="Passes over the data. Default: the data set's own (digits: 5).")
 @click.option("--batch-size", "-b", type=click.IntRange(min=1), default=None,
@@ -168,7 +171,7 @@ def _fit(
     compression: str = "none", num_ps: int | None = None, placement: str | None = None,
     topology: str | None = None, weights_dtype: str = "float32",
     local_steps: int = 1, outer_optimizer: str = "average",
-    outer_learning_rate: float | None = None,
+    outer_learning_rate: float | None = None, shard_state: str | None = None,
 ) -> None:
     import dasktf
     from dasktf.run.engine import resolve_engine
@@ -207,6 +210,7 @@ def _fit(
         compression=compression, weights_dtype=weights_dtype, num_ps=num_ps,
         placement=placement, topology=topology, local_steps=local_steps,
         outer_optimizer=outer_optimizer, outer_learning_rate=outer_learning_rate,
+        shard_state=shard_state,
     )
     start = time.perf_counter()
     trainer = dasktf.Trainer.from_options(options, scheduler=scheduler)

@@ -110,6 +110,12 @@ def plan_engine(options: Options, model: Any, recipe: CompileRecipe) -> EnginePl
         from dasktf.wire.packets import shard_plan
 
         shard_plan([tuple(v.shape) for v in model.trainable_variables], options.comm.num_ps)
+    if getattr(options, "shard_state", None) is not None:
+        from dasktf.runtime.p2p.sharding import optimizer_refusal
+
+        why = optimizer_refusal(model.optimizer)
+        if why is not None:
+            raise ValueError(why)
     ps_layout = None
     if (options.comm.placement == "ps" and options.mode == "sync"
             and options.sync_quorum is None):
@@ -212,7 +218,8 @@ def make_engine(inputs: EngineInputs, hooks: RunHooks) -> Engine:
         if chosen == "p2p":
             return P2PEngine(inputs.ctx, spec, shapes, placed.schedule, hooks,
                              batch_size=int(placed.schedule.sum(axis=1).max()),
-                             average_stats=average_stats, local=t.local)
+                             average_stats=average_stats, local=t.local,
+                             shard_state=t.shard_state)
         warn_collective_hint(collective_hint(
             t.engine, t.mode, t.sync_quorum, inputs.slow_workers,
             sum(int(np.prod(s)) for s in shapes), len(workers),

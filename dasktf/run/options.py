@@ -125,6 +125,7 @@ class TrainOptions:
     outer_optimizer: Any = "average"
     outer_learning_rate: float | None = None
     outer_momentum: float | None = None
+    shard_state: str | None = None
     #: how gradients and weights travel (from compression ... topology)
     comm: CommSpec = field(init=False, repr=False)
     #: the optimizer given (with ``learning_rate``) as a Keras config, ``None`` when
@@ -246,7 +247,7 @@ FIT_ORDER = (
     "sync_quorum", "slow_workers", "engine", "on_epoch_end", "checkpoint_dir",
     "checkpoint_every", "resume", "on_worker_loss", "scale_lr", "compression",
     "weights_dtype", "num_ps", "placement", "topology", "local_steps",
-    "outer_optimizer", "outer_learning_rate", "outer_momentum",
+    "outer_optimizer", "outer_learning_rate", "outer_momentum", "shard_state",
 )
 
 #: What ``Trainer(...)`` takes, and what ``Trainer.fit`` does.

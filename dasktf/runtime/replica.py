@@ -195,6 +195,9 @@ class Replica:
         #: Rounds of local steps (``local_steps=H``): the outer optimizer and the
         #: round's start; ``None`` for sync steps.
         self.rounds = Rounds(self, config.local) if config.local is not None else None
+        #: ``shard_state="optimizer"``: this replica's slice of the optimizer
+        #: (:class:`dasktf.runtime.p2p.sharding.ShardOptimizer`), made by the first step
+        self.shard_optimizer: Any = None
 
     # -- compiled bodies (traced here, and into a round's loop by rounds.py) ---
     def batch_gradient(self, x: Any, y: Any, w: Any = None) -> tuple[Any, Any]:
@@ -277,6 +280,15 @@ class Replica:
                 assert summed.total is not None
                 with _on(self.device):
                     self._apply_fn(summed.total, np.float32(summed.count))
+
+    def claim_update(self, update: int) -> bool:
+        """Whether a sharded step (:mod:`dasktf.runtime.p2p.sharding`) applies ``update``
+        here, counted once as :meth:`apply` counts its sums (a warm-up's rate set)."""
+        with self.apply_lock:
+            claimed = self._claim(update)
+            if claimed and self.lr_ramp is not None and update >= 0:
+                self._ramp(update)
+            return claimed
 
     def take_weights(self, flat: np.ndarray, update: int) -> None:
         """The servers' weights after ``update`` (``placement="ps"``): counted and

@@ -36,14 +36,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dasktf import compat
-from dasktf.cluster.waits import RunContext, call_watched
+from dasktf.cluster.waits import RunContext, call_watched, wait_for
 from dasktf.engines.base import Capabilities, Engine, RunHooks
 from dasktf.engines.mirrored import Mirrored
 from dasktf.engines.p2p.flight import Flight
 from dasktf.engines.p2p.options import group_spec
+from dasktf.exceptions import ShardingError
 from dasktf.runtime import reconcile
 from dasktf.runtime.p2p.plugin import PLUGIN_NAME, P2PPlugin
 from dasktf.runtime.p2p.segment import Segment, SegmentResult
+from dasktf.runtime.p2p.sharding import assemble_optimizer, shard_state_task
 from dasktf.wire.packets import TrafficLog
 
 if TYPE_CHECKING:
@@ -75,6 +77,9 @@ class P2PEngine(Mirrored, Engine):
         The model has moving statistics to average at each epoch's end.
     local
         Rounds of local steps, or ``None``.
+    shard_state
+        ``"optimizer"``: each worker keeps and applies its slice of the optimizer
+        (:mod:`dasktf.runtime.p2p.sharding`); ``None``: every replica all of it.
     """
 
     mode = "sync"
@@ -83,7 +88,8 @@ class P2PEngine(Mirrored, Engine):
 
     def __init__(self, ctx: RunContext, spec: CommSpec, shapes: list[tuple[int, ...]],
                  schedule: np.ndarray, hooks: RunHooks, *, batch_size: int,
-                 average_stats: bool = False, local: LocalSpec | None = None) -> None:
+                 average_stats: bool = False, local: LocalSpec | None = None,
+                 shard_state: str | None = None) -> None:
         self.ctx = ctx
         self.spec = spec
         self.n_params = int(sum(int(np.prod(s)) for s in shapes))
@@ -92,6 +98,8 @@ class P2PEngine(Mirrored, Engine):
         self.batch_size = int(batch_size)
         self.average_stats = average_stats
         self.local = local
+        self.shard_state = shard_state
+        self.shapes = [tuple(s) for s in shapes]
         self.losses: list[dict[str, Any]] = []
         self.update_base = 0
         self.take_shards(schedule)  # the shards each worker trains on
@@ -193,7 +201,8 @@ class P2PEngine(Mirrored, Engine):
                           first, last, self.update_base, ends,
                           scale=1.0 / max(1, self.batch_size),
                           average_stats=self.average_stats,
-                          stop_on_nonfinite=self.hooks.stop_on_nonfinite)
+                          stop_on_nonfinite=self.hooks.stop_on_nonfinite,
+                          shard_state=self.shard_state)
 
         def tick() -> None:  # the steps the client hears of, and a stop to pass on
             heard = self.hooks.heard()
@@ -231,6 +240,21 @@ class P2PEngine(Mirrored, Engine):
         module). None are left to stop when a first try of this recovery did."""
         ended = self.flight.stop(survivors, f"worker(s) {', '.join(lost)} lost")
         self._ended = ended if ended is not None else self._ended
+        if self.shard_state is not None:
+            raise ShardingError(
+                f"worker(s) {', '.join(lost)} lost with shard_state='optimizer': their "
+                "slice of the optimizer state had no other copy, so the run cannot go "
+                "on exactly (issue 38: redundant slices are not implemented yet). "
+                "Train again from the last weights, or with shard_state=None to "
+                "recover from lost workers.")
+
+    def reform(self, schedule: np.ndarray) -> None:
+        if self.shard_state is not None:
+            raise ShardingError(
+                "workers joined or left a run with shard_state='optimizer', which "
+                "cannot re-shard the optimizer over them yet (issue 38); keep the "
+                "workers fixed for the run, or use shard_state=None.")
+        super().reform(schedule)
 
     def regroup(self) -> None:
         self.generation += 1
@@ -242,7 +266,23 @@ class P2PEngine(Mirrored, Engine):
         between segments; rounds: with every replica's inner optimizer state."""
         if self.local is not None:
             return reconcile.round_state(self.ctx, None, [None] * len(self.ctx.workers))
+        if self.shard_state is not None:
+            return self._sharded_state()
         return reconcile.read_state(self.ctx)
+
+    def _sharded_state(self) -> dict[str, Any]:
+        """The training state with the whole optimizer, its slices gathered from
+        every replica (:func:`~dasktf.runtime.p2p.sharding.assemble_optimizer`)."""
+        client = self.ctx.client
+        # pinned: each replica (and its slice) lives on its own worker
+        futures = [client.submit(shard_state_task, self.ctx.run_id, workers=[w],
+                                 allow_other_workers=False, pure=False)
+                   for w in self.ctx.workers]
+        wait_for(self.ctx, futures, "gathering the optimizer's slices")
+        states = client.gather(futures)
+        return {"weights": states[0]["weights"], "applied": states[0]["applied"],
+                "index": states[0]["index"],
+                "optimizer": assemble_optimizer(states, self.shapes)}
 
     def load_state(self, state: dict[str, Any]) -> None:
         reconcile.load_state(self.ctx, state)

@@ -8,6 +8,7 @@ from dask.utils import parse_bytes
 
 from dasktf import config
 from dasktf.runtime.p2p.links import GroupSpec
+from dasktf.runtime.p2p.sharding import check_shard_state
 
 if TYPE_CHECKING:
     from dasktf.wire.packets import CommSpec
@@ -34,10 +35,42 @@ def refusal(mode: str, sync_quorum: int | None, comm: CommSpec | None) -> str | 
 
 
 def options_refusal(options: Any, fault: Any = None) -> str | None:
-    """:func:`refusal` of a trainer's ``options`` that ask for ``engine="p2p"``."""
-    if options.engine != "p2p":
-        return None
+    """:func:`refusal` of a trainer's ``options`` that ask for ``engine="p2p"``,
+    and :func:`shard_refusal` of any that ask for sharded state."""
+    why = shard_refusal(options, fault)
+    if why is not None or options.engine != "p2p":
+        return why
     return refusal(options.mode, options.sync_quorum, options.comm)
+
+
+def shard_refusal(options: Any, fault: Any = None) -> str | None:
+    """Why ``shard_state`` cannot run with these options (yet), or ``None``."""
+    check_shard_state(options.shard_state)
+    if options.shard_state is None:
+        return None
+    if options.engine != "p2p":
+        return (f"shard_state={options.shard_state!r} runs on the p2p engine only (its "
+                "reduce-scatter hands each worker its slice); pass engine='p2p'.")
+    if options.local is not None:
+        return ("shard_state='optimizer' with rounds of local steps (local_steps > 1) "
+                "is not implemented yet: each worker's inner optimizer steps need its "
+                "whole state. Use local_steps=1, or shard_state=None.")
+    if options.comm.compression not in (None, "none"):
+        return (f"shard_state='optimizer' sums gradients in float32 only (a codec's "
+                f"error feedback is kept per all-reduce chunk); drop "
+                f"compression={options.comm.compression!r}, or use shard_state=None.")
+    if options.mixed_precision:
+        return ("shard_state='optimizer' does not shard a LossScaleOptimizer yet (a "
+                "step skipped on one slice must be skipped on all): use "
+                "mixed_precision=False, or shard_state=None.")
+    if fault is not None and (fault.checkpoint_dir is not None or fault.resume):
+        return ("shard_state='optimizer' does not write or resume checkpoints yet "
+                "(the optimizer's slices would have to be gathered, and re-cut on "
+                "resume); drop checkpoint_dir/resume, or use shard_state=None.")
+    if fault is not None and fault.scale_lr:
+        return ("shard_state='optimizer' cannot re-shard the optimizer when workers "
+                "join (scale_lr re-forms the run on them); drop scale_lr.")
+    return None
 
 
 def group_spec(gid: str, members: list[str], compression: str) -> GroupSpec:

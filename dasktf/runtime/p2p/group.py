@@ -44,11 +44,16 @@ from dasktf.runtime.p2p.plugin import P2PPlugin
 from dasktf.wire.codecs import Codec, get_codec
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from types import TracebackType
 
     from distributed import Worker
 
     from dasktf.runtime.p2p.loop import Endpoint
+
+    #: a collective the group runs (as ``RUNNERS``' algorithms are called)
+    Runner = Callable[[Any, np.ndarray, np.ndarray | None, Coding, int],
+                      tuple[np.ndarray, np.ndarray | None]]
 
 #: How many collectives of this process's groups took each transport (``"direct"``,
 #: ``"loop"``, ``"mixed"``; ``CollectiveStats.transport``): a TLS run that fell back
@@ -175,7 +180,8 @@ class Group:
 
     # -- the collective -----------------------------------------------------------
     def allreduce(self, buf: np.ndarray, step: int, scalars: np.ndarray | None = None,
-                  algorithm: str | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+                  algorithm: str | None = None, runner: Runner | None = None
+                  ) -> tuple[np.ndarray, np.ndarray | None]:
         """The sum of every member's ``buf`` (flattened, float32) and ``scalars``
         (float64), the same bits on every member.
 
@@ -193,6 +199,10 @@ class Group:
         algorithm
             ``"doubling"``, ``"direct"`` or ``"ring"`` for this call; default: the
             group's (``"auto"``: chosen by the buffer's bytes).
+        runner
+            Another collective over this group's transport, called as the
+            algorithms are (``runner(group, buf, scalars, coding, step)``): a
+            sharded step (:func:`dasktf.runtime.p2p.sharding.sharded_update`).
 
         Raises
         ------
@@ -216,17 +226,21 @@ class Group:
         self._last = step
         self._ep.mailbox.begin(step)
         name = algorithm or self.algorithm
-        if name == "auto":
+        if runner is not None:
+            # (a functools.partial of one: its function's name)
+            name = getattr(getattr(runner, "func", runner), "__name__", "custom")
+        elif name == "auto":
             name = choose(flat.nbytes, self.size, self.threshold, codec=self.coding.codec)
         self._step_sent = self._step_received = self._messages = 0
         self._step_direct = self._step_loop = 0
         self._wait = 0.0
         start = time.perf_counter()
-        if self.size == 1:
+        if self.size == 1 and runner is None:
             out = flat.copy()
             sc = None if scalars is None else np.array(scalars, np.float64, copy=True)
         else:
-            out, sc = RUNNERS[name](self, flat, scalars, self.coding, step)
+            run = runner if runner is not None else RUNNERS[name]
+            out, sc = run(self, flat, scalars, self.coding, step)
             if self.links is not None:  # the caller may reuse what is still queued
                 self.links.flush(self.timeout, self.members.__getitem__, step)
         transport = ("mixed" if self._step_direct and self._step_loop else

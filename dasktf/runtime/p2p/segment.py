@@ -13,6 +13,9 @@ Riding on each step's collective, exactly summed: the members' stop votes (the
 client's :func:`~dasktf.runtime.p2p.links.request_stop`: every member stops after the
 same update) and, on the epoch's last step, the replicas' moving statistics
 (BatchNormalization's), averaged in float64 so every replica takes the same mean.
+With ``shard_state="optimizer"`` a step's sum, its apply and the new weights are
+one collective (:func:`~dasktf.runtime.p2p.sharding.sharded_step`: each member
+applies its slice of the optimizer), never fused with the next gradient.
 An epoch's last segment (or one a vote stopped) returns the epoch's report
 (:func:`~dasktf.runtime.reports.epoch_report`).
 """
@@ -29,6 +32,7 @@ import numpy as np
 from dasktf.exceptions import CollectiveAbortedError
 from dasktf.runtime.p2p.gradients import allreduce_step
 from dasktf.runtime.p2p.links import GroupSpec, Link, link
+from dasktf.runtime.p2p.sharding import sharded_step
 from dasktf.runtime.replica import EpochReport, StepTiming, get_replica, straggle
 from dasktf.runtime.reports import epoch_report
 from dasktf.wire.messages import GradientSum
@@ -58,6 +62,9 @@ class Segment:
     #: stop after the first update whose global loss is not finite (the run's
     #: ``TerminateOnNaN``: the same step on every member, the loss being the same)
     stop_on_nonfinite: bool = False
+    #: ``"optimizer"``: each member applies the optimizer to its slice of the
+    #: parameters (:mod:`dasktf.runtime.p2p.sharding`); ``None``: to all of them
+    shard_state: str | None = None
 
 
 @dataclass
@@ -147,14 +154,21 @@ def _steps(replica: Replica, group: Group, segment: Segment, peers: Link, here: 
         statistics = None
         if segment.average_stats and step == segment.last and segment.ends_epoch:
             statistics = replica.non_trainable_values()
-        summed, sums = allreduce_step(group, out, update, size=size, scale=segment.scale,
-                                      votes=_votes(peers.stop, statistics))
+        votes = _votes(peers.stop, statistics)
+        sharded = segment.shard_state is not None
+        if sharded:  # summed, applied and the weights taken, in one collective
+            summed, sums = sharded_step(replica, group, out, update, size, votes)
+        else:
+            summed, sums = allreduce_step(group, out, update, size=size,
+                                          scale=segment.scale, votes=votes)
         reduced = time.perf_counter()
         summed.update = update
         stopped = ("a stop request" if sums[0] > 0 else
                    "a non-finite loss" if segment.stop_on_nonfinite and summed.count
                    and not math.isfinite(summed.loss_sum) else None)
-        if replica.rounds is None and stopped is None and step < segment.last:
+        if sharded:
+            _check_fence(replica, update)
+        elif replica.rounds is None and stopped is None and step < segment.last:
             pending = summed
         else:
             replica.apply(summed)

@@ -1,0 +1,348 @@
+"""Sharded optimizer state on the p2p engine (ZeRO-1, ``shard_state="optimizer"``).
+
+Every replica keeps the whole model, but only a slice of the optimizer: the flat
+parameter buffer (the trainable variables, flattened and concatenated in order) is
+cut into N contiguous slices of (nearly) equal bytes, the cut of the ``direct``
+all-reduce's chunks (:func:`~dasktf.runtime.p2p.algorithms.chunk_edges`), so one
+large variable is split over several workers. Rank r owns slice r. Each step, in
+one collective (:func:`sharded_update`):
+
+1. reduce-scatter: every member sends slice s of its gradient to its owner, which
+   adds the N parts in rank order (the ``direct`` all-reduce's order, so the sum has
+   the same bits as an unsharded large-buffer sum); the few float64 scalars
+   (example count, loss sum, votes) go to every owner, each adding them in rank
+   order, so every member gets the same scalars;
+2. the owner applies its optimizer to its slice (:class:`ShardOptimizer`);
+3. all-gather: each owner sends its updated slice to every member, which writes
+   the N slices into its model.
+
+The slice's optimizer is a clone of the model's Keras optimizer (``from_config``)
+built over one flat ``keras.Variable`` per trainable variable (the variable's part
+of the slice, empty where it has none): the same class, the same variables in the
+same order as the whole optimizer's, each slot a flat part of the whole one. So an
+elementwise update (Adam, SGD with momentum, RMSprop, ``clipvalue``, weight decay)
+gives the same values on the slice as on the whole variable, and the whole
+optimizer is put back together by concatenating the owners' parts
+(:func:`assemble_optimizer`). Clipping by a norm (``clipnorm``: each whole
+variable's; ``global_clipnorm``: all of them) sums the slices' squared norms over
+the members first (:meth:`ShardOptimizer.scales`). A loss-scale optimizer, gradient
+accumulation or weight averaging is refused (:func:`optimizer_refusal`).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from dasktf.exceptions import ShardingError
+from dasktf.runtime.keras_step import SignatureFunction
+from dasktf.runtime.p2p.algorithms import chunk_edges, values_of
+from dasktf.runtime.p2p.mailbox import Key
+from dasktf.wire.messages import GradientSum
+
+if TYPE_CHECKING:
+    from dasktf.runtime.p2p.algorithms import Coding, Transport
+    from dasktf.runtime.p2p.group import Group
+    from dasktf.runtime.replica import Replica
+
+#: The values of ``shard_state`` (``"gradients"``, ZeRO-2, is refused: not yet).
+SHARD_STATES = ("optimizer",)
+_PIECE = re.compile(r"dasktfpiece(\d+)x")
+
+
+def check_shard_state(value: str | None) -> None:
+    """Refuse a ``shard_state`` this version cannot train, saying why."""
+    if value is None or value in SHARD_STATES:
+        return
+    if value == "gradients":
+        raise ValueError(
+            "shard_state='gradients' (ZeRO-2: no worker keeps the whole summed "
+            "gradient) is not implemented yet; shard_state='optimizer' keeps 1/N "
+            "of the optimizer's slots a worker (issue 38).")
+    raise ValueError(f"shard_state must be None or 'optimizer'; got {value!r}.")
+
+
+def optimizer_refusal(optimizer: Any) -> str | None:
+    """Why the model's Keras ``optimizer`` cannot be sharded exactly yet, or
+    ``None`` when it can (its update is elementwise on every variable)."""
+    if optimizer is None:
+        return None
+    name = type(optimizer).__name__
+    if hasattr(optimizer, "inner_optimizer"):  # keras' LossScaleOptimizer
+        return (f"shard_state='optimizer' does not shard a {name} (mixed precision's "
+                "loss scaling: a step skipped on one slice must be skipped on all) "
+                "yet; train with mixed_precision=False or shard_state=None.")
+    config = optimizer.get_config()
+    for key, what in (("gradient_accumulation_steps", "accumulated gradients"),
+                      ("use_ema", "averaged weights"),
+                      ("loss_scale_factor", "a scaled loss")):
+        if config.get(key):
+            return (f"shard_state='optimizer' cannot apply {name}({key}=...) on "
+                    f"slices yet ({what}); drop {key}, or use shard_state=None.")
+    return None
+
+
+class ShardOptimizer:
+    """Rank ``rank`` of ``n``'s slice of ``replica``'s optimizer (see the module).
+
+    It takes over the model's optimizer (``model.optimizer`` becomes the slice's:
+    the learning rate a callback sets, the iterations, ``training_state`` all read
+    it), starting from the whole optimizer's state (a second ``fit`` continues it);
+    the whole one's slots are dropped, so a worker holds 1/N of them.
+    """
+
+    def __init__(self, replica: Replica, rank: int, n: int) -> None:
+        import keras
+        import tensorflow as tf
+
+        self.rank, self.n = rank, n
+        self.sizes = list(replica.sizes)
+        self.edges = chunk_edges(int(sum(self.sizes)), n)
+        lo, hi = self.edges[rank], self.edges[rank + 1]
+        starts = np.concatenate([[0], np.cumsum(self.sizes)]).astype(int)
+        #: per trainable variable, the flat range of it this slice holds
+        self.parts = [(max(lo, s) - s, max(min(hi, s + size), max(lo, s)) - s)
+                      for s, size in zip(starts[:-1], self.sizes, strict=True)]
+        whole = replica.model.optimizer
+        why = optimizer_refusal(whole)
+        if why is not None:
+            raise ValueError(why)
+        config = whole.get_config()
+        # Clipping by a norm needs the norm of each whole variable (clipnorm) or of
+        # all of them (global_clipnorm): summed across the slices (:meth:`scales`)
+        # and applied here as a factor per variable, not by the slice's optimizer.
+        self.clipnorm = config.get("clipnorm") or None
+        self.global_clipnorm = config.get("global_clipnorm") or None
+        config.update(clipnorm=None, global_clipnorm=None)
+        self.optimizer = opt = type(whole).from_config(config)
+        with tf.device(replica.device):
+            self.pieces = [keras.Variable(np.zeros(b - a, np.float32), name=f"dasktfpiece{j}x")
+                           for j, (a, b) in enumerate(self.parts)]
+            opt.build(self.pieces)
+        #: per optimizer variable: the trainable variable it is a slot of, or -1
+        self.layout = [_piece_of(v) for v in opt.variables]
+        self._continue(whole)
+        replica.model.optimizer = opt
+        self.variables = replica.variables
+        self.shapes = list(replica.shapes)
+        # the short call path (one concrete function, arguments handed flat): a
+        # small model's step is mostly the fixed cost of each TensorFlow call
+        self._apply = SignatureFunction(self._apply_body, [
+            tf.TensorSpec((hi - lo,), tf.float32), tf.TensorSpec((), tf.float32),
+            tf.TensorSpec((len(self.parts),), tf.float32)])
+        self._take = SignatureFunction(self._take_body, [
+            tf.TensorSpec((int(sum(self.sizes)),), tf.float32)])
+
+    def _continue(self, whole: Any) -> None:
+        """Start from ``whole``'s state: its scalars (iterations), its slots' parts
+        when it was built."""
+        theirs = list(whole.variables)
+        if len(theirs) == len(self.layout):
+            for mine, value, j in zip(self.optimizer.variables, theirs, self.layout,
+                                      strict=True):
+                v = np.asarray(value.numpy())
+                if j >= 0:
+                    a, b = self.parts[j]
+                    v = v.ravel()[a:b]
+                mine.assign(v)
+            return
+        scalars = [v for v in self.optimizer.variables if _piece_of(v) < 0]
+        for mine, value in zip(scalars, theirs, strict=False):
+            mine.assign(np.asarray(value.numpy()))
+
+    def _apply_body(self, chunk: Any, count: Any, scales: Any) -> Any:
+        """The slice's update from its summed gradient ``chunk`` over ``count``
+        examples; the slice's new values (a TF body)."""
+        import tensorflow as tf
+
+        for piece, v, (a, b) in zip(self.pieces, self.variables, self.parts, strict=True):
+            piece.assign(tf.reshape(v, [-1])[a:b])  # the weights as the model has them
+        grads = tf.split(chunk / count, [b - a for a, b in self.parts])
+        grads = [g * scales[j] for j, g in enumerate(grads)]  # clipping; else ones
+        self.optimizer.apply(grads, self.pieces)
+        return tf.concat([tf.identity(p) for p in self.pieces], 0)
+
+    def _take_body(self, flat: Any) -> None:
+        """Assign the trainable variables from the gathered flat weights, in one
+        TensorFlow call (a TF body)."""
+        import tensorflow as tf
+
+        for v, part, shape in zip(self.variables, tf.split(flat, self.sizes),
+                                  self.shapes, strict=True):
+            v.assign(tf.reshape(part, shape))
+
+    def take(self, flat: np.ndarray) -> None:
+        """The model's weights from the all-gather's flat buffer."""
+        self._take(flat)
+
+    def apply(self, chunk: np.ndarray, count: float,
+              exchange: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+        """:meth:`_apply_body` on NumPy values; ``exchange`` sums a small vector
+        over the members (every member calls it, or none)."""
+        scales = self.scales(chunk, count, exchange)
+        return np.asarray(self._apply(chunk, np.float32(count), scales))
+
+    def scales(self, chunk: np.ndarray, count: float,
+               exchange: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+        """The factor each variable's gradient is clipped by (Keras' ``clipnorm``
+        per variable, ``global_clipnorm`` over all), from the squared norms of the
+        slices' parts summed over the members; ones without clipping."""
+        ones = np.ones(len(self.parts), np.float32)
+        if self.clipnorm is None and self.global_clipnorm is None:
+            return ones
+        mean = np.asarray(chunk, np.float32) / np.float32(count)
+        at = np.cumsum([0] + [b - a for a, b in self.parts])
+        squares = exchange(np.array([np.sum(np.square(mean[at[j]:at[j + 1]],
+                                                      dtype=np.float64))
+                                     for j in range(len(self.parts))]))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            if self.clipnorm is not None:
+                norms = np.sqrt(squares)
+                c = float(self.clipnorm)
+                return np.where(norms > 0, c / np.maximum(norms, c), 1.0).astype(np.float32)
+            c = float(self.global_clipnorm)
+            norm = float(np.sqrt(np.sum(squares)))
+            scale = c * min(1.0 / norm if norm else np.inf, 1.0 / c) + (norm - norm)
+            return ones * np.float32(scale)
+
+    def own_values(self) -> np.ndarray:
+        """The slice's current weights, read from the model (nothing to apply)."""
+        return np.concatenate([np.asarray(v.numpy(), np.float32).ravel()[a:b]
+                               for v, (a, b) in zip(self.variables, self.parts,
+                                                    strict=True)])
+
+    def slot_bytes(self) -> int:
+        """The bytes of the slice's optimizer variables (what TensorFlow holds)."""
+        return int(sum(np.prod(v.shape) * np.dtype(v.dtype).itemsize
+                       for v in self.optimizer.variables))
+
+
+def _piece_of(variable: Any) -> int:
+    found = _PIECE.search(str(getattr(variable, "path", variable.name)))
+    return int(found.group(1)) if found else -1
+
+
+def sharded_update(apply: Callable[..., np.ndarray],
+                   t: Transport, buf: np.ndarray, scalars: np.ndarray | None,
+                   coding: Coding, step: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """One sharded step as a collective runner (``Group.allreduce(runner=...)``):
+    reduce-scatter ``buf`` (and the ``scalars``), ``apply(summed slice, summed
+    scalars)`` on this rank's slice, all-gather the slices it returns. Returns the
+    new flat weights and the summed scalars, the same on every member."""
+    n, r = t.size, t.rank
+    edges = chunk_edges(buf.size, n)
+    x = np.asarray(buf, np.float32)
+    sc = np.zeros(0) if scalars is None else np.array(scalars, np.float64, copy=True)
+
+    def seg(c: int) -> slice:
+        return slice(edges[c], edges[c + 1])
+
+    for k in range(1, n):  # views of ``buf`` travel: not written before we return
+        dest = (r + k) % n
+        t.send(dest, Key(step, "zs", 0, dest), (x[seg(dest)], sc))
+    acc: np.ndarray | None = None
+    total: np.ndarray | None = None
+    for source in range(n):  # in rank order: the ``direct`` sum's bits
+        if source == r:
+            part, theirs = x[seg(r)], sc
+        else:
+            values, theirs = t.recv(source, Key(step, "zs", 0, r))
+            part = values_of(values)
+        acc = np.array(part, np.float32, copy=True) if acc is None else acc + part
+        total = np.array(theirs, copy=True) if total is None else total + theirs
+    assert acc is not None and total is not None
+    def exchange(vector: np.ndarray) -> np.ndarray:
+        """``vector`` (float64) summed over the members in rank order."""
+        for k in range(1, n):
+            t.send((r + k) % n, Key(step, "zn", 0, r), (np.zeros(0, np.float32), vector))
+        out = None
+        for source in range(n):
+            theirs = vector if source == r else t.recv(source, Key(step, "zn", 0, source))[1]
+            out = np.array(theirs, np.float64) if out is None else out + theirs
+        assert out is not None
+        return out
+
+    mine = np.ascontiguousarray(apply(acc, total, exchange), np.float32)
+    out = np.empty(buf.size, np.float32)
+    out[seg(r)] = mine
+    for k in range(1, n):
+        t.send((r + k) % n, Key(step, "zg", 0, r), (mine, None))
+    for k in range(1, n):
+        source = (r - k) % n
+        values, _ = t.recv(source, Key(step, "zg", 0, source))
+        values_of(values, out=out[seg(source)])
+    return out, (None if scalars is None else total)
+
+
+def shard_state_task(run_id: str) -> dict[str, Any]:
+    """This replica's training state with its optimizer slice and the slice's
+    layout (:func:`assemble_optimizer` puts the slices together)."""
+    from dasktf.runtime.replica import get_replica
+
+    replica = get_replica(run_id)
+    shard = replica.shard_optimizer
+    state = replica.training_state()
+    if shard is None:  # no step ran yet: the whole optimizer is still the model's
+        return {**state, "layout": None, "parts": None}
+    return {**state, "layout": shard.layout, "parts": shard.parts,
+            "rank": shard.rank, "slot_bytes": shard.slot_bytes()}
+
+
+def assemble_optimizer(states: list[dict[str, Any]], shapes: list[tuple[int, ...]]
+                       ) -> list[np.ndarray]:
+    """The whole optimizer's variables from every rank's :func:`shard_state_task`
+    (the order Keras builds them in over the trainable variables)."""
+    if states[0]["layout"] is None:
+        return list(states[0]["optimizer"])
+    ranked = sorted(states, key=lambda s: s["rank"])
+    out = []
+    for k, j in enumerate(ranked[0]["layout"]):
+        if j < 0:
+            out.append(np.asarray(ranked[0]["optimizer"][k]))
+        else:
+            flat = np.concatenate([np.asarray(s["optimizer"][k]).ravel() for s in ranked])
+            out.append(flat.reshape(shapes[j]))
+    return out
+
+
+def sharded_step(replica: Replica, group: Group, grad: GradientSum, update: int,
+                 size: int, votes: np.ndarray) -> tuple[GradientSum, np.ndarray]:
+    """:func:`~dasktf.runtime.p2p.gradients.allreduce_step` of a sharded run: the
+    step's gradient summed, applied slice by slice and the new weights taken, in
+    one collective. Returns the sum (without its buffer: no member holds it whole)
+    and the summed votes, the same on every member."""
+    shard = replica.shard_optimizer
+    if shard is None:  # the first step: the slice takes over the optimizer
+        shard = replica.shard_optimizer = ShardOptimizer(replica, group.rank, group.size)
+    elif (shard.rank, shard.n) != (group.rank, group.size):
+        raise ShardingError(
+            f"replica {replica.index} holds slice {shard.rank} of {shard.n} of the "
+            f"optimizer, and its group is now rank {group.rank} of {group.size}: "
+            "shard_state='optimizer' cannot re-shard the optimizer over other "
+            "workers yet (issue 38); run without shard_state, or on fixed workers.")
+    total = (np.zeros(size, np.float32) if grad.total is None
+             else np.asarray(grad.total, np.float32).ravel())
+    scalars = np.concatenate([[grad.count, grad.loss_sum, grad.square_sum],
+                              np.asarray(votes, np.float64).ravel()])
+    claimed = False
+
+    def apply(chunk: np.ndarray, sums: np.ndarray,
+              exchange: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+        nonlocal claimed
+        count = round(float(sums[0]))
+        claimed = bool(count) and replica.claim_update(update)
+        return shard.apply(chunk, count, exchange) if claimed else shard.own_values()
+
+    runner = functools.partial(sharded_update, apply)
+    flat, sums = group.allreduce(total, update, scalars, runner=runner)
+    assert sums is not None
+    if claimed:
+        with replica.apply_lock:
+            shard.take(flat)
+    summed = GradientSum(None, round(float(sums[0])), float(sums[1]),
+                         grad.compute_seconds, grad.update, float(sums[2]))
+    return summed, sums[3:]

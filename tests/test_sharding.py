@@ -1,0 +1,194 @@
+"""``shard_state="optimizer"`` (ZeRO-1) on the p2p engine: each worker keeps and
+applies 1/N of the optimizer, and training stays exact.
+
+On real worker processes: the weights and the optimizer's variables (the slots put
+back together at the end) equal single-process Keras ``fit`` and unsharded p2p on
+the same global batches, for Adam, SGD with momentum (one layer frozen), AdamW,
+a learning-rate schedule, a rate a callback sets, ``clipnorm`` and
+``global_clipnorm`` (norms summed across the slices),
+with a variable split across workers; a second ``fit`` of ``history.model``
+continues its optimizer as Keras' does; each replica holds about 1/N of the
+unsharded optimizer's bytes; what is not supported yet is refused before the run
+starts (or, for a lost worker, when it is lost) with the reason.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+
+import dasktf
+from dasktf.exceptions import ShardingError
+from dasktf.run.options import TrainOptions
+from dasktf.testing import kill_worker_at_update, own_cluster
+from tests.conftest import relative_error
+
+N_WORKERS = 3
+
+
+def _model(frozen: bool = False, seed: int = 7) -> keras.Model:
+    keras.utils.set_random_seed(seed)
+    # 64x32 + 32 + 32x10 + 10 = 2,410 parameters: over 3 workers the first kernel
+    # is split between ranks 0 and 1 (slices of 803 values)
+    layers = [keras.Input((8, 8)), keras.layers.Flatten(),
+              keras.layers.Dense(32, activation="sigmoid")]
+    if frozen:
+        layers.append(keras.layers.Dense(16, activation="tanh", trainable=False))
+    layers.append(keras.layers.Dense(10, activation="softmax"))
+    return keras.Sequential(layers)
+
+
+def _halving(epoch: int, lr: float) -> float:
+    return 0.02 * 0.5 ** epoch
+
+
+#: name: (the optimizer, a frozen layer, the callbacks of each fit)
+OPTIMIZERS = {
+    "adam": (lambda: keras.optimizers.Adam(0.01), False, list),
+    "sgd-momentum-frozen": (lambda: keras.optimizers.SGD(0.1, momentum=0.9), True, list),
+    "adamw": (lambda: keras.optimizers.AdamW(0.01, weight_decay=0.05), False, list),
+    # a schedule (counted by the slice's iterations), and a rate a callback sets
+    # (the set_learning_rate path) at each epoch's start
+    "adam-decay-schedule": (lambda: keras.optimizers.Adam(
+        keras.optimizers.schedules.ExponentialDecay(0.01, 3, 0.7)), False, list),
+    "adam-lr-callback": (lambda: keras.optimizers.Adam(0.02), False,
+                         lambda: [keras.callbacks.LearningRateScheduler(_halving)]),
+    # norms summed across the slices: the first kernel's over two workers
+    "sgd-clipnorm": (lambda: keras.optimizers.SGD(0.5, momentum=0.5, clipnorm=0.05),
+                     False, list),
+    "adam-global-clipnorm": (lambda: keras.optimizers.Adam(0.01, global_clipnorm=0.05),
+                             False, list),
+}
+
+
+def _twin(model: keras.Model) -> keras.Model:
+    twin = keras.models.clone_model(model)
+    twin.set_weights(model.get_weights())
+    return twin
+
+
+def _fit(model, x, y, client, optimizer=None, epochs=2, **kwargs):
+    return dasktf.fit(model, x, y, client=client, n_workers=N_WORKERS, epochs=epochs,
+                      batch_size=48, optimizer=optimizer,
+                      loss="sparse_categorical_crossentropy", shuffle=False, seed=0,
+                      verbose=0, engine="p2p", **kwargs)
+
+
+def _assert_same(got: keras.Model, want: keras.Model, what: str) -> None:
+    for g, w in zip(got.get_weights(), want.get_weights(), strict=True):
+        assert relative_error(g, w) < 2e-5, f"{what}: weights"
+    mine, theirs = got.optimizer.variables, want.optimizer.variables
+    assert [tuple(v.shape) for v in mine] == [tuple(v.shape) for v in theirs], what
+    for g, w in zip(mine, theirs, strict=True):
+        g, w = np.asarray(g.numpy(), np.float64), np.asarray(w.numpy(), np.float64)
+        assert relative_error(g, w) < 2e-5 or np.allclose(g, w, atol=1e-7), (
+            f"{what}: optimizer variable of shape {g.shape}")
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_sharded_equals_keras_and_unsharded_p2p(client, small_digits, name):
+    x, y = small_digits  # 250 rows at batch 48: a short last step, uneven shares
+    make, frozen, callbacks = OPTIMIZERS[name]
+    reference = _model(frozen)
+    initial = [w.copy() for w in reference.get_weights()]
+    sharded_model, plain_model = _twin(reference), _twin(reference)
+    reference.compile(optimizer=make(), loss="sparse_categorical_crossentropy")
+    reference.fit(x, y, batch_size=48, epochs=2, shuffle=False, verbose=0,
+                  callbacks=callbacks())
+    moved = max(relative_error(w, w0) for w, w0 in zip(reference.get_weights(), initial,
+                                                       strict=True))
+    assert moved > 1e-3, "training must move the weights for the comparison to mean much"
+
+    sharded = _fit(sharded_model, x, y, client, make(), shard_state="optimizer",
+                   callbacks=callbacks())
+    plain = _fit(plain_model, x, y, client, make(), callbacks=callbacks())
+    _assert_same(sharded.model, reference, "sharded vs Keras")
+    _assert_same(sharded.model, plain.model, "sharded vs unsharded p2p")
+    np.testing.assert_allclose(sharded.history["loss"], plain.history["loss"], rtol=1e-5)
+    steps = 2 * -(-len(x) // 48)
+    assert sharded.applied_updates == {i: list(range(steps)) for i in range(N_WORKERS)}
+
+    # A second fit continues the optimizer (its gathered slots, cut again), as a
+    # second Keras fit does.
+    reference.fit(x, y, batch_size=48, epochs=1, shuffle=False, verbose=0,
+                  callbacks=callbacks())
+    again = _fit(sharded.model, x, y, client, epochs=1, shard_state="optimizer",
+                 callbacks=callbacks())
+    _assert_same(again.model, reference, "second sharded fit vs Keras")
+
+
+def _slot_bytes(dask_worker=None) -> dict[str, int]:
+    """The bytes of every live replica's optimizer variables on this worker."""
+    from dasktf.runtime.replica import registered_replicas
+
+    return {key[1]: int(sum(np.prod(v.shape) * np.dtype(v.dtype).itemsize
+                            for v in r.model.optimizer.variables))
+            for key, r in registered_replicas(dask_worker).items()}
+
+
+class _ReadSlots(keras.callbacks.Callback):
+    def __init__(self, client):
+        super().__init__()
+        self.client, self.seen = client, None
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.seen = self.client.run(_slot_bytes)
+
+
+def test_each_replica_holds_a_third_of_the_optimizer(client, digits):
+    x, y = digits.x_train[:600], digits.y_train[:600]
+    per_worker = {}
+    for shard_state in ("optimizer", None):
+        reader = _ReadSlots(client)
+        _fit(_model(), x, y, client, keras.optimizers.Adam(0.01), epochs=1,
+             shard_state=shard_state, callbacks=[reader])
+        assert reader.seen is not None and len(reader.seen) == N_WORKERS
+        assert all(len(runs) == 1 for runs in reader.seen.values()), reader.seen
+        per_worker[shard_state] = [b for runs in reader.seen.values()
+                                   for b in runs.values()]
+    whole = per_worker[None]
+    slots = 2 * 2410 * 4  # Adam's two slots of float32 over the trainable parameters
+    assert all(b >= slots for b in whole), whole
+    for b in per_worker["optimizer"]:  # a third of the slots, plus the two scalars
+        assert b <= slots / N_WORKERS + 64, (b, whole)
+    assert sum(per_worker["optimizer"]) <= sum(whole) / N_WORKERS + 3 * 64
+
+
+def test_refusals_before_the_run_starts(client, small_digits):
+    model = _model()
+    with pytest.raises(ValueError, match="ZeRO-2"):
+        TrainOptions(model, engine="p2p", shard_state="gradients")
+    with pytest.raises(ValueError, match="must be None or 'optimizer'"):
+        TrainOptions(model, engine="p2p", shard_state="slots")
+    with pytest.raises(ValueError, match="engine='p2p'"):
+        TrainOptions(model, shard_state="optimizer")  # engine="auto"
+    with pytest.raises(ValueError, match="p2p engine only"):
+        TrainOptions(model, engine="graph", shard_state="optimizer")
+    with pytest.raises(ValueError, match="local steps"):
+        TrainOptions(model, engine="p2p", shard_state="optimizer", local_steps=4)
+    with pytest.raises(ValueError, match="compression='fp16'"):
+        TrainOptions(model, engine="p2p", shard_state="optimizer", compression="fp16")
+    with pytest.raises(ValueError, match="mixed_precision=False"):
+        TrainOptions(model, engine="p2p", shard_state="optimizer", mixed_precision=True)
+    x, y = small_digits
+    with pytest.raises(ValueError, match="checkpoint"):
+        _fit(_model(), x, y, client, "adam", shard_state="optimizer",
+             checkpoint_dir="/tmp/never-written")
+    optimizer = keras.optimizers.Adam(gradient_accumulation_steps=2)
+    with pytest.raises(ValueError, match="gradient_accumulation_steps=") as info:
+        _fit(_model(), x, y, client, optimizer, shard_state="optimizer")
+    assert "shard_state=None" in str(info.value)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_lost_worker_is_refused_with_the_reason(digits):
+    """Its slice of the optimizer had no other copy: the run stops with a
+    ShardingError that says so, never goes on with a rebuilt (wrong) slice."""
+    x, y = digits.x_train[:600], digits.y_train[:600]
+    with own_cluster(N_WORKERS) as (_, client):
+        workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        kill_worker_at_update(client, workers[2], 5, "step")
+        with pytest.raises(ShardingError, match="no other copy"):
+            _fit(_model(), x, y, client, "adam", epochs=2, shard_state="optimizer")
