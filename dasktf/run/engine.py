@@ -113,7 +113,7 @@ def plan_engine(options: Options, model: Any, recipe: CompileRecipe) -> EnginePl
     if getattr(options, "shard_state", None) is not None:
         from dasktf.runtime.p2p.sharding import optimizer_refusal
 
-        why = optimizer_refusal(model.optimizer)
+        why = optimizer_refusal(recipe.optimizer)
         if why is not None:
             raise ValueError(why)
     ps_layout = None

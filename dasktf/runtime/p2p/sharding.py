@@ -67,16 +67,20 @@ def check_shard_state(value: str | None) -> None:
 
 
 def optimizer_refusal(optimizer: Any) -> str | None:
-    """Why the model's Keras ``optimizer`` cannot be sharded exactly yet, or
-    ``None`` when it can (its update is elementwise on every variable)."""
+    """Why a Keras ``optimizer`` (an instance, or its ``keras.optimizers.serialize``
+    form: the client checks the compile recipe before any model is compiled)
+    cannot be sharded exactly yet, or ``None`` when it can (its update is
+    elementwise on every variable)."""
     if optimizer is None:
         return None
-    name = type(optimizer).__name__
-    if hasattr(optimizer, "inner_optimizer"):  # keras' LossScaleOptimizer
+    if isinstance(optimizer, dict):
+        name, config = optimizer.get("class_name", "optimizer"), optimizer.get("config", {})
+    else:
+        name, config = type(optimizer).__name__, optimizer.get_config()
+    if name == "LossScaleOptimizer" or "inner_optimizer" in config:
         return (f"shard_state='optimizer' does not shard a {name} (mixed precision's "
                 "loss scaling: a step skipped on one slice must be skipped on all) "
                 "yet; train with mixed_precision=False or shard_state=None.")
-    config = optimizer.get_config()
     for key, what in (("gradient_accumulation_steps", "accumulated gradients"),
                       ("use_ema", "averaged weights"),
                       ("loss_scale_factor", "a scaled loss")):
