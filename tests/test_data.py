@@ -159,3 +159,22 @@ def test_dask_columns_of_strings_and_categories_are_string_inputs():
         check_numeric({"x": {"when": frame["when"]}})
     with pytest.raises(ValueError, match=r"y is not numeric.*Labels and sample weights"):
         check_numeric({"y": frame["kind"]})
+
+
+def test_validation_split_of_data_read_on_the_client_is_refused_as_keras_refuses_it():
+    """Keras takes ``validation_split`` only for arrays; a Dataset's rows are not
+    split here either (with ``validation_data`` given, the split is not asked for)."""
+    import tensorflow as tf
+
+    from dasktf.data.sources import fit_inputs
+
+    x, y = np.arange(40, dtype="float32").reshape(20, 2), np.arange(20) % 2
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(5)
+    with pytest.raises(ValueError, match="validation_split is only supported for arrays"):
+        fit_inputs(dataset, validation_split=0.2)
+    with pytest.warns(UserWarning):
+        source, validation = fit_inputs(dataset, validation_split=0.2,
+                                        validation_data=(x[:4], y[:4]))
+    assert len(source.data.x) == 20 and len(validation[0]) == 4
+    train, val = fit_inputs(x, y, validation_split=0.25)
+    assert len(train.data.x) == 15 and np.array_equal(val[0], x[15:])
