@@ -43,7 +43,7 @@ from distributed import Future
 
 from dasktf.cluster.waits import RunContext, wait_for
 from dasktf.engines.base import Capabilities, RunHooks
-from dasktf.engines.graph.topology import CommEngine
+from dasktf.engines.graph.steps import SyncEngine
 from dasktf.exceptions import WorkerLostError
 from dasktf.runtime import reconcile
 from dasktf.runtime.reconcile import round_state, set_state_task
@@ -66,8 +66,8 @@ logger = logging.getLogger(__name__)
 
 
 # -- the client side ------------------------------------------------------------------
-class ElasticSyncEngine(CommEngine):
-    """A sync engine (:class:`~dasktf.engines.graph.topology.CommEngine`: codec, topology,
+class ElasticSyncEngine(SyncEngine):
+    """A sync engine (:class:`~dasktf.engines.graph.steps.SyncEngine`: codec, topology,
     placement) that survives losing workers.
 
     The mirrored placement, with any reduction (tree, all-to-one, ring: the
@@ -82,7 +82,7 @@ class ElasticSyncEngine(CommEngine):
         The run (its ``watcher`` reports removals).
     spec, shapes
         The run's communication spec and trainable variables' shapes (see
-        :class:`~dasktf.engines.graph.topology.CommEngine`).
+        :class:`~dasktf.engines.graph.steps.SyncEngine`).
     schedule
         The run's ``steps x workers`` local batch sizes.
     hooks
@@ -120,7 +120,6 @@ class ElasticSyncEngine(CommEngine):
         self.policy = hooks.on_worker_loss
         self.average_stats = average_stats
         self.reform_needed = False
-        self.last_state: dict[str, Any] | None = None
         self.ps_layout = ps_layout
         #: The newest state sharded servers rewind to after a loss.
         self.restore_point: dict[str, Any] | None = None
