@@ -5,5 +5,5 @@ I/O), :mod:`.recovery` (its losses and growth), :mod:`.actor` (the holder and it
 staleness gate), :mod:`.rpc` (fail-fast calls), :mod:`.tasks` (the workers' step
 task), :mod:`.cursors` (and the futures in flight), :mod:`.records`,
 :mod:`.sharded` (``num_ps=K``), :mod:`.checkpoint` (the holder's cut),
-:mod:`.quorum`, :mod:`.options`.
+:mod:`.options`; the quorum engine is in :mod:`.engine`.
 """

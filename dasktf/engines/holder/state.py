@@ -458,7 +458,7 @@ class AsyncState:
 
 
 class QuorumState(AsyncState):
-    """A ``sync_quorum=k`` run (:mod:`dasktf.engines.holder.quorum`): an epoch is
+    """A ``sync_quorum=k`` run (:class:`~dasktf.engines.holder.engine.QuorumEngine`): an epoch is
     ``steps_per_epoch`` applied steps, one budget counts them, a late gradient is
     dropped (and counted in the epoch's figures), and a rebuilt holder goes on
     from where the cursors are (quorum steps never owed every batch)."""
