@@ -63,7 +63,6 @@ from dasktf.engines.base import (
     Saved,
 )
 from dasktf.engines.holder.actor import ParameterHolder
-from dasktf.engines.holder.checkpoint import cut_state, resumable
 from dasktf.engines.holder.cursors import InFlight
 from dasktf.engines.holder.instructions import (
     AbandonHolder,
@@ -86,7 +85,7 @@ from dasktf.engines.holder.rpc import (
     abandon_holder_task,
 )
 from dasktf.engines.holder.sharded import ShardedHolders, byte_logs
-from dasktf.engines.holder.state import AsyncState, QuorumState
+from dasktf.engines.holder.state import AsyncState, QuorumState, cut_state, resumable
 from dasktf.engines.holder.tasks import async_step_task, flush_events
 from dasktf.exceptions import DasktfError, StepTimeoutError
 from dasktf.runtime.reconcile import on_every_worker
@@ -452,7 +451,7 @@ class AsyncEngine(Recovery, Engine):
             logs.update(byte_logs(self.plan, task_bytes))
         return logs
 
-    # -- checkpoints (the format: dasktf.engines.holder.checkpoint) -----------------
+    # -- checkpoints (the format: dasktf.engines.holder.state) ----------------------
     def _snapshot(self) -> dict[str, Any]:
         """The holder's consistent cut, taken between two applies."""
         self.send_non_trainable()
