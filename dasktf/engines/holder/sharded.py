@@ -484,7 +484,6 @@ class ShardedHolders:
 
         config_, weights, probe = holder_args[:3]
         timeout = config.get_seconds("step-timeout")
-        self.holders, self.plan = holders, plan
         self.peer_futures: list[Future] = [
             ctx.client.submit(
                 SliceHolder,
