@@ -76,18 +76,9 @@ logger = logging.getLogger(__name__)
 
 
 class SyncEngine(Mirrored, Engine):
-    """Runs epochs of synchronous data-parallel steps as Dask task graphs, with a
-    codec, a reduction topology and a placement (see the module).
-
-    Parameters
-    ----------
-    ctx
-        The run's workers and id.
-    spec
-        The run's :class:`~dasktf.wire.packets.CommSpec` (``n_workers`` filled in).
-    shapes
-        The trainable variables' shapes (chunks and server slices are cut from them).
-    """
+    """Runs epochs of synchronous data-parallel steps as Dask task graphs, with the
+    codec, reduction topology and placement of ``spec`` (see the module); chunks and
+    server slices are cut from the trainable variables' ``shapes``."""
 
     mode = "sync"
     engine = "graph"

@@ -107,33 +107,15 @@ logger = logging.getLogger(__name__)
 class AsyncEngine(Recovery, Engine):
     """Runs asynchronous epochs: workers loop freely, the holder applies on arrival.
 
-    Parameters
-    ----------
-    ctx
-        The run's workers and id.
-    holder_worker
-        Address of the worker that holds the :class:`ParameterHolder`.
-    replica_config, weights, probe, val_shards
-        What the holder builds its model from (futures of the initial weights, the
-        holder worker's shard and the validation shards: they move worker to
-        worker, never through the client).
-    schedule
-        The run's ``steps x workers`` local batch sizes; a worker cycles over the
-        non-empty ones of its column.
-    max_staleness
-        ``K``: no applied update is more than ``K`` updates stale (None: unbounded).
-    staleness_lr
-        ``"inverse"``: the holder scales an update's learning rate by
-        ``1 / max(1, staleness)``.
-    epochs
-        The run's epochs: the holder stops admitting gradients once they are done,
-        so no update is applied past the last epoch (an early stop by a callback
-        lets the gradients already admitted, at most one per worker, complete).
-    hooks
-        What the run provides (:class:`~dasktf.engines.base.RunHooks`): with
-        ``on_worker_loss="recover"`` a lost worker's shard is reloaded on a
-        survivor, a lost holder rebuilt from its ``holder_inputs``, and an async
-        run takes in workers that join.
+    The holder (on ``holder_worker``) is built from ``replica_config``, ``weights``,
+    ``probe`` and ``val_shards``: futures that move worker to worker, never through
+    the client. A worker cycles over the non-empty batches of its column of
+    ``schedule``. The holder stops admitting gradients once ``epochs`` are done, so
+    no update is applied past the last epoch (an early stop lets the gradients
+    already admitted, at most one per worker, complete). With
+    ``hooks.on_worker_loss="recover"`` a lost worker's shard is reloaded on a
+    survivor, a lost holder rebuilt from ``hooks.holder_inputs``, and an async run
+    takes in workers that join.
     """
 
     mode = "async"
