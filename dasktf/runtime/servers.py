@@ -49,7 +49,8 @@ if TYPE_CHECKING:
     from dasktf.runtime.replica import Replica
 
 def server_workers(workers: list[str], num_ps: int) -> list[str]:
-    """The worker each server runs on: ``s mod N`` (beside a replica)."""
+    """The worker each server (or async parameter holder) runs on: ``s mod N``,
+    beside a replica; two share a worker only when there are fewer workers."""
     return [workers[s % len(workers)] for s in range(num_ps)]
 
 

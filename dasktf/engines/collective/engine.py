@@ -215,9 +215,6 @@ class CollectiveEngine(Engine):
                                "keep_state=True, after an epoch or a load_state.")
         return self._state
 
-    def start_at(self, update: int) -> None:
-        self.update_base = update
-
     def final_state(self) -> dict[str, Any] | None:
         """The last epoch's state, kept when the run checkpoints (``keep_state``)."""
         return self.state() if self.keep_state else None

@@ -70,9 +70,9 @@ from dasktf.engines.holder.instructions import (
     StepApplied,
     Submit,
 )
-from dasktf.engines.holder.options import spread_holders
 from dasktf.engines.holder.records import PushOutcome, StepResult, Tally, UpdateRecord
 from dasktf.exceptions import DasktfError
+from dasktf.runtime.servers import server_workers
 
 if TYPE_CHECKING:
     from dasktf.engines.base import Saved
@@ -439,7 +439,7 @@ class AsyncState:
         # slices' on the survivors after it
         load = self._load(survivors)
         first = survivors.index(min(survivors, key=lambda a: (load[a], survivors.index(a))))
-        self.holder_workers = spread_holders(survivors[first:] + survivors[:first],
+        self.holder_workers = server_workers(survivors[first:] + survivors[:first],
                                              self.n_holders)
         # the cut's batches by shard, then by the identity that now owns each shard
         owners = {self.shard_index.get(i, i): i for i in self.owners()}
