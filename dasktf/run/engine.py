@@ -14,7 +14,7 @@ import numpy as np
 
 from dasktf import config
 from dasktf.engines.base import Engine, RunHooks
-from dasktf.engines.collective import engine as collective_engine
+from dasktf.engines.collective import options as collective_options
 from dasktf.engines.collective.engine import CollectiveEngine
 from dasktf.engines.graph.elastic import ElasticSyncEngine
 from dasktf.engines.holder import options as holder_options
@@ -50,7 +50,7 @@ def check_mode_options(options: Options, n_workers: int | None = None
 def refuse_options(options: Options, fault: Options | None = None) -> None:
     """Refuse what a trainer's ``options`` (and a fit call's ``fault`` options) ask
     of an engine family that cannot do it, before anything starts."""
-    for family in (holder_options, collective_engine, p2p_options):
+    for family in (holder_options, collective_options, p2p_options):
         why = family.options_refusal(options, fault)
         if why is not None:
             raise ValueError(why)
