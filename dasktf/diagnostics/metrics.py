@@ -477,11 +477,9 @@ class MetricsStore(SchedulerPlugin):
         self.max_runs = int(config.get("dashboard.max-runs", max_runs))
         self.slow_factor = float(config.get("dashboard.slow-factor", slow_factor))
         self.runs: OrderedDict[str, RunHistory] = OrderedDict()
-        self.scheduler: Scheduler | None = None
 
     # -- scheduler hooks --------------------------------------------------------
     async def start(self, scheduler: Scheduler) -> None:
-        self.scheduler = scheduler
         scheduler.handlers[HANDLER] = self.fetch
 
     def log_event(self, topic: str, msg: Any) -> None:
