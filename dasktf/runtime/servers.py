@@ -69,7 +69,6 @@ class PSShard:
         # The replica on this worker holds the same initial weights as every other
         # (async: the holder's own replica, built from the run's initial weights).
         initial = gather_ranges(replica.flat_weights(), ranges).copy()
-        self.ranges = ranges
         self.variable = keras.Variable(initial, dtype="float32", name=SLICE_NAME)
         opt = replica.model.optimizer
         self.optimizer = opt.__class__.from_config(opt.get_config())
