@@ -214,7 +214,7 @@ def _fit(
     )
     start = time.perf_counter()
     trainer = dasktf.Trainer.from_options(options, scheduler=scheduler)
-    from dasktf.dashboard.cli import serve_dashboard, write_run_report
+    from dasktf.cli.dashboard import serve_dashboard, write_run_report
 
     with trainer, serve_dashboard(
         trainer.client if dashboard else None, dashboard_address, dashboard_port
