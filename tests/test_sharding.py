@@ -5,7 +5,8 @@ On real worker processes: the weights and the optimizer's variables (the slots p
 back together at the end) equal single-process Keras ``fit`` and unsharded p2p on
 the same global batches, for Adam, SGD with momentum (one layer frozen), AdamW,
 a learning-rate schedule, a rate a callback sets, ``clipnorm`` and
-``global_clipnorm`` (norms summed across the slices),
+``global_clipnorm`` (norms summed across the slices), sample and class weights
+and ``ReduceLROnPlateau``,
 with a variable split across workers; a second ``fit`` of ``history.model``
 continues its optimizer as Keras' does; each replica holds about 1/N of the
 unsharded optimizer's bytes; what is not supported yet is refused before the run
@@ -116,6 +117,49 @@ def test_sharded_equals_keras_and_unsharded_p2p(client, small_digits, name):
     again = _fit(sharded.model, x, y, client, epochs=1, shard_state="optimizer",
                  callbacks=callbacks())
     _assert_same(again.model, reference, "second sharded fit vs Keras")
+
+
+def _plateau():
+    # min_delta=10: no epoch improves on the one before by that much, so the rate
+    # halves at the end of every epoch after the first
+    return [keras.callbacks.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=0,
+                                              min_delta=10.0)]
+
+
+#: name: (the arguments of both fits, the callbacks of each, epochs)
+WEIGHTED = {
+    "sample-weight": (lambda y: {"sample_weight": 0.25 + (np.arange(len(y)) % 7) / 3.0},
+                      list, 2),
+    "class-weight": (lambda y: {"class_weight": {c: 0.5 + c / 4.0 for c in range(10)}},
+                     list, 2),
+    "reduce-lr-on-plateau": (lambda y: {}, _plateau, 3),
+}
+
+
+@pytest.mark.parametrize("name", list(WEIGHTED))
+def test_weights_and_plateau_sharded_equal_keras_and_unsharded(client, small_digits, name):
+    """Sample and class weights (the weighted sum over the global batch, summed slice
+    by slice) and ReduceLROnPlateau (a rate set on the slice's optimizer at an epoch
+    end) train as Keras does, sharded."""
+    x, y = small_digits
+    arguments, callbacks, epochs = WEIGHTED[name]
+    kwargs = arguments(y)
+    reference = _model()
+    sharded_model, plain_model = _twin(reference), _twin(reference)
+    reference.compile(optimizer=keras.optimizers.Adam(0.01),
+                      loss="sparse_categorical_crossentropy")
+    reference.fit(x, y, batch_size=48, epochs=epochs, shuffle=False, verbose=0,
+                  callbacks=callbacks(), **kwargs)
+    sharded = _fit(sharded_model, x, y, client, keras.optimizers.Adam(0.01),
+                   epochs=epochs, shard_state="optimizer", callbacks=callbacks(), **kwargs)
+    plain = _fit(plain_model, x, y, client, keras.optimizers.Adam(0.01), epochs=epochs,
+                 callbacks=callbacks(), **kwargs)
+    _assert_same(sharded.model, reference, f"{name}: sharded vs Keras")
+    _assert_same(sharded.model, plain.model, f"{name}: sharded vs unsharded p2p")
+    np.testing.assert_allclose(sharded.history["loss"], plain.history["loss"], rtol=1e-5)
+    if name == "reduce-lr-on-plateau":
+        rate = float(keras.ops.convert_to_numpy(sharded.model.optimizer.learning_rate))
+        assert rate == pytest.approx(0.01 / 4), "halved after epochs 2 and 3"
 
 
 def _slot_bytes(dask_worker=None) -> dict[str, int]:
