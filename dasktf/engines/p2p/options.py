@@ -59,10 +59,6 @@ def shard_refusal(options: Any, fault: Any = None) -> str | None:
         return (f"shard_state='optimizer' sums gradients in float32 only (a codec's "
                 f"error feedback is kept per all-reduce chunk); drop "
                 f"compression={options.comm.compression!r}, or use shard_state=None.")
-    if options.mixed_precision:
-        return ("shard_state='optimizer' does not shard a LossScaleOptimizer yet (a "
-                "step skipped on one slice must be skipped on all): use "
-                "mixed_precision=False, or shard_state=None.")
     if fault is not None and (fault.checkpoint_dir is not None or fault.resume):
         return ("shard_state='optimizer' does not write or resume checkpoints yet "
                 "(the optimizer's slices would have to be gathered, and re-cut on "

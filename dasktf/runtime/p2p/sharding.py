@@ -25,8 +25,10 @@ gives the same values on the slice as on the whole variable, and the whole
 optimizer is put back together by concatenating the owners' parts
 (:func:`assemble_optimizer`). Clipping by a norm (``clipnorm``: each whole
 variable's; ``global_clipnorm``: all of them) sums the slices' squared norms over
-the members first (:meth:`ShardOptimizer.scales`). A loss-scale optimizer, gradient
-accumulation or weight averaging is refused (:func:`optimizer_refusal`).
+the members first (:meth:`ShardOptimizer.scales`). A loss-scale optimizer (mixed precision) skips a
+step on every slice when the summed gradient is not finite in any: a vote of the
+slices, taken in the same small exchange. Gradient accumulation or weight averaging
+is refused (:func:`optimizer_refusal`).
 """
 
 from __future__ import annotations
@@ -77,10 +79,15 @@ def optimizer_refusal(optimizer: Any) -> str | None:
         name, config = optimizer.get("class_name", "optimizer"), optimizer.get("config", {})
     else:
         name, config = type(optimizer).__name__, optimizer.get_config()
-    if name == "LossScaleOptimizer" or "inner_optimizer" in config:
-        return (f"shard_state='optimizer' does not shard a {name} (mixed precision's "
-                "loss scaling: a step skipped on one slice must be skipped on all) "
-                "yet; train with mixed_precision=False or shard_state=None.")
+    inner = config.get("inner_optimizer")
+    if inner is not None:  # a LossScaleOptimizer: its skip is voted over the slices
+        inner = inner if isinstance(inner, dict) else {"config": inner.get_config()}
+        clipped = [k for k in ("clipnorm", "global_clipnorm") if inner["config"].get(k)]
+        if clipped:
+            return (f"shard_state='optimizer' does not clip by a norm ({clipped[0]}=) "
+                    f"under a {name} yet (the norm of the unscaled gradient would be "
+                    f"summed over the slices); use clipvalue, or shard_state=None.")
+        return optimizer_refusal(inner)
     for key, what in (("gradient_accumulation_steps", "accumulated gradients"),
                       ("use_ema", "averaged weights"),
                       ("loss_scale_factor", "a scaled loss")):
@@ -120,6 +127,12 @@ class ShardOptimizer:
         # all of them (global_clipnorm): summed across the slices (:meth:`scales`)
         # and applied here as a factor per variable, not by the slice's optimizer.
         self.clipnorm = config.get("clipnorm") or None
+        #: a LossScaleOptimizer: its skip (a non-finite gradient) is voted on by
+        #: every slice (:meth:`scales`), so the scale stays the same everywhere
+        self.loss_scaled = hasattr(whole, "inner_optimizer")
+        # The replica's gradient function was traced with the whole optimizer's
+        # scale_loss: it reads the whole one's scale, kept equal to the slice's.
+        self.traced_scale = whole.dynamic_scale if self.loss_scaled and whole.built else None
         self.global_clipnorm = config.get("global_clipnorm") or None
         config.update(clipnorm=None, global_clipnorm=None)
         self.optimizer = opt = type(whole).from_config(config)
@@ -168,6 +181,8 @@ class ShardOptimizer:
         grads = tf.split(chunk / count, [b - a for a, b in self.parts])
         grads = [g * scales[j] for j, g in enumerate(grads)]  # clipping; else ones
         self.optimizer.apply(grads, self.pieces)
+        if self.traced_scale is not None:
+            self.traced_scale.assign(self.optimizer.dynamic_scale)
         return tf.concat([tf.identity(p) for p in self.pieces], 0)
 
     def _take_body(self, flat: Any) -> None:
@@ -196,6 +211,13 @@ class ShardOptimizer:
         per variable, ``global_clipnorm`` over all), from the squared norms of the
         slices' parts summed over the members; ones without clipping."""
         ones = np.ones(len(self.parts), np.float32)
+        if self.loss_scaled:
+            # Keras skips the step (and halves the scale) when any element of the
+            # whole summed gradient is not finite: a vote of every slice, taken after
+            # the reduce-scatter (finite parts may sum to an inf). NaN factors make
+            # every slice's loss-scale optimizer see it.
+            skip = exchange(np.array([float(not np.all(np.isfinite(chunk)))]))[0]
+            return ones * np.float32(np.nan) if skip else ones
         if self.clipnorm is None and self.global_clipnorm is None:
             return ones
         mean = np.asarray(chunk, np.float32) / np.float32(count)
