@@ -15,6 +15,7 @@ starts (or, for a lost worker, when it is lost) with the reason.
 
 from __future__ import annotations
 
+import dask
 import keras
 import numpy as np
 import pytest
@@ -87,8 +88,19 @@ def _assert_same(got: keras.Model, want: keras.Model, what: str) -> None:
             f"{what}: optimizer variable of shape {g.shape}")
 
 
+#: ``shard_state="gradients"``'s bucket in the tests: 64 values, so each slice of
+#: the 803 goes in 13 rounds (the last one short)
+BUCKET = 256
+
+
+@pytest.mark.parametrize("shard_state", ["optimizer", "gradients"])
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_sharded_equals_keras_and_unsharded_p2p(client, small_digits, name):
+def test_sharded_equals_keras_and_unsharded_p2p(client, small_digits, name, shard_state):
+    with dask.config.set({"dasktf.p2p.shard-bucket": BUCKET}):
+        _sharded_equals_keras_and_unsharded(client, small_digits, name, shard_state)
+
+
+def _sharded_equals_keras_and_unsharded(client, small_digits, name, shard_state):
     x, y = small_digits  # 250 rows at batch 48: a short last step, uneven shares
     make, frozen, callbacks = OPTIMIZERS[name]
     reference = _model(frozen)
@@ -101,7 +113,7 @@ def test_sharded_equals_keras_and_unsharded_p2p(client, small_digits, name):
                                                        strict=True))
     assert moved > 1e-3, "training must move the weights for the comparison to mean much"
 
-    sharded = _fit(sharded_model, x, y, client, make(), shard_state="optimizer",
+    sharded = _fit(sharded_model, x, y, client, make(), shard_state=shard_state,
                    callbacks=callbacks())
     plain = _fit(plain_model, x, y, client, make(), callbacks=callbacks())
     _assert_same(sharded.model, reference, "sharded vs Keras")
@@ -114,7 +126,7 @@ def test_sharded_equals_keras_and_unsharded_p2p(client, small_digits, name):
     # second Keras fit does.
     reference.fit(x, y, batch_size=48, epochs=1, shuffle=False, verbose=0,
                   callbacks=callbacks())
-    again = _fit(sharded.model, x, y, client, epochs=1, shard_state="optimizer",
+    again = _fit(sharded.model, x, y, client, epochs=1, shard_state=shard_state,
                  callbacks=callbacks())
     _assert_same(again.model, reference, "second sharded fit vs Keras")
 
@@ -136,8 +148,10 @@ WEIGHTED = {
 }
 
 
+@pytest.mark.parametrize("shard_state", ["optimizer", "gradients"])
 @pytest.mark.parametrize("name", list(WEIGHTED))
-def test_weights_and_plateau_sharded_equal_keras_and_unsharded(client, small_digits, name):
+def test_weights_and_plateau_sharded_equal_keras_and_unsharded(client, small_digits, name,
+                                                               shard_state):
     """Sample and class weights (the weighted sum over the global batch, summed slice
     by slice) and ReduceLROnPlateau (a rate set on the slice's optimizer at an epoch
     end) train as Keras does, sharded."""
@@ -150,8 +164,10 @@ def test_weights_and_plateau_sharded_equal_keras_and_unsharded(client, small_dig
                       loss="sparse_categorical_crossentropy")
     reference.fit(x, y, batch_size=48, epochs=epochs, shuffle=False, verbose=0,
                   callbacks=callbacks(), **kwargs)
-    sharded = _fit(sharded_model, x, y, client, keras.optimizers.Adam(0.01),
-                   epochs=epochs, shard_state="optimizer", callbacks=callbacks(), **kwargs)
+    with dask.config.set({"dasktf.p2p.shard-bucket": BUCKET}):
+        sharded = _fit(sharded_model, x, y, client, keras.optimizers.Adam(0.01),
+                       epochs=epochs, shard_state=shard_state, callbacks=callbacks(),
+                       **kwargs)
     plain = _fit(plain_model, x, y, client, keras.optimizers.Adam(0.01), epochs=epochs,
                  callbacks=callbacks(), **kwargs)
     _assert_same(sharded.model, reference, f"{name}: sharded vs Keras")
@@ -186,7 +202,8 @@ def _skips(model: keras.Model) -> tuple[int, float]:
             float(optimizer.dynamic_scale.numpy()))
 
 
-def test_loss_scaling_skips_every_slice_as_unsharded(client, small_digits):
+@pytest.mark.parametrize("shard_state", ["optimizer", "gradients"])
+def test_loss_scaling_skips_every_slice_as_unsharded(client, small_digits, shard_state):
     """A mixed-precision model (a float16 layer) with a LossScaleOptimizer, sharded:
     a step whose summed gradient is not finite in any slice is skipped on every
     worker and the scale halved, growth doubles it, exactly as unsharded p2p
@@ -197,8 +214,9 @@ def test_loss_scaling_skips_every_slice_as_unsharded(client, small_digits):
     # 2**24: the float16 backward pass overflows for the first steps (skipped, the
     # scale halved each time); growth every 3 finite steps doubles the scale back
     # into an overflow now and then
-    sharded = _fit(_mixed_model(), x, y, client, _loss_scaled(2.0 ** 24, 3), epochs=3,
-                   shard_state="optimizer")
+    with dask.config.set({"dasktf.p2p.shard-bucket": BUCKET}):
+        sharded = _fit(_mixed_model(), x, y, client, _loss_scaled(2.0 ** 24, 3),
+                       epochs=3, shard_state=shard_state)
     plain = _fit(_mixed_model(), x, y, client, _loss_scaled(2.0 ** 24, 3), epochs=3)
     steps = 3 * -(-len(x) // 48)
     applied, scale = _skips(plain.model)
@@ -261,11 +279,45 @@ def test_each_replica_holds_a_third_of_the_optimizer(client, digits):
     assert sum(per_worker["optimizer"]) <= sum(whole) / N_WORKERS + 3 * 64
 
 
+def _gradient_peaks(dask_worker=None) -> list[int]:
+    from dasktf.runtime.replica import registered_replicas
+
+    return [r.shard_optimizer.gradient_peak() for r in registered_replicas(dask_worker).values()]
+
+
+class _ReadPeaks(keras.callbacks.Callback):
+    def __init__(self, client):
+        super().__init__()
+        self.client, self.seen = client, []
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.seen = [p for v in self.client.run(_gradient_peaks).values() for p in v]
+
+
+def test_gradients_bucketed_bound_what_a_worker_holds(client, digits):
+    """shard_state="gradients": the peers' parts of a worker's slice never wait
+    more than two rounds of buckets (2 (N-1) buckets), where "optimizer" sends each
+    part whole (a part alone, 803 values, is over that bound); the summed slice is
+    1/N of the gradient in both."""
+    x, y = digits.x_train[:600], digits.y_train[:600]
+    slice_bytes = 4 * 803
+    peaks = {}
+    for shard_state in ("gradients", "optimizer"):
+        reader = _ReadPeaks(client)
+        with dask.config.set({"dasktf.p2p.shard-bucket": BUCKET}):
+            _fit(_model(), x, y, client, keras.optimizers.Adam(0.01), epochs=1,
+                 shard_state=shard_state, callbacks=[reader])
+        assert len(reader.seen) == N_WORKERS, reader.seen
+        peaks[shard_state] = reader.seen
+    # two rounds from each peer, the first with the step's few float64 scalars
+    bound = 2 * (N_WORKERS - 1) * BUCKET + (N_WORKERS - 1) * 128 + slice_bytes
+    assert all(slice_bytes < p <= bound for p in peaks["gradients"]), peaks
+    assert all(p >= slice_bytes + 4 * 802 for p in peaks["optimizer"]), peaks  # a part whole
+
+
 def test_refusals_before_the_run_starts(client, small_digits):
     model = _model()
-    with pytest.raises(ValueError, match="ZeRO-2"):
-        TrainOptions(model, engine="p2p", shard_state="gradients")
-    with pytest.raises(ValueError, match="must be None or 'optimizer'"):
+    with pytest.raises(ValueError, match="must be None, 'optimizer' or 'gradients'"):
         TrainOptions(model, engine="p2p", shard_state="slots")
     with pytest.raises(ValueError, match="engine='p2p'"):
         TrainOptions(model, shard_state="optimizer")  # engine="auto"

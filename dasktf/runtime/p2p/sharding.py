@@ -51,21 +51,17 @@ if TYPE_CHECKING:
     from dasktf.runtime.p2p.group import Group
     from dasktf.runtime.replica import Replica
 
-#: The values of ``shard_state`` (``"gradients"``, ZeRO-2, is refused: not yet).
-SHARD_STATES = ("optimizer",)
+#: The values of ``shard_state``: ``"gradients"`` (ZeRO-2) buckets the
+#: reduce-scatter (:mod:`dasktf.runtime.p2p.buckets`).
+SHARD_STATES = ("optimizer", "gradients")
 _PIECE = re.compile(r"dasktfpiece(\d+)x")
 
 
 def check_shard_state(value: str | None) -> None:
-    """Refuse a ``shard_state`` this version cannot train, saying why."""
+    """Refuse a ``shard_state`` this version cannot train."""
     if value is None or value in SHARD_STATES:
         return
-    if value == "gradients":
-        raise ValueError(
-            "shard_state='gradients' (ZeRO-2: no worker keeps the whole summed "
-            "gradient) is not implemented yet; shard_state='optimizer' keeps 1/N "
-            "of the optimizer's slots a worker (issue 38).")
-    raise ValueError(f"shard_state must be None or 'optimizer'; got {value!r}.")
+    raise ValueError(f"shard_state must be None, 'optimizer' or 'gradients'; got {value!r}.")
 
 
 def optimizer_refusal(optimizer: Any) -> str | None:
@@ -145,6 +141,8 @@ class ShardOptimizer:
         self._continue(whole)
         replica.model.optimizer = opt
         self.variables = replica.variables
+        #: the most bytes of the peers' gradient parts that waited here (sharded_step)
+        self.held = 0
         self.shapes = list(replica.shapes)
         # the short call path (one concrete function, arguments handed flat): a
         # small model's step is mostly the fixed cost of each TensorFlow call
@@ -241,6 +239,13 @@ class ShardOptimizer:
                                for v, (a, b) in zip(self.variables, self.parts,
                                                     strict=True)])
 
+    def gradient_peak(self) -> int:
+        """The most bytes of summed-gradient buffers this worker held in a step: the
+        peers' parts of its slice waiting to be added (the most that ever waited)
+        and the slice's sum. (Its own gradient, the backward pass's output, is
+        whole on every worker, sharded or not.)"""
+        return int(self.held) + 4 * (self.edges[self.rank + 1] - self.edges[self.rank])
+
     def slot_bytes(self) -> int:
         """The bytes of the slice's optimizer variables (what TensorFlow holds)."""
         return int(sum(np.prod(v.shape) * np.dtype(v.dtype).itemsize
@@ -281,6 +286,21 @@ def sharded_update(apply: Callable[..., np.ndarray],
         acc = np.array(part, np.float32, copy=True) if acc is None else acc + part
         total = np.array(theirs, copy=True) if total is None else total + theirs
     assert acc is not None and total is not None
+    return apply_and_gather(apply, t, acc, total, buf.size, step, scalars is not None)
+
+
+def apply_and_gather(apply: Callable[..., np.ndarray], t: Transport, acc: np.ndarray,
+                     total: np.ndarray, size: int, step: int, scalars: bool
+                     ) -> tuple[np.ndarray, np.ndarray | None]:
+    """The rest of a sharded step once rank r holds its summed slice ``acc`` and
+    the summed scalars ``total``: ``apply`` it, all-gather the updated slices into
+    the ``size`` new flat weights (:func:`sharded_update`)."""
+    n, r = t.size, t.rank
+    edges = chunk_edges(size, n)
+
+    def seg(c: int) -> slice:
+        return slice(edges[c], edges[c + 1])
+
     def exchange(vector: np.ndarray) -> np.ndarray:
         """``vector`` (float64) summed over the members in rank order."""
         for k in range(1, n):
@@ -293,7 +313,7 @@ def sharded_update(apply: Callable[..., np.ndarray],
         return out
 
     mine = np.ascontiguousarray(apply(acc, total, exchange), np.float32)
-    out = np.empty(buf.size, np.float32)
+    out = np.empty(size, np.float32)
     out[seg(r)] = mine
     for k in range(1, n):
         t.send((r + k) % n, Key(step, "zg", 0, r), (mine, None))
@@ -301,7 +321,7 @@ def sharded_update(apply: Callable[..., np.ndarray],
         source = (r - k) % n
         values, _ = t.recv(source, Key(step, "zg", 0, source))
         values_of(values, out=out[seg(source)])
-    return out, (None if scalars is None else total)
+    return out, (total if scalars else None)
 
 
 def shard_state_task(run_id: str) -> dict[str, Any]:
@@ -315,7 +335,8 @@ def shard_state_task(run_id: str) -> dict[str, Any]:
     if shard is None:  # no step ran yet: the whole optimizer is still the model's
         return {**state, "layout": None, "parts": None}
     return {**state, "layout": shard.layout, "parts": shard.parts,
-            "rank": shard.rank, "slot_bytes": shard.slot_bytes()}
+            "rank": shard.rank, "slot_bytes": shard.slot_bytes(),
+            "gradient_peak": shard.gradient_peak()}
 
 
 def assemble_optimizer(states: list[dict[str, Any]], shapes: list[tuple[int, ...]]
@@ -336,11 +357,16 @@ def assemble_optimizer(states: list[dict[str, Any]], shapes: list[tuple[int, ...
 
 
 def sharded_step(replica: Replica, group: Group, grad: GradientSum, update: int,
-                 size: int, votes: np.ndarray) -> tuple[GradientSum, np.ndarray]:
+                 size: int, votes: np.ndarray,
+                 collective: Callable[..., tuple[np.ndarray, np.ndarray | None]] | None = None
+                 ) -> tuple[GradientSum, np.ndarray]:
     """:func:`~dasktf.runtime.p2p.gradients.allreduce_step` of a sharded run: the
     step's gradient summed, applied slice by slice and the new weights taken, in
     one collective. Returns the sum (without its buffer: no member holds it whole)
-    and the summed votes, the same on every member."""
+    and the summed votes, the same on every member. ``collective``: the step's
+    collective, called as :func:`sharded_update` (the default) is
+    (``shard_state="gradients"``: its reduce-scatter in buckets,
+    :func:`~dasktf.runtime.p2p.buckets.bucketed_update`)."""
     shard = replica.shard_optimizer
     if shard is None:  # the first step: the slice takes over the optimizer
         shard = replica.shard_optimizer = ShardOptimizer(replica, group.rank, group.size)
@@ -363,9 +389,11 @@ def sharded_step(replica: Replica, group: Group, grad: GradientSum, update: int,
         claimed = bool(count) and replica.claim_update(update)
         return shard.apply(chunk, count, exchange) if claimed else shard.own_values()
 
-    runner = functools.partial(sharded_update, apply)
-    flat, sums = group.allreduce(total, update, scalars, runner=runner)
+    collective = collective or sharded_update
+    flat, sums = group.allreduce(total, update, scalars,
+                                 runner=functools.partial(collective, apply))
     assert sums is not None
+    shard.held = max(group.held_peak("zs"), group.held_peak("zb"))
     if claimed:
         with replica.apply_lock:
             shard.take(flat)
