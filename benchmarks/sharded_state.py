@@ -13,7 +13,10 @@ the bytes a worker sent per step (``history["bytes_per_step"]``) against unshard
 ``memory``: a model of about 50M parameters (``big``: dense 2048-4096-4096-4096-2048-10,
 50,397,194 parameters) with Adam, at N = 2, 4 and 8 workers (one cluster each), a
 run of ``--big-steps`` steps for each of unsharded, ``"optimizer"`` and
-``"gradients"``. Read on every worker at the epoch's end (what it holds, not a
+``"gradients"``, each on a cluster of its own (unsharded only up to
+``--unsharded-max`` workers: 8 whole copies of the state do not fit a 24 GiB
+machine; a worker's unsharded slots and gradients do not depend on N). Read on
+every worker at the epoch's end (what it holds, not a
 formula): the bytes of the replica's optimizer variables (TensorFlow's), its own
 gradient (the backward pass's flat output: the model's trainable values x 4), the
 summed gradient it keeps (unsharded: the all-reduce's whole output; sharded: its
@@ -27,6 +30,7 @@ the workers share the cores).
 
 Usage: ``python benchmarks/sharded_state.py [--part time|memory|all] [--rows 30720]
 [--cnn-rows 2560] [--epochs 3] [--repeats 2] [--workers 2,4,8] [--big-steps 2]
+[--unsharded-max 4]
 [--data /work/shared/data/mnist.npz]``.
 """
 
@@ -34,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import time
 from typing import Any
@@ -51,7 +56,12 @@ def _slot_bytes(dask_worker: Any = None) -> list[int]:
             for r in registered_replicas(dask_worker).values()]
 
 
-def _held(run_id_prefix: str = "", dask_worker: Any = None) -> list[dict[str, int]]:
+#: the unsharded all-reduces' message phases (dasktf.runtime.p2p.algorithms): the
+#: most bytes of any one of them that waited (they follow one another)
+ALLREDUCE_PHASES = ("ds", "dg", "rs", "ag", "rd", "fold", "unfold", "sg")
+
+
+def _held(dask_worker: Any = None) -> list[dict[str, int]]:
     """Per replica on this worker: the bytes of its optimizer variables, its own
     gradient, the summed gradient it keeps and the most of peers' gradient parts
     that waited (see the module)."""
@@ -73,8 +83,11 @@ def _held(run_id_prefix: str = "", dask_worker: Any = None) -> list[dict[str, in
             group = None if link is None else link.group
             summed = own  # the all-reduce's output, whole
             waited = 0 if group is None else max(
-                group.held_peak(p) for p in ("rs", "ag", "rd", "fold", "unfold"))
-        out.append({"slots": slots, "own": own, "summed": summed, "waited": waited})
+                group.held_peak(p) for p in ALLREDUCE_PHASES)
+        out.append({"slots": slots, "own": own, "summed": summed, "waited": waited,
+                    # the worker process's peak resident memory (a fresh cluster
+                    # per run): everything, TensorFlow's and Python's
+                    "peak_rss": 1024 * resource.getrusage(resource.RUSAGE_SELF).ru_maxrss})
     return out
 
 
@@ -162,40 +175,44 @@ def memory_part(args: argparse.Namespace) -> None:
     import dasktf
 
     rng = np.random.default_rng(0)
-    print(f"per-worker bytes, ~50M-parameter model, Adam, {args.big_steps} steps a run "
-          "(the largest worker's; ratio to unsharded; target 1/N + 5% at redundancy 0)")
+    print(f"per-worker bytes, ~50M-parameter model, Adam, {args.big_steps} steps a run, "
+          "a fresh cluster a run (the largest worker's; ratio to unsharded; target "
+          "1/N + 5% at redundancy 0)")
+    base: dict[str, int] | None = None
     for n in args.workers:
         batch = 8 * n
         x = rng.standard_normal((args.big_steps * batch, 2048)).astype(np.float32)
         y = rng.integers(0, 10, len(x)).astype(np.int64)
         before = _load()
         held = {}
-        with dasktf.make_local_cluster(n, tf_threads=1) as cluster, \
-                Client(cluster) as client:
-            client.wait_for_workers(n, timeout=300)
-            for mode in MODES:
-                held[mode] = run(client, big_model(), x, y, 1, batch, n, mode)["held"]
-                client.run(_collect)
-        base = {k: max(h[k] for h in held[None]) for k in held[None][0]}
-        print(f"  N={n} (load average before {before}, after {_load()}); "
-              f"target {1 / n + 0.05:.3f}")
-        for mode in MODES:
-            top = {k: max(h[k] for h in held[mode]) for k in held[mode][0]}
+        # unsharded past --unsharded-max workers: not run (each worker would hold the
+        # whole state: 8 of them do not fit this machine); its slots and gradients a
+        # worker do not depend on N, so the last N's stand
+        modes = [m for m in MODES if m is not None or n <= args.unsharded_max]
+        for mode in modes:
+            with dasktf.make_local_cluster(n, tf_threads=1) as cluster, \
+                    Client(cluster) as client:
+                client.wait_for_workers(n, timeout=300)
+                got = run(client, big_model(), x, y, 1, batch, n, mode)["held"]
+                held[mode] = {k: max(h[k] for h in got) for k in got[0]}
+        if None in held:
+            base = held[None]
+        assert base is not None
+        print(f"  N={n} (load average before {before}, after {_load()}); target "
+              f"{1 / n + 0.05:.3f}" + ("" if None in held else
+                                       "; unsharded: the last N's figures"))
+        base_grad = base["own"] + base["summed"] + base["waited"]
+        for mode in held:
+            top = held[mode]
             grad = top["own"] + top["summed"] + top["waited"]
-            base_grad = base["own"] + base["summed"] + base["waited"]
             print(f"    {mode!s:9s} slots {top['slots'] / 1e6:8.2f} MB "
                   f"({top['slots'] / base['slots']:.3f}x)  own gradient "
                   f"{top['own'] / 1e6:7.2f} MB  summed {top['summed'] / 1e6:7.2f} MB  "
                   f"peers' parts waiting {top['waited'] / 1e6:7.2f} MB  gradients in all "
                   f"{grad / 1e6:7.2f} MB ({grad / base_grad:.3f}x; without the own "
                   f"{(grad - top['own']) / max(1, base_grad - base['own']):.3f}x)  "
-                  f"slots + gradients {(top['slots'] + grad) / (base['slots'] + base_grad):.3f}x")
-
-
-def _collect(dask_worker: Any = None) -> None:
-    import gc
-
-    gc.collect()
+                  f"slots + gradients {(top['slots'] + grad) / (base['slots'] + base_grad):.3f}x"
+                  f"  peak RSS {top['peak_rss'] / 2**30:.2f} GiB")
 
 
 def main() -> None:
@@ -208,6 +225,7 @@ def main() -> None:
     parser.add_argument("--workers", type=lambda s: [int(v) for v in s.split(",")],
                         default=[2, 4, 8])
     parser.add_argument("--big-steps", type=int, default=2)
+    parser.add_argument("--unsharded-max", type=int, default=4)
     parser.add_argument("--data", default=DATA)
     args = parser.parse_args()
     if args.part in ("time", "all"):
