@@ -85,7 +85,8 @@ from dasktf.models import BUILTIN_MODELS
               help="the outer optimizer's learning rate (average: 1, nesterov: 0.7).")
 @click.option("--shard-state", type=click.Choice(["optimizer", "gradients"]),
               default=None, help="with --engine p2p: each worker keeps and applies "
-              "1/N of the optimizer's state (optimizer: ZeRO-1; gradients: not yet).")
+              "1/N of the optimizer's state (optimizer: ZeRO-1; gradients: ZeRO-2, "
+              "the reduce-scatter in buckets too).")
 @click.option("--epochs", "-e", type=click.IntRange(min=1), default=None,
               help="Passes over the data. Default: the data set's own (digits: 5).")
 @click.option("--batch-size", "-b", type=click.IntRange(min=1), default=None,
