@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from dasktf import compat
 from dasktf.exceptions import ShardingError
 from dasktf.runtime.keras_step import SignatureFunction
 from dasktf.runtime.p2p.algorithms import chunk_edges, values_of
@@ -139,7 +140,7 @@ class ShardOptimizer:
         #: per optimizer variable: the trainable variable it is a slot of, or -1
         self.layout = [_piece_of(v) for v in opt.variables]
         self._continue(whole)
-        replica.model.optimizer = opt
+        compat.replace_optimizer(replica.model, opt)  # the whole one's slots freed
         self.variables = replica.variables
         #: the most bytes of the peers' gradient parts that waited here (sharded_step)
         self.held = 0
