@@ -55,6 +55,9 @@ if TYPE_CHECKING:
 #: The values of ``shard_state``: ``"gradients"`` (ZeRO-2) buckets the
 #: reduce-scatter (:mod:`dasktf.runtime.p2p.buckets`).
 SHARD_STATES = ("optimizer", "gradients")
+
+#: The most bytes of weights :meth:`ShardOptimizer.take` writes in one TensorFlow call.
+TAKE_IN_ONE_CALL = 16 << 20
 _PIECE = re.compile(r"dasktfpiece(\d+)x")
 
 
@@ -194,8 +197,17 @@ class ShardOptimizer:
             v.assign(tf.reshape(part, shape))
 
     def take(self, flat: np.ndarray) -> None:
-        """The model's weights from the all-gather's flat buffer."""
-        self._take(flat)
+        """The model's weights from the all-gather's flat buffer: in one TensorFlow
+        call for a small model (a call's fixed cost dominates), else variable by
+        variable from views of ``flat`` (the one call's input and split outputs are
+        two more whole copies of the weights: the sharded step's memory peak)."""
+        if 4 * len(flat) <= TAKE_IN_ONE_CALL:
+            self._take(flat)
+            return
+        at = 0
+        for v, size, shape in zip(self.variables, self.sizes, self.shapes, strict=True):
+            v.assign(flat[at:at + size].reshape(shape))
+            at += size
 
     def apply(self, chunk: np.ndarray, count: float,
               exchange: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
