@@ -168,6 +168,53 @@ def child(path: str, mode: str, n: int) -> None:
     print(json.dumps(sampler.phases))
 
 
+def _start_sampler(dask_worker: Any = None) -> int:
+    """A :class:`Sampler` on this worker (kept on the worker object)."""
+    dask_worker.dasktf_peak_sampler = Sampler()
+    return dask_worker.dasktf_peak_sampler._proc.memory_info().rss
+
+
+def _read_sampler(dask_worker: Any = None) -> dict[str, int]:
+    sampler = dask_worker.dasktf_peak_sampler
+    sampler.phase("fit", 0)
+    return {"start": sampler.phases[0]["rss"] if len(sampler.phases) == 1 else 0,
+            "peak": max(p["peak"] for p in sampler.phases),
+            "end": sampler.phases[-1]["rss"]}
+
+
+def fit_part(args: argparse.Namespace) -> None:
+    """Each mode in a real ``dasktf.fit`` (a fresh cluster each): every worker's
+    resident set before the run, its peak during it and at its end."""
+    import keras
+    from distributed import Client
+
+    import dasktf
+
+    rng = np.random.default_rng(0)
+    n, batch = args.workers, args.batch * args.workers
+    x = rng.standard_normal((args.steps * batch, args.inputs)).astype(np.float32)
+    y = rng.integers(0, 10, len(x)).astype(np.int64)
+    mib = 2**20
+    print(f"dasktf.fit, {n} workers, {args.steps} steps, global batch {batch}, Adam; "
+          f"load average {' '.join(open('/proc/loadavg').read().split()[:3])}")
+    for mode in args.modes.split(","):
+        with dasktf.make_local_cluster(n, tf_threads=1) as cluster, Client(cluster) as client:
+            client.wait_for_workers(n, timeout=300)
+            client.run(_start_sampler)
+            keras.utils.set_random_seed(0)
+            dasktf.fit(big_model(args.inputs, args.units), x, y, client=client, n_workers=n,
+                       epochs=1, batch_size=batch, optimizer="adam", learning_rate=1e-3,
+                       loss="sparse_categorical_crossentropy", shuffle=False, seed=0,
+                       verbose=0, engine="p2p",
+                       shard_state=None if mode == "none" else mode)
+            got = client.run(_read_sampler)
+        peaks = sorted(g["peak"] / mib for g in got.values())
+        ends = sorted(g["end"] / mib for g in got.values())
+        print(f"  {mode:9s} workers' peak RSS {', '.join(f'{p:.0f}' for p in peaks)} MiB;"
+              f" at the end {', '.join(f'{e:.0f}' for e in ends)} MiB")
+    print(f"load average after {' '.join(open('/proc/loadavg').read().split()[:3])}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--inputs", type=int, default=2048)
@@ -176,8 +223,14 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--modes", default="none,optimizer")
+    parser.add_argument("--fit", action="store_true",
+                        help="each mode in a real dasktf.fit instead (see fit_part)")
+    parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.fit:
+        fit_part(args)
+        return
     if args.child:
         child(args.child[0], args.child[1], int(args.child[2]))
         return
