@@ -65,3 +65,69 @@ def test_take_writes_the_gathered_weights(monkeypatch, in_one_call):
     shard.take(flat)
     np.testing.assert_array_equal(replica.flat_weights(), kept)
     np.testing.assert_array_equal(flat, kept)
+
+
+#: no spilling or pausing (they act on Dask's data, not TensorFlow's); the nanny
+#: checks often enough to see a step's short peak
+_MEMORY = {"distributed.worker.memory.target": False,
+           "distributed.worker.memory.spill": False,
+           "distributed.worker.memory.pause": False,
+           "distributed.worker.memory.terminate": 0.95,
+           "distributed.worker.memory.monitor-interval": "10ms"}
+
+
+def _resident_after_import(dask_worker=None) -> int:
+    import psutil
+    import tensorflow  # noqa: F401
+
+    import dasktf.runtime.replica  # noqa: F401
+
+    return int(psutil.Process().memory_info().rss)
+
+
+def _limit_nanny(limit: int, dask_worker=None) -> None:
+    """Lower this nanny's memory limit (its monitor reads it at every check)."""
+    dask_worker.memory_manager.memory_limit = limit
+
+
+#: A worker's budget over its resident set once TensorFlow is imported, in bytes
+#: of the model's weights: measured (benchmarks/replica_peak.py --fit, 4 workers,
+#: 16.8M parameters), unsharded runs peak about 12.5x over it, "gradients" 10x.
+BUDGET_IN_WEIGHTS = 11.3
+
+
+@pytest.mark.slow
+def test_a_model_only_sharding_fits():
+    """Under the same per-worker limit (the nanny ends a worker past it), the
+    unsharded run stops with WorkerLostError and the sharded one trains."""
+    import dask
+
+    import dasktf
+    from dasktf.exceptions import WorkerLostError
+    from dasktf.testing import own_cluster
+
+    n, batch = 4, 128
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4 * batch, 2048)).astype(np.float32)
+    y = rng.integers(0, 10, len(x)).astype(np.int64)
+
+    def run(shard_state):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((2048,))] + [
+            keras.layers.Dense(2048, activation="relu") for _ in range(4)
+        ] + [keras.layers.Dense(10, activation="softmax")])  # 16.8M parameters
+        weights = 4 * model.count_params()
+        with dask.config.set(_MEMORY), own_cluster(n, memory_limit="8GiB") as (_, client):
+            base = max(client.run(_resident_after_import).values())
+            limit = int((base + BUDGET_IN_WEIGHTS * weights) / 0.95)
+            client.run(_limit_nanny, limit, nanny=True)
+            return dasktf.fit(model, x, y, client=client, n_workers=n, epochs=2,
+                              batch_size=batch, optimizer="adam", learning_rate=1e-3,
+                              loss="sparse_categorical_crossentropy", shuffle=False,
+                              seed=0, verbose=0, engine="p2p", shard_state=shard_state,
+                              on_worker_loss="raise")
+
+    with pytest.raises(WorkerLostError):
+        run(None)
+    history = run("gradients")
+    assert len(history.history["loss"]) == 2
