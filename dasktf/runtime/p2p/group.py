@@ -312,6 +312,11 @@ class Group:
             future.result()  # a send that failed otherwise than by a lost connection
             self._pending.popleft()
 
+    @property
+    def failed(self) -> concurrent.futures.Future[None]:
+        """Done once the group failed here (a peer lost, an abort)."""
+        return self._ep.mailbox.failed
+
     # -- ending -----------------------------------------------------------------------
     def abort(self, reason: str) -> None:
         """Fail the group here and on every other member (the run stops)."""
