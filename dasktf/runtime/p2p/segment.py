@@ -153,7 +153,7 @@ def _span(replica: Replica, group: Group, segment: Segment, peers: Link, here: s
         result = _segment(replica, group, segment, peers, here)
         peers.gate.put(segment.epoch, result)
         if result.stopped is not None or not peers.gate.wait_word(
-                segment.epoch, group.failed, timeout):
+                segment.epoch, group, timeout):
             return result
         segment = dataclasses.replace(segment, epoch=segment.epoch + 1, first=0,
                                       update_base=segment.update_base + units)

@@ -17,11 +17,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from dasktf.exceptions import CollectiveAbortedError
 
 if TYPE_CHECKING:
+    from dasktf.runtime.p2p.group import Group
     from dasktf.runtime.p2p.segment import SegmentResult
 
 
@@ -52,25 +53,28 @@ class Gate:
         for loop, event in waiters:
             loop.call_soon_threadsafe(event.set)
 
-    def wait_word(self, epoch: int, failed: concurrent.futures.Future[Any],
-                  timeout: float) -> bool:
+    def wait_word(self, epoch: int, group: Group, timeout: float) -> bool:
         """The client's word after epoch ``epoch``: whether to go on.
 
         Raises
         ------
+        PeerLostError
+            A member of ``group`` was lost meanwhile (its failure, as its next
+            collective would have raised it).
         CollectiveAbortedError
-            The group failed meanwhile (a peer lost, the run aborted it), or no
-            word came within ``timeout`` (the client is gone: its run's release
-            closes the gate before that, as a rule).
+            The run aborted the group, or no word came within ``timeout`` (the
+            client is gone: its run's release closes the gate before that, as a
+            rule).
         """
         word = self._word(epoch)
-        concurrent.futures.wait([word, failed], timeout,
+        concurrent.futures.wait([word, group.failed], timeout,
                                 concurrent.futures.FIRST_COMPLETED)
+        if word.done() and not word.result():
+            return False
+        if group.failure is not None:  # told to go on or not: the group cannot
+            raise group.failure
         if word.done():
-            return word.result()
-        if failed.done():
-            raise CollectiveAbortedError(
-                f"the group failed while waiting for the client after epoch {epoch + 1}")
+            return True
         raise CollectiveAbortedError(
             f"no word from the client within {timeout:g}s after epoch {epoch + 1}")
 
