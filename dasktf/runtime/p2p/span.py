@@ -17,13 +17,16 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dasktf.exceptions import CollectiveAbortedError
 
 if TYPE_CHECKING:
     from dasktf.runtime.p2p.group import Group
-    from dasktf.runtime.p2p.segment import SegmentResult
+
+#: an epoch's :class:`~dasktf.runtime.p2p.segment.SegmentResult` (not imported:
+#: the segment imports this module through its link)
+SegmentResult = Any
 
 
 class Gate:
