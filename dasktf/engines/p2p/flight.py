@@ -27,6 +27,7 @@ from distributed import wait
 from dasktf import config
 from dasktf.cluster.waits import RunContext, call_watched, wait_for
 from dasktf.engines.batch import TaskBatch
+from dasktf.exceptions import CollectiveAbortedError, WorkerLostError
 from dasktf.runtime.p2p.links import request_stop
 from dasktf.runtime.p2p.plugin import abort_group
 from dasktf.runtime.p2p.segment import Segment, SegmentResult, segment_task
@@ -131,8 +132,16 @@ class Flight:
             return
         self._ask(self.members, "dasktf_p2p_word", config.get_seconds("poll-interval") * 4,
                   run=self.ctx.run_id, epoch=self.spanning, go=False)
-        wait_for(self.ctx, self.futures, f"the end of epoch {self.spanning + 1}")
-        self.release()
+        try:
+            wait_for(self.ctx, self.futures, f"the end of epoch {self.spanning + 1}")
+        except (WorkerLostError, CollectiveAbortedError):
+            # a member lost after the last epoch the client read: nothing trained
+            # went with it (the caller's own checks name the loss, as after a
+            # per-epoch segment); the others' tasks are let go
+            tell_workers(self.ctx, abort_group, [self.gid, "the span ended"],
+                         self.members)
+        finally:
+            self.release()
 
     def _ask(self, workers: list[str], op: str, timeout: float, **kwargs: Any
              ) -> dict[str, Any]:
