@@ -27,7 +27,7 @@ from distributed import wait
 from dasktf import config
 from dasktf.cluster.waits import RunContext, call_watched, wait_for
 from dasktf.engines.batch import TaskBatch
-from dasktf.exceptions import CollectiveAbortedError, WorkerLostError
+from dasktf.exceptions import CollectiveAbortedError, ReplicaError, WorkerLostError
 from dasktf.runtime.p2p.links import request_stop
 from dasktf.runtime.p2p.plugin import abort_group
 from dasktf.runtime.p2p.segment import Segment, SegmentResult, segment_task
@@ -132,12 +132,17 @@ class Flight:
             return
         self._ask(self.members, "dasktf_p2p_word", config.get_seconds("poll-interval") * 4,
                   run=self.ctx.run_id, epoch=self.spanning, go=False)
+        # (a member the run went on without since, at its end, is not waited for)
+        mine = [f for f, w in zip(self.futures, self.members, strict=True)
+                if w in self.ctx.workers]
         try:
-            wait_for(self.ctx, self.futures, f"the end of epoch {self.spanning + 1}")
-        except (WorkerLostError, CollectiveAbortedError):
-            # a member lost after the last epoch the client read: nothing trained
-            # went with it (the caller's own checks name the loss, as after a
-            # per-epoch segment); the others' tasks are let go
+            wait_for(self.ctx, mine, f"the end of epoch {self.spanning + 1}")
+        except (WorkerLostError, CollectiveAbortedError, ReplicaError) as exc:
+            # Once the client read the last epoch, a task only waits for its word,
+            # and fails only with its group (a member lost since, which took nothing
+            # trained along: the caller's own checks name it, as after a per-epoch
+            # segment); the others' tasks are let go.
+            logger.debug("run %s: the span's end: %s", self.ctx.run_id, exc)
             tell_workers(self.ctx, abort_group, [self.gid, "the span ended"],
                          self.members)
         finally:

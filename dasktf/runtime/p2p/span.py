@@ -30,8 +30,9 @@ SegmentResult = Any
 
 
 class Gate:
-    """One run's epoch results waiting for the client, and the client's words
-    (``True``: go on after that epoch; ``False``: end there)."""
+    """One run's epoch results waiting for the client (each kept until the word
+    that follows it), and the client's words (``True``: go on after that epoch;
+    ``False``: end there)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -49,7 +50,7 @@ class Gate:
 
     # -- the training thread ------------------------------------------------------
     def put(self, epoch: int, result: SegmentResult) -> None:
-        """File epoch ``epoch``'s result for the client (which takes it once)."""
+        """File epoch ``epoch``'s result for the client."""
         with self._lock:
             self._results[epoch] = result
             waiters = list(self._waiters)
@@ -94,16 +95,22 @@ class Gate:
 
     # -- the event loop (the client's calls) ------------------------------------------
     def say(self, epoch: int, go: bool) -> None:
+        """The client's word after epoch ``epoch`` (it has read the results up to
+        there, which are dropped)."""
+        with self._lock:
+            for done in [e for e in self._results if e <= epoch]:
+                del self._results[done]
         word = self._word(epoch)
         if not word.done():
             word.set_result(bool(go))
 
     async def take(self, epoch: int, wait: float) -> SegmentResult | None:
-        """Epoch ``epoch``'s result, waiting up to ``wait`` seconds for it."""
+        """Epoch ``epoch``'s result, waiting up to ``wait`` seconds for it; kept
+        until the client's word (an answer lost on its way is asked for again)."""
         event = asyncio.Event()
         entry = (asyncio.get_running_loop(), event)
         with self._lock:
-            found = self._results.pop(epoch, None)
+            found = self._results.get(epoch)
             if found is None:
                 self._waiters.append(entry)
         if found is not None:
@@ -114,4 +121,4 @@ class Gate:
             pass
         with self._lock:
             self._waiters.remove(entry)
-            return self._results.pop(epoch, None)
+            return self._results.get(epoch)
