@@ -54,13 +54,16 @@ class RunContext:
 
 
 def wait_for(ctx: RunContext, futures: list[Future], what: str,
-             tick: Callable[[], None] | None = None, tick_interval: float = 0.05) -> None:
+             tick: Callable[[], None] | None = None, tick_interval: float = 0.05,
+             until: Callable[[float], bool] | None = None) -> None:
     """Wait for ``futures`` without ever hanging on a dead peer.
 
     Checks every ``dasktf.poll-interval`` that the run's workers are alive and fails
     after ``dasktf.step-timeout``, naming the workers that have not answered.
     ``tick``: called every ``tick_interval`` seconds while waiting (an engine
-    following its long-running tasks' progress).
+    following its long-running tasks' progress). ``until(seconds)``: waits up to
+    that long for something else the caller waits for (instead of the futures),
+    ``True`` once it came: the wait then ends too, the futures still running.
     """
     poll = config.get_seconds("poll-interval")
     interval = poll if tick is None else min(poll, tick_interval)
@@ -68,9 +71,12 @@ def wait_for(ctx: RunContext, futures: list[Future], what: str,
     deadline = Deadline(config.get_seconds("step-timeout"))
     pending = list(futures)
     while True:
-        quiet = False
+        quiet = came = False
         try:
-            wait(pending, timeout=interval, return_when="FIRST_COMPLETED")
+            if until is None:
+                wait(pending, timeout=interval, return_when="FIRST_COMPLETED")
+            else:
+                came = until(interval)
         except TimeoutError:
             quiet = tick is None
         if tick is not None:
@@ -89,7 +95,7 @@ def wait_for(ctx: RunContext, futures: list[Future], what: str,
             check_alive(ctx, what)  # a task lost with its worker: say so, by name
             raise_task_error(errored[0], what)
         pending = [f for f in pending if f.status != "finished"]
-        if not pending:
+        if came or not pending:
             return
         # After a quiet poll interval, not each time one of several futures
         # finishes: the check asks the scheduler for every worker's identity

@@ -12,6 +12,22 @@ the steps; the client sees the steps through replica 0's loss records
 of a segment once the segment is over (a checkpoint there reads the replicas as
 they stand).
 
+Segments span epochs (``dasktf.p2p.span-epochs``, on by default): a fit with no
+``checkpoint_every`` grid inside its epochs submits one task per worker for all its
+epochs, or for each stretch between two re-forms (:meth:`P2PEngine._spanned`). The
+workers end each epoch as an epoch's last segment does (moving statistics averaged,
+validation, the report) and wait there: the client reads their results straight
+from them and starts the next epoch with a word to each, over its own connections
+to the workers (:mod:`dasktf.runtime.p2p.span`): nothing per epoch reaches the
+scheduler. Why they wait rather than run ahead while the client hears of the epoch:
+everything the client does at an epoch end (the callbacks: a learning rate they
+set, ``stop_training``, EarlyStopping's weights; a checkpoint; a re-form) then
+meets the replicas exactly where a per-epoch segment left them, so every such run
+stays exact with no list of callbacks known to be harmless to keep up; the wait is
+one round trip to each worker, which a per-epoch segment also paid (its submission
+through the scheduler, and more). A stop voted mid-epoch ends the spanning segment
+there as it ends a per-epoch one; a re-form, the fit's end or a loss ends it too.
+
 A callback's ``stop_training`` reaches the workers as one ``client.run`` that sets
 their stop vote; the vote rides on the next step's collective, so every replica
 stops after the same update and the epoch ends there.
@@ -35,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dasktf import compat
+from dasktf import compat, config
 from dasktf.cluster.waits import RunContext, call_watched, wait_for
 from dasktf.engines.base import Capabilities, Engine, RunHooks
 from dasktf.engines.mirrored import Mirrored
@@ -144,6 +160,10 @@ class P2PEngine(Mirrored, Engine):
 
     def _epoch(self, epoch: int, on_step: Callable[[int], None] | None, start: int
                ) -> list[EpochReport]:
+        if (self.keep_every is None and not self.reform_needed
+                and not self.stop_requested and config.get("p2p.span-epochs")):
+            return self._spanned(epoch, on_step, start)
+        self.flight.end_span()
         units = self.units_per_epoch
         step = start
         while True:
@@ -161,6 +181,26 @@ class P2PEngine(Mirrored, Engine):
             if results[0].report is not None:
                 return self._end_epoch(results)
             step = done + 1
+
+    def _spanned(self, epoch: int, on_step: Callable[[int], None] | None, start: int
+                 ) -> list[EpochReport]:
+        """Epoch ``epoch`` (from step ``start``) of the segment spanning epochs:
+        the one in flight goes on, waiting after the previous epoch, or a new one
+        starts here (see the module)."""
+        units, flight = self.units_per_epoch, self.flight
+        if flight.spanning == epoch - 1 and start == 0:
+            flight.go(epoch)
+        else:
+            flight.end_span()
+            segment = self._plan(epoch, start, units - 1, True, spans=True)
+            flight.span(segment, f"dasktf-segment-{self.ctx.run_id}-{epoch}-{start}-"
+                                 f"{self.generation}-span")
+        results = flight.epoch_results(self._ticker(on_step, units - 1))
+        done = results[0].last
+        if results[0].stopped is not None:
+            self._stopped(done, results[0].stopped)
+        self._tell(on_step, done)
+        return self._end_epoch(results)
 
     def _weighed(self, results: list[SegmentResult]) -> list[SegmentResult]:
         """The survivors' results of an epoch they ended, the first one carrying the
@@ -196,15 +236,25 @@ class P2PEngine(Mirrored, Engine):
     def _segment(self, epoch: int, first: int, last: int, ends: bool,
                  on_step: Callable[[int], None] | None) -> list[SegmentResult]:
         """Run steps ``first..last`` on every worker; their results."""
-        ctx = self.ctx
-        segment = Segment(group_spec(self.gid, ctx.workers, self.spec.compression), epoch,
-                          first, last, self.update_base, ends,
-                          scale=1.0 / max(1, self.batch_size),
-                          average_stats=self.average_stats,
-                          stop_on_nonfinite=self.hooks.stop_on_nonfinite,
-                          shard_state=self.shard_state)
+        segment = self._plan(epoch, first, last, ends)
+        key = f"dasktf-segment-{self.ctx.run_id}-{epoch}-{first}-{self.generation}"
+        return self.flight.run(segment, key, self._ticker(on_step, last))
 
-        def tick() -> None:  # the steps the client hears of, and a stop to pass on
+    def _plan(self, epoch: int, first: int, last: int, ends: bool, spans: bool = False
+              ) -> Segment:
+        return Segment(group_spec(self.gid, self.ctx.workers, self.spec.compression),
+                       epoch, first, last, self.update_base, ends,
+                       scale=1.0 / max(1, self.batch_size),
+                       average_stats=self.average_stats,
+                       stop_on_nonfinite=self.hooks.stop_on_nonfinite,
+                       shard_state=self.shard_state, spans=spans)
+
+    def _ticker(self, on_step: Callable[[int], None] | None, last: int
+                ) -> Callable[[], None]:
+        """What a wait for steps up to ``last`` calls meanwhile: ``on_step`` for
+        the steps the client heard of (not ``last``: it is told with the results),
+        and a stop requested passed on."""
+        def tick() -> None:
             heard = self.hooks.heard()
             if heard is not None:
                 self._tell(on_step, min(heard - self.update_base, last - 1))
@@ -212,8 +262,7 @@ class P2PEngine(Mirrored, Engine):
                 self._stop_sent = True
                 self.flight.request_stop()
 
-        key = f"dasktf-segment-{ctx.run_id}-{epoch}-{first}-{self.generation}"
-        return self.flight.run(segment, key, tick)
+        return tick
 
     def _stopped(self, done: int, why: str) -> None:
         """The record of an epoch the workers ended after step ``done``: the update,
@@ -249,6 +298,7 @@ class P2PEngine(Mirrored, Engine):
                 "recover from lost workers.")
 
     def reform(self, schedule: np.ndarray) -> None:
+        self.flight.end_span()  # its replicas are about to be rebuilt
         if self.shard_state is not None:
             raise ShardingError(
                 "workers joined or left a run with shard_state='optimizer', which "
@@ -288,6 +338,10 @@ class P2PEngine(Mirrored, Engine):
         reconcile.load_state(self.ctx, state)
 
     # -- the end ------------------------------------------------------------------------
+    def finish(self) -> None:
+        """End a segment spanning epochs, waiting after the fit's last one."""
+        self.flight.end_span()
+
     def close(self) -> None:
         """A segment still running (the run failed): abort its group, release it."""
         self.flight.abort("the run ended")

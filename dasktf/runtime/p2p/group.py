@@ -317,6 +317,16 @@ class Group:
             future.result()  # a send that failed otherwise than by a lost connection
             self._pending.popleft()
 
+    @property
+    def failed(self) -> concurrent.futures.Future[None]:
+        """Done once the group failed here (a peer lost, an abort)."""
+        return self._ep.mailbox.failed
+
+    @property
+    def failure(self) -> BaseException | None:
+        """Why the group failed here (``None``: it did not)."""
+        return self._ep.mailbox.failure
+
     # -- ending -----------------------------------------------------------------------
     def abort(self, reason: str) -> None:
         """Fail the group here and on every other member (the run stops)."""
