@@ -83,7 +83,7 @@ def _held(dask_worker: Any = None) -> list[dict[str, int]]:
             group = None if link is None else link.group
             summed = own  # the all-reduce's output, whole
             waited = 0 if group is None else max(
-                group.held_peak(p) for p in ALLREDUCE_PHASES)
+                group.mailbox.peak.get(p, 0) for p in ALLREDUCE_PHASES)
         out.append({"slots": slots, "own": own, "summed": summed, "waited": waited,
                     # the worker process's peak resident memory (a fresh cluster
                     # per run): everything, TensorFlow's and Python's

@@ -393,7 +393,7 @@ def sharded_step(replica: Replica, group: Group, grad: GradientSum, update: int,
     flat, sums = group.allreduce(total, update, scalars,
                                  runner=functools.partial(collective, apply))
     assert sums is not None
-    shard.held = max(group.held_peak("zs"), group.held_peak("zb"))
+    shard.held = max(group.mailbox.peak.get(p, 0) for p in ("zs", "zb"))
     if claimed:
         with replica.apply_lock:
             shard.take(flat)

@@ -71,12 +71,12 @@ class Gate:
             rule).
         """
         word = self._word(epoch)
-        concurrent.futures.wait([word, group.failed], timeout,
+        concurrent.futures.wait([word, group.mailbox.failed], timeout,
                                 concurrent.futures.FIRST_COMPLETED)
         if word.done() and not word.result():
             return False
-        if group.failure is not None:  # told to go on or not: the group cannot
-            raise group.failure
+        if group.mailbox.failure is not None:  # told to go on or not: the group cannot
+            raise group.mailbox.failure
         if word.done():
             return True
         raise CollectiveAbortedError(
