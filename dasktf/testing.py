@@ -140,10 +140,12 @@ def kill_worker_at_update(client: Client, address: str, update: int,
     """Arm the worker at ``address`` to SIGKILL itself at global update ``update`` of
     the next ``engine="p2p"`` run there (its nanny told first not to restart it):
     ``where="step"`` as that update's step begins, ``"allreduce"`` in the middle of
-    its all-reduce, once its first message reached the peer's end of the connection.
+    its all-reduce, once its first message reached the peer's end of the connection,
+    ``"allgather"`` likewise with its first message of a sharded step's all-gather
+    (``shard_state``: every member has applied its slice by then).
     Deterministic, where a client-side :class:`KillWorkerAt` hears of steps late."""
-    if where not in ("step", "allreduce"):
-        raise ValueError(f"where must be 'step' or 'allreduce'; got {where!r}.")
+    if where not in ("step", "allreduce", "allgather"):
+        raise ValueError(f"where must be 'step', 'allreduce' or 'allgather'; got {where!r}.")
     try:
         client.run(_no_restart, nanny=True, workers=[address])
     except Exception:  # noqa: BLE001 - no nanny: nothing restarts it anyway
@@ -162,7 +164,7 @@ def _arm_kill(update: int, where: str, dask_worker: Any = None) -> None:
             die()
 
     def at_send(g: Any, dest: int, key: Any, acknowledged: Any) -> None:
-        if key.step == update:
+        if key.step == update and (where == "allreduce" or key.phase == "zg"):
             acknowledged.result(timeout=60)  # the peer's kernel holds the message
             die()
 

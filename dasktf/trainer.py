@@ -232,8 +232,12 @@ class Trainer:
         ``None`` (default): every replica holds the whole optimizer.
         ``"optimizer"`` (``engine="p2p"``; ZeRO-1): each worker keeps and applies
         1/N of the optimizer's state, exactly (docs/sharding.md); refused with the
-        reason where not supported yet (``"gradients"``, codecs, local steps,
-        checkpoints, a lost worker).
+        reason where not supported yet (``"gradients"``, codecs, local steps).
+    redundancy
+        With ``shard_state``: ``1`` (default) keeps each slice of the optimizer
+        on a second worker as well ((1 + 1)/N of it a worker), so a lost worker
+        costs no update and the run goes on exactly; ``0`` keeps one copy (1/N),
+        and a lost worker stops the run (resume from a checkpoint).
 
     Examples
     --------

@@ -65,6 +65,9 @@ class Segment:
     #: ``"optimizer"``: each member applies the optimizer to its slice of the
     #: parameters (:mod:`dasktf.runtime.p2p.sharding`); ``None``: to all of them
     shard_state: str | None = None
+    #: with ``shard_state``: copies of each slice besides its owner's
+    #: (:mod:`dasktf.runtime.p2p.redundancy`)
+    redundancy: int = 0
 
 
 @dataclass
@@ -157,7 +160,8 @@ def _steps(replica: Replica, group: Group, segment: Segment, peers: Link, here: 
         votes = _votes(peers.stop, statistics)
         sharded = segment.shard_state is not None
         if sharded:  # summed, applied and the weights taken, in one collective
-            summed, sums = sharded_step(replica, group, out, update, size, votes)
+            summed, sums = sharded_step(replica, group, out, update, size, votes,
+                                        segment.redundancy)
         else:
             summed, sums = allreduce_step(group, out, update, size=size,
                                           scale=segment.scale, votes=votes)

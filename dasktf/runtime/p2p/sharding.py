@@ -99,7 +99,8 @@ class ShardOptimizer:
     the whole one's slots are dropped, so a worker holds 1/N of them.
     """
 
-    def __init__(self, replica: Replica, rank: int, n: int) -> None:
+    def __init__(self, replica: Replica, rank: int, n: int, take_over: bool = True
+                 ) -> None:
         import keras
         import tensorflow as tf
 
@@ -116,6 +117,8 @@ class ShardOptimizer:
         if why is not None:
             raise ValueError(why)
         config = whole.get_config()
+        #: the whole optimizer's config: one is built again to re-cut the slices
+        self.config = dict(config)
         # Clipping by a norm needs the norm of each whole variable (clipnorm) or of
         # all of them (global_clipnorm): summed across the slices (:meth:`scales`)
         # and applied here as a factor per variable, not by the slice's optimizer.
@@ -130,7 +133,8 @@ class ShardOptimizer:
         #: per optimizer variable: the trainable variable it is a slot of, or -1
         self.layout = [_piece_of(v) for v in opt.variables]
         self._continue(whole)
-        replica.model.optimizer = opt
+        if take_over:  # (a redundant copy of another rank's slice does not)
+            replica.model.optimizer = opt
         self.variables = replica.variables
         self.shapes = list(replica.shapes)
         # the short call path (one concrete function, arguments handed flat): a
@@ -187,8 +191,22 @@ class ShardOptimizer:
               exchange: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
         """:meth:`_apply_body` on NumPy values; ``exchange`` sums a small vector
         over the members (every member calls it, or none)."""
-        scales = self.scales(chunk, count, exchange)
+        return self.apply_scaled(chunk, count, self.scales(chunk, count, exchange))
+
+    def apply_scaled(self, chunk: np.ndarray, count: float, scales: np.ndarray
+                     ) -> np.ndarray:
+        """:meth:`_apply_body` with the clipping factors ``scales`` known."""
         return np.asarray(self._apply(chunk, np.float32(count), scales))
+
+    def step(self, replica: Replica, update: int, chunk: np.ndarray, count: int,
+             exchange: Callable[[np.ndarray], np.ndarray],
+             relay: Callable[[np.ndarray], np.ndarray]) -> np.ndarray | None:
+        """Apply ``update`` (its summed slice ``chunk`` over ``count`` examples)
+        here if the replica claims it; the slice's new values, ``None`` if not
+        (``relay``: unused here, see :mod:`dasktf.runtime.p2p.redundancy`)."""
+        if not (count and replica.claim_update(update)):
+            return None
+        return self.apply(chunk, count, exchange)
 
     def scales(self, chunk: np.ndarray, count: float,
                exchange: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
@@ -259,18 +277,30 @@ def sharded_update(apply: Callable[..., np.ndarray],
         acc = np.array(part, np.float32, copy=True) if acc is None else acc + part
         total = np.array(theirs, copy=True) if total is None else total + theirs
     assert acc is not None and total is not None
+    calls = 0
+
     def exchange(vector: np.ndarray) -> np.ndarray:
-        """``vector`` (float64) summed over the members in rank order."""
+        """``vector`` (float64) summed over the members in rank order (the
+        ``calls``-th exchange of this step: a step may have several)."""
+        nonlocal calls
+        calls += 1
         for k in range(1, n):
-            t.send((r + k) % n, Key(step, "zn", 0, r), (np.zeros(0, np.float32), vector))
+            t.send((r + k) % n, Key(step, "zn", calls, r), (np.zeros(0, np.float32), vector))
         out = None
         for source in range(n):
-            theirs = vector if source == r else t.recv(source, Key(step, "zn", 0, source))[1]
+            theirs = (vector if source == r else
+                      t.recv(source, Key(step, "zn", calls, source))[1])
             out = np.array(theirs, np.float64) if out is None else out + theirs
         assert out is not None
         return out
 
-    mine = np.ascontiguousarray(apply(acc, total, exchange), np.float32)
+    def relay(values: np.ndarray) -> np.ndarray:
+        """``values`` to the next rank; what the previous rank relayed here."""
+        t.send((r + 1) % n, Key(step, "zf", 0, r), (values, None))
+        got, _ = t.recv((r - 1) % n, Key(step, "zf", 0, (r - 1) % n))
+        return np.array(values_of(got), np.float32, copy=True)
+
+    mine = np.ascontiguousarray(apply(acc, total, exchange, relay), np.float32)
     out = np.empty(buf.size, np.float32)
     out[seg(r)] = mine
     for k in range(1, n):
@@ -314,20 +344,28 @@ def assemble_optimizer(states: list[dict[str, Any]], shapes: list[tuple[int, ...
 
 
 def sharded_step(replica: Replica, group: Group, grad: GradientSum, update: int,
-                 size: int, votes: np.ndarray) -> tuple[GradientSum, np.ndarray]:
+                 size: int, votes: np.ndarray, redundancy: int = 0
+                 ) -> tuple[GradientSum, np.ndarray]:
     """:func:`~dasktf.runtime.p2p.gradients.allreduce_step` of a sharded run: the
     step's gradient summed, applied slice by slice and the new weights taken, in
     one collective. Returns the sum (without its buffer: no member holds it whole)
-    and the summed votes, the same on every member."""
+    and the summed votes, the same on every member. ``redundancy=1``: each slice
+    is kept on a second member too (:mod:`dasktf.runtime.p2p.redundancy`)."""
     shard = replica.shard_optimizer
     if shard is None:  # the first step: the slice takes over the optimizer
-        shard = replica.shard_optimizer = ShardOptimizer(replica, group.rank, group.size)
+        if redundancy and group.size > 1:
+            from dasktf.runtime.p2p.redundancy import RedundantShard
+
+            shard = RedundantShard(replica, group.rank, group.size)
+        else:
+            shard = ShardOptimizer(replica, group.rank, group.size)
+        replica.shard_optimizer = shard
     elif (shard.rank, shard.n) != (group.rank, group.size):
         raise ShardingError(
             f"replica {replica.index} holds slice {shard.rank} of {shard.n} of the "
-            f"optimizer, and its group is now rank {group.rank} of {group.size}: "
-            "shard_state='optimizer' cannot re-shard the optimizer over other "
-            "workers yet (issue 38); run without shard_state, or on fixed workers.")
+            f"optimizer, and its group is now rank {group.rank} of {group.size}, with "
+            "no re-cut of the slices in between (a state loaded: "
+            ":func:`dasktf.runtime.p2p.redundancy.reshard_task`); this is a dasktf bug.")
     total = (np.zeros(size, np.float32) if grad.total is None
              else np.asarray(grad.total, np.float32).ravel())
     scalars = np.concatenate([[grad.count, grad.loss_sum, grad.square_sum],
@@ -335,11 +373,12 @@ def sharded_step(replica: Replica, group: Group, grad: GradientSum, update: int,
     claimed = False
 
     def apply(chunk: np.ndarray, sums: np.ndarray,
-              exchange: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+              exchange: Callable[[np.ndarray], np.ndarray],
+              relay: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
         nonlocal claimed
-        count = round(float(sums[0]))
-        claimed = bool(count) and replica.claim_update(update)
-        return shard.apply(chunk, count, exchange) if claimed else shard.own_values()
+        new = shard.step(replica, update, chunk, round(float(sums[0])), exchange, relay)
+        claimed = new is not None
+        return shard.own_values() if new is None else new
 
     runner = functools.partial(sharded_update, apply)
     flat, sums = group.allreduce(total, update, scalars, runner=runner)
