@@ -7,11 +7,13 @@ N), its *backup*, and applies to it the very update its owner applies:
 
 * the owner relays its summed slice (the reduce-scatter's output, the same bits)
   to the next rank, which applies it to its copy with the same optimizer, the same
-  clipping factors and the same learning rate, so both copies hold the same values.
-  That costs 1/N of the gradient's bytes a worker and step (``relay``), where the
-  owner sending its updated slots would cost a slot's bytes per slot (Adam: 2/N of
-  the gradient's), and where every member sending its part to both owners would
-  cost (N-1)/N;
+  clipping factors and the same learning rate, so both copies hold the same values,
+  the new weights of the slice included: so the all-gather does not send the
+  owner's new slice to that rank, and the relay costs no byte more than an
+  unsharded step (1/N of the gradient's bytes each, one for the other). The owner
+  sending its updated slots instead would cost a slot's bytes per slot (Adam: 2/N
+  of the gradient's) on top, every member sending its part to both holders
+  (N-1)/N;
 * before anyone applies update u, every member tells every other that it holds
   what it needs to apply u (its summed slice and the relayed one: a *ready*
   round of empty messages), and keeps that as its *pending* update. A member
@@ -89,7 +91,11 @@ class RedundantShard(ShardOptimizer):
 
     def step(self, replica: Replica, update: int, chunk: np.ndarray, count: int,
              exchange: Callable[[np.ndarray], np.ndarray],
-             relay: Callable[[np.ndarray], np.ndarray]) -> np.ndarray | None:
+             relay: Callable[[np.ndarray], np.ndarray]
+             ) -> tuple[np.ndarray, np.ndarray] | None:
+        """The slice's new values and its backup's (which the all-gather then
+        does not bring: its owner does not send them here), ``None`` if not
+        applied here."""
         if not count:  # the same on every member: none applies
             return None
         pending = Pending(update, chunk, relay(chunk), count)
@@ -102,19 +108,19 @@ class RedundantShard(ShardOptimizer):
                 return None
             return self._apply_pending(pending)
 
-    def _apply_pending(self, p: Pending) -> np.ndarray:
+    def _apply_pending(self, p: Pending) -> tuple[np.ndarray, np.ndarray]:
         """Apply ``p`` to the backup and to the slice (under :attr:`lock`); the
-        slice's new values."""
+        slice's new values and the backup's."""
         import keras
 
         assert p.scales is not None
         rate = self.optimizer.learning_rate  # a callback's or a warm-up's: the same
         if isinstance(rate, keras.Variable):
             self.backup.optimizer.learning_rate = rate
-        self.backup.apply_scaled(p.relayed, p.count, p.scales)
+        copied = self.backup.apply_scaled(p.relayed, p.count, p.scales)
         new = self.apply_scaled(p.chunk, p.count, p.scales)
         self.pending, self.torn = None, True
-        return new
+        return new, copied
 
     def take(self, flat: np.ndarray) -> None:
         super().take(flat)

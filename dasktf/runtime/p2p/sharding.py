@@ -200,7 +200,7 @@ class ShardOptimizer:
 
     def step(self, replica: Replica, update: int, chunk: np.ndarray, count: int,
              exchange: Callable[[np.ndarray], np.ndarray],
-             relay: Callable[[np.ndarray], np.ndarray]) -> np.ndarray | None:
+             relay: Callable[[np.ndarray], np.ndarray]) -> Any:
         """Apply ``update`` (its summed slice ``chunk`` over ``count`` examples)
         here if the replica claims it; the slice's new values, ``None`` if not
         (``relay``: unused here, see :mod:`dasktf.runtime.p2p.redundancy`)."""
@@ -294,18 +294,31 @@ def sharded_update(apply: Callable[..., np.ndarray],
         assert out is not None
         return out
 
+    relayed = False
+
     def relay(values: np.ndarray) -> np.ndarray:
         """``values`` to the next rank; what the previous rank relayed here."""
+        nonlocal relayed
+        relayed = True
         t.send((r + 1) % n, Key(step, "zf", 0, r), (values, None))
         got, _ = t.recv((r - 1) % n, Key(step, "zf", 0, (r - 1) % n))
         return np.array(values_of(got), np.float32, copy=True)
 
-    mine = np.ascontiguousarray(apply(acc, total, exchange, relay), np.float32)
+    # ``apply`` returns the slice's new values, and with a relay the previous
+    # rank's slice as this rank's copy computed it (or ``None``: not applied)
+    new = apply(acc, total, exchange, relay)
+    mine, copied = new if isinstance(new, tuple) else (new, None)
+    mine = np.ascontiguousarray(mine, np.float32)
     out = np.empty(buf.size, np.float32)
     out[seg(r)] = mine
-    for k in range(1, n):
+    if copied is not None:
+        out[seg((r - 1) % n)] = copied
+    # relayed: the next rank computed this slice's new values itself (the same
+    # update on the same bits), and the previous rank's are here: not sent
+    skip = 1 if relayed else 0
+    for k in range(1 + skip, n):
         t.send((r + k) % n, Key(step, "zg", 0, r), (mine, None))
-    for k in range(1, n):
+    for k in range(1 + skip, n):
         source = (r - k) % n
         values, _ = t.recv(source, Key(step, "zg", 0, source))
         values_of(values, out=out[seg(source)])
