@@ -28,9 +28,9 @@ EPOCHS, BATCH, STEPS = 3, 64, 23  # 1,438 digits at 64: 23 steps an epoch
 
 
 def _fit(client, digits, **kw):
-    kw = {"shard_state": "optimizer", "epochs": EPOCHS, **kw}
+    kw = {"shard_state": "optimizer", "epochs": EPOCHS, "n_workers": 3, **kw}
     return dasktf.fit("mnist-mlp", digits.x_train, digits.y_train, client=client,
-                      n_workers=3, batch_size=BATCH, optimizer="adam",
+                      batch_size=BATCH, optimizer="adam",
                       learning_rate=0.01, seed=4, verbose=0, engine="p2p", **kw)
 
 
@@ -77,6 +77,9 @@ KILLS = {
     # rank 0 of three: its first reduce-scatter part acknowledged, then killed (a
     # survivor may have all its parts, the other not: none applies the update)
     "during-the-reduce-scatter": (0, 2 * STEPS + 5, "allreduce"),
+    # rank 0 told rank 1 it could apply the update, then was killed: rank 1 applied
+    # it, rank 2 (which never heard rank 0 was ready) completes it in the recovery
+    "in-the-ready-round": (0, 2 * STEPS + 3, "ready"),
     # every member applied its slice (and its backup) of the update: the survivors
     # hold it at that update, the lost one's slice as its backup computed it (at
     # the rate the callback set)
@@ -100,6 +103,9 @@ def test_a_sigkilled_worker_loses_no_optimizer_state(digits, uninterrupted, case
     assert resumed in (update, update + 1), recovery
     if where == "allgather":  # every member had applied it
         assert resumed == update + 1 and recovery["survivors_applied"] == [update] * 2
+    if where == "ready":  # one survivor had applied it, the other completed it
+        assert resumed == update + 1
+        assert recovery["survivors_applied"] == [update, update - 1]
     for log in history.applied_updates.values():  # each update once, none skipped
         assert log == list(range(log[0], EPOCHS * STEPS)), log
     _assert_same_state(_state(history.model), uninterrupted, 1e-5)
@@ -159,9 +165,12 @@ def test_checkpoints_hold_the_whole_optimizer_and_resume_cuts_it_again(client, d
     _assert_same_state(_state(resumed.model), _state(full.model), 1e-6)
 
 
-def _held_bytes(dask_worker=None) -> list[int]:
+def _held(dask_worker=None) -> list[tuple[int, str]]:
     """Per live replica on this worker: the bytes of the optimizer variables it
-    holds (its slice's, and its backup's with redundancy=1; all of them unsharded)."""
+    holds (its slice's, and its backup's with redundancy=1; all of them unsharded)
+    and a digest of its weights."""
+    import hashlib
+
     from dasktf.runtime.replica import registered_replicas
 
     def nbytes(variables):
@@ -169,10 +178,12 @@ def _held_bytes(dask_worker=None) -> list[int]:
 
     out = []
     for r in registered_replicas(dask_worker).values():
-        shard = r.shard_optimizer
-        backup = getattr(shard, "backup", None)
-        out.append(nbytes(r.model.optimizer.variables)
-                   + (0 if backup is None else nbytes(backup.optimizer.variables)))
+        backup = getattr(r.shard_optimizer, "backup", None)
+        held = nbytes(r.model.optimizer.variables) + (
+            0 if backup is None else nbytes(backup.optimizer.variables))
+        digest = hashlib.sha1(b"".join(np.asarray(w, np.float32).tobytes()
+                                       for w in r.model.get_weights())).hexdigest()
+        out.append((held, digest))
     return out
 
 
@@ -182,21 +193,86 @@ class _ReadHeld(keras.callbacks.Callback):
         self.client, self.seen = client, None
 
     def on_epoch_end(self, epoch, logs=None):
-        self.seen = [b for held in self.client.run(_held_bytes).values() for b in held]
+        self.seen = [h for held in self.client.run(_held).values() for h in held]
 
 
-def test_each_replica_holds_two_thirds_with_redundancy_1(client, digits):
-    held = {}
+def test_each_replica_holds_two_thirds_with_redundancy_1_and_sends_no_more(client, digits):
+    """Each worker holds its slice and its neighbour's (2/3 of the slots), the
+    replicas' weights stay bit for bit the same (the backup computes the new values
+    of its copy's slice itself, the all-gather does not send them), and a step
+    moves no more bytes than with redundancy=0."""
+    held, moved = {}, {}
     for name, kw in (("whole", {"shard_state": None}), ("r0", {"redundancy": 0}),
                      ("r1", {})):
         reader = _ReadHeld(client)
-        _fit(client, digits, epochs=1, callbacks=[reader], **kw)
+        history = _fit(client, digits, epochs=1, callbacks=[reader], **kw)
         assert reader.seen is not None and len(reader.seen) == 3, reader.seen
-        held[name] = reader.seen
-    print(f"optimizer bytes a worker, 3 workers: {held}")
+        held[name] = [b for b, _ in reader.seen]
+        assert len({d for _, d in reader.seen}) == 1, f"{name}: replicas differ"
+        moved[name] = history.history["bytes_per_step"][0]
+    print(f"optimizer bytes a worker, 3 workers: {held}; bytes a step: {moved}")
     slots = 2 * 7510 * 4  # Adam's two float32 slots of mnist-mlp on digits
     assert all(b >= slots for b in held["whole"]), held
     for b in held["r0"]:  # a third of the slots, plus the two scalars
         assert b <= slots / 3 + 64, held
     for b in held["r1"]:  # two thirds: its slice and its neighbour's
         assert slots * 2 / 3 - 16 <= b <= slots * 2 / 3 + 2 * 64, held
+    assert moved["r1"] <= moved["r0"] * 1.01, moved
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_four_workers_a_replica_torn_in_the_all_gather_is_made_whole(digits):
+    """4 workers: each new slice goes to two ranks in the all-gather (its backup
+    computed it). Rank 1 killed after its first message: rank 0 applied the update
+    (its slice and its backup) but lacks rank 1's new slice; the recovery takes
+    every slice's values at that update from a copy (rank 0's own from what it
+    applied, rank 1's from its backup, rank 2) and the run ends as the
+    uninterrupted one on 4 workers does."""
+    update = 2 * STEPS + 7
+    with own_cluster(4) as (_, client):
+        want = _state(_halved(client, digits, n_workers=4).model)
+        workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        kill_worker_at_update(client, workers[1], update, "allgather")
+        history = _halved(client, digits, n_workers=4)
+    (recovery,) = history.recoveries
+    assert recovery["steps_lost"] == 0 and recovery["lost"] == [workers[1]]
+    assert recovery["survivors_applied"] == [update] * 3
+    assert recovery["resumed_at_update"] == update + 1
+    for log in history.applied_updates.values():
+        assert log == list(range(EPOCHS * STEPS)), log
+    _assert_same_state(_state(history.model), want, 1e-5)
+
+
+class _ScaleUpAfterFirstEpoch(keras.callbacks.Callback):
+    def __init__(self, cluster, client, n):
+        super().__init__()
+        self.cluster, self.client, self.n = cluster, client, n
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == 0:
+            self.cluster.scale(self.n)
+            self.client.wait_for_workers(self.n, timeout=120)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_worker_joining_gets_its_slices_at_the_epoch_end(digits):
+    """2 workers, a third joins after the first epoch: the state is gathered whole
+    and cut again over three (each holding 2/3 of the slots); equal, weights and
+    optimizer, to an unsharded p2p run that grows the same way."""
+    states, held = {}, None
+    for shard_state in ("optimizer", None):
+        with own_cluster(2) as (cluster, client):
+            reader = _ReadHeld(client)
+            history = _fit(client, digits, shard_state=shard_state, n_workers=None,
+                           callbacks=[_ScaleUpAfterFirstEpoch(cluster, client, 3),
+                                      reader])
+            assert len(history.workers) == 3
+            states[shard_state] = _state(history.model)
+            if shard_state is not None:
+                held = [b for b, _ in reader.seen]
+    slots = 2 * 7510 * 4
+    assert held is not None and len(held) == 3
+    assert all(slots * 2 / 3 - 16 <= b <= slots * 2 / 3 + 2 * 64 for b in held), held
+    _assert_same_state(states["optimizer"], states[None], 1e-5)

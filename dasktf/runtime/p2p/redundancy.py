@@ -153,6 +153,12 @@ class RedundantShard(ShardOptimizer):
         return super().slot_bytes() + self.backup.slot_bytes()
 
 
+def redundant_shard(replica: Replica, rank: int, n: int) -> ShardOptimizer:
+    """Rank ``rank`` of ``n``'s slice with a copy of its neighbour's; alone in its
+    group, the whole optimizer has no other worker to be copied to."""
+    return RedundantShard(replica, rank, n) if n > 1 else ShardOptimizer(replica, rank, n)
+
+
 # -- the worker side of a recovery or a load ---------------------------------------------
 def slices_task(run_id: str, target: int) -> dict[str, Any]:
     """This survivor's copies of the optimizer's slices at update ``target`` (its

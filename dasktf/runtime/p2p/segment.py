@@ -32,7 +32,8 @@ import numpy as np
 from dasktf.exceptions import CollectiveAbortedError
 from dasktf.runtime.p2p.gradients import allreduce_step
 from dasktf.runtime.p2p.links import GroupSpec, Link, link
-from dasktf.runtime.p2p.sharding import sharded_step
+from dasktf.runtime.p2p.redundancy import redundant_shard
+from dasktf.runtime.p2p.sharding import ShardOptimizer, sharded_step
 from dasktf.runtime.replica import EpochReport, StepTiming, get_replica, straggle
 from dasktf.runtime.reports import epoch_report
 from dasktf.wire.messages import GradientSum
@@ -160,8 +161,9 @@ def _steps(replica: Replica, group: Group, segment: Segment, peers: Link, here: 
         votes = _votes(peers.stop, statistics)
         sharded = segment.shard_state is not None
         if sharded:  # summed, applied and the weights taken, in one collective
-            summed, sums = sharded_step(replica, group, out, update, size, votes,
-                                        segment.redundancy)
+            summed, sums = sharded_step(
+                replica, group, out, update, size, votes,
+                redundant_shard if segment.redundancy else ShardOptimizer)
         else:
             summed, sums = allreduce_step(group, out, update, size=size,
                                           scale=segment.scale, votes=votes)

@@ -357,22 +357,18 @@ def assemble_optimizer(states: list[dict[str, Any]], shapes: list[tuple[int, ...
 
 
 def sharded_step(replica: Replica, group: Group, grad: GradientSum, update: int,
-                 size: int, votes: np.ndarray, redundancy: int = 0
+                 size: int, votes: np.ndarray,
+                 make: Callable[[Replica, int, int], ShardOptimizer] = ShardOptimizer
                  ) -> tuple[GradientSum, np.ndarray]:
     """:func:`~dasktf.runtime.p2p.gradients.allreduce_step` of a sharded run: the
     step's gradient summed, applied slice by slice and the new weights taken, in
     one collective. Returns the sum (without its buffer: no member holds it whole)
-    and the summed votes, the same on every member. ``redundancy=1``: each slice
-    is kept on a second member too (:mod:`dasktf.runtime.p2p.redundancy`)."""
+    and the summed votes, the same on every member. ``make(replica, rank, n)``
+    builds the replica's slice at a group's first step (redundant slices:
+    :func:`dasktf.runtime.p2p.redundancy.redundant_shard`)."""
     shard = replica.shard_optimizer
     if shard is None:  # the first step: the slice takes over the optimizer
-        if redundancy and group.size > 1:
-            from dasktf.runtime.p2p.redundancy import RedundantShard
-
-            shard = RedundantShard(replica, group.rank, group.size)
-        else:
-            shard = ShardOptimizer(replica, group.rank, group.size)
-        replica.shard_optimizer = shard
+        shard = replica.shard_optimizer = make(replica, group.rank, group.size)
     elif (shard.rank, shard.n) != (group.rank, group.size):
         raise ShardingError(
             f"replica {replica.index} holds slice {shard.rank} of {shard.n} of the "
