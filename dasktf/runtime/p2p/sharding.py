@@ -373,8 +373,7 @@ def sharded_step(replica: Replica, group: Group, grad: GradientSum, update: int,
         raise ShardingError(
             f"replica {replica.index} holds slice {shard.rank} of {shard.n} of the "
             f"optimizer, and its group is now rank {group.rank} of {group.size}, with "
-            "no re-cut of the slices in between (a state loaded: "
-            ":func:`dasktf.runtime.p2p.redundancy.reshard_task`); this is a dasktf bug.")
+            "no state loaded in between to cut the slices again; this is a dasktf bug.")
     total = (np.zeros(size, np.float32) if grad.total is None
              else np.asarray(grad.total, np.float32).ravel())
     scalars = np.concatenate([[grad.count, grad.loss_sum, grad.square_sum],
