@@ -16,6 +16,10 @@ one collective (:func:`sharded_update`):
 3. all-gather: each owner sends its updated slice to every member, which writes
    the N slices into its model.
 
+With ``redundancy=1`` each slice also has a copy on the next rank, which the owner
+relays its summed slice to (and then sends it no all-gather message: the copy's
+holder computed the new values itself); see :mod:`dasktf.runtime.p2p.redundancy`.
+
 The slice's optimizer is a clone of the model's Keras optimizer (``from_config``)
 built over one flat ``keras.Variable`` per trainable variable (the variable's part
 of the slice, empty where it has none): the same class, the same variables in the
@@ -253,8 +257,9 @@ def sharded_update(apply: Callable[..., np.ndarray],
                    coding: Coding, step: int) -> tuple[np.ndarray, np.ndarray | None]:
     """One sharded step as a collective runner (``Group.allreduce(runner=...)``):
     reduce-scatter ``buf`` (and the ``scalars``), ``apply(summed slice, summed
-    scalars)`` on this rank's slice, all-gather the slices it returns. Returns the
-    new flat weights and the summed scalars, the same on every member."""
+    scalars, exchange, relay)`` on this rank's slice, all-gather the slices it
+    returns (with a relay, the previous rank's slice comes from ``apply`` too).
+    Returns the new flat weights and the summed scalars, the same on every member."""
     n, r = t.size, t.rank
     edges = chunk_edges(buf.size, n)
     x = np.asarray(buf, np.float32)
