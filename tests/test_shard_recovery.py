@@ -4,9 +4,13 @@ and the run ends with the weights *and* every optimizer variable of the
 uninterrupted run; checkpoints hold the whole optimizer and a resume cuts it again.
 
 On real worker processes, the kills placed by the workers' own hooks
-(:func:`dasktf.testing.kill_worker_at_update`): as a step begins (mid-epoch, the
-run then re-forms at the epoch's end), in the reduce-scatter, and in the
-all-gather (every member has applied its slice, the new weights half sent).
+(:func:`dasktf.testing.kill_worker_at_update`): as a step begins, in the
+reduce-scatter, in the ready round (one survivor applied the update, the other
+completes it in the recovery), and in the all-gather (every member applied its
+slice; with 4 workers one survivor lacks the lost one's new slice). A loss in an
+earlier epoch (the run then re-forms) and a worker joining equal unsharded p2p
+doing the same; each worker holds 2/3 of the slots with 3 workers and a step moves
+no more bytes than with ``redundancy=0``; ``redundancy=0`` stops with the reason.
 """
 
 from __future__ import annotations
