@@ -1,7 +1,7 @@
 """dasktf: data-parallel TensorFlow/Keras training on a Dask cluster.
 
-Each Dask worker holds a data shard and a model replica; each training step is a Dask
-task graph. Start with :func:`fit`, or :class:`Trainer` for more control; then
+Each Dask worker holds a data shard and a model replica; each training step sums
+the workers' gradients, worker to worker. Start with :func:`fit`, or :class:`Trainer` for more control; then
 :func:`predict` and :func:`evaluate` where the data lives, or the scikit-learn
 estimators :class:`KerasClassifier` and :class:`KerasRegressor`.
 """

@@ -37,7 +37,7 @@ def check_callbacks(callbacks: Any) -> list[keras.callbacks.Callback]:
     TypeError
         ``callbacks`` is not a list or tuple of ``keras.callbacks.Callback``.
     ValueError
-        A ``keras.callbacks.BackupAndRestore``: see :func:`_refuse_backup_and_restore`.
+        A ``keras.callbacks.BackupAndRestore`` (it cannot resume a dasktf run).
     """
     if callbacks is None:
         return []
@@ -83,7 +83,19 @@ def _improves(checkpoint: Any, logs: dict[str, Any]) -> bool:
 
 def _check_callback(index: int, callback: Any) -> None:
     if isinstance(callback, keras.callbacks.BackupAndRestore):
-        _refuse_backup_and_restore()
+        # It backs up the client's model and an epoch counter, and on a restart
+        # loads them there; neither reaches a dasktf run (the loop does not read the
+        # counter; weights, optimizer state and data order live on the workers or
+        # the holders): it would silently start over.
+        raise ValueError(
+            "keras.callbacks.BackupAndRestore cannot resume a dasktf run: it backs up "
+            "the client-side model and counters, while the replicas' weights and "
+            "optimizer state live on the workers. Use dasktf's own checkpoints "
+            "instead: fit(..., checkpoint_dir=DIR) writes weights, optimizer state "
+            "and counters at every epoch end (and every checkpoint_every=N steps), "
+            "and fit(..., checkpoint_dir=DIR, resume=True) continues from the newest "
+            "one."
+        )
     if not isinstance(callback, keras.callbacks.Callback):
         # A class (not an instance), a function or a Keras 2 / tf_keras callback:
         # dasktf drives Keras 3's hooks, and would find out at the first one.
@@ -93,24 +105,6 @@ def _check_callback(index: int, callback: Any) -> None:
             "(keras.callbacks.*, or a subclass of keras.callbacks.Callback; "
             "keras.callbacks.LambdaCallback wraps plain functions)."
         )
-
-
-def _refuse_backup_and_restore() -> None:
-    """``BackupAndRestore`` backs up the client's model (``save_weights``) and an
-    epoch counter; on a restart it loads them into the client's model and sets
-    ``model._initial_epoch``. Neither reaches a dasktf run: the client's model
-    only receives weights at epoch ends, the loop does not read that counter, and
-    the weights, optimizer state and data order a resumed run needs live on the
-    workers (or the parameter holders). It would silently start over, so it is
-    refused, naming dasktf's own checkpoints."""
-    raise ValueError(
-        "keras.callbacks.BackupAndRestore cannot resume a dasktf run: it backs up the "
-        "client-side model and counters, while the replicas' weights and optimizer "
-        "state live on the workers. Use dasktf's own checkpoints instead: "
-        "fit(..., checkpoint_dir=DIR) writes weights, optimizer state and counters "
-        "at every epoch end (and every checkpoint_every=N steps), and "
-        "fit(..., checkpoint_dir=DIR, resume=True) continues from the newest one."
-    )
 
 
 class History(keras.callbacks.History):

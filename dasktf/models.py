@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dasktf import compat
+from dasktf.data.structure import map_nest
 
 ModelLike = Any  # keras.Model | Callable[..., keras.Model] | str
 
@@ -171,24 +172,13 @@ def portable_metrics(metrics: Any) -> Any:
     or per-output dicts) with every instance turned into a :class:`MetricRecipe`."""
     import keras
 
-    if isinstance(metrics, keras.metrics.Metric):
-        return MetricRecipe(type(metrics), metrics.get_config())
-    if isinstance(metrics, dict):
-        return {k: portable_metrics(v) for k, v in metrics.items()}
-    if isinstance(metrics, (list, tuple)):
-        return type(metrics)(portable_metrics(m) for m in metrics)
-    return metrics
+    return map_nest(lambda m: MetricRecipe(type(m), m.get_config())
+                    if isinstance(m, keras.metrics.Metric) else m, metrics)
 
 
 def live_metrics(metrics: Any) -> Any:
     """The inverse of :func:`portable_metrics`: fresh instances."""
-    if isinstance(metrics, MetricRecipe):
-        return metrics.build()
-    if isinstance(metrics, dict):
-        return {k: live_metrics(v) for k, v in metrics.items()}
-    if isinstance(metrics, (list, tuple)):
-        return type(metrics)(live_metrics(m) for m in metrics)
-    return metrics
+    return map_nest(lambda m: m.build() if isinstance(m, MetricRecipe) else m, metrics)
 
 
 @dataclass(frozen=True)

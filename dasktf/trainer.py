@@ -231,8 +231,10 @@ class Trainer:
     shard_state
         ``None`` (default): every replica holds the whole optimizer.
         ``"optimizer"`` (``engine="p2p"``; ZeRO-1): each worker keeps and applies
-        1/N of the optimizer's state, exactly (docs/sharding.md); refused with the
-        reason where not supported yet (``"gradients"``, codecs, local steps).
+        1/N of the optimizer's state, exactly (docs/sharding.md); ``"gradients"``
+        (ZeRO-2): as well, the reduce-scatter in buckets, so a worker never holds
+        more than two rounds of its peers' gradient parts. Refused with the reason
+        where not supported yet (codecs, local steps).
     redundancy
         With ``shard_state``: ``1`` (default) keeps each slice of the optimizer
         on a second worker as well ((1 + 1)/N of it a worker), so a lost worker

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 import dasktf
 from dasktf.cli import main
-from dasktf.data.schedules import interleaved_indices, interleaved_schedule
+from dasktf.data.base import interleaved_indices, interleaved_schedule
 from dasktf.diagnostics.events import TOPIC, unpack
 from dasktf.engines.holder.actor import StalenessGate
 from dasktf.engines.holder.options import validate_mode_options

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import dasktf
-from dasktf.data.schedules import interleaved_indices, interleaved_schedule
+from dasktf.data.base import interleaved_indices, interleaved_schedule
 from dasktf.run.checkpoint import list_checkpoints
 from dasktf.testing import KillWorkerAt, own_cluster
 from dasktf.wire.packets import shard_plan

@@ -323,6 +323,10 @@ def test_dashboard_command_reports_a_bad_run_and_scheduler(client):
         result = CliRunner().invoke(dasktf.cli.main, ["dashboard", "--scheduler",
                                                       "tcp://127.0.0.1:1"])
     assert result.exit_code == 1 and "tcp://127.0.0.1:1" in result.output
+    # whether or not an earlier test left a store and runs there: one run it knows
+    metrics.ensure_store(client)
+    client.log_event(TOPIC, {"records": [{"run": "known", "kind": "start"}]})
+    wait_until(lambda: metrics.fetch(client)["runs"], 10, "the published run")
     result = CliRunner().invoke(dasktf.cli.main, ["dashboard", "--scheduler",
                                                   client.scheduler.address, "--run", "nope"])
     assert result.exit_code == 2 and "unknown run 'nope'" in result.output, result.output

@@ -5,12 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dasktf.data.dask_collections import assign_chunks
-from dasktf.data.schedules import (
+from dasktf.data.base import (
     interleaved_indices,
     interleaved_schedule,
     proportional_schedule,
 )
+from dasktf.data.dask_collections import assign_chunks
 from dasktf.data.sources import make_source
 
 

@@ -5,7 +5,8 @@ On real worker processes: the weights and the optimizer's variables (the slots p
 back together at the end) equal single-process Keras ``fit`` and unsharded p2p on
 the same global batches, for Adam, SGD with momentum (one layer frozen), AdamW,
 a learning-rate schedule, a rate a callback sets, ``clipnorm`` and
-``global_clipnorm`` (norms summed across the slices),
+``global_clipnorm`` (norms summed across the slices), sample and class weights
+and ``ReduceLROnPlateau``,
 with a variable split across workers; a second ``fit`` of ``history.model``
 continues its optimizer as Keras' does; each replica holds about 1/N of the
 unsharded optimizer's bytes; what is not supported yet is refused before the run
@@ -14,6 +15,7 @@ starts (or, for a lost worker, when it is lost) with the reason.
 
 from __future__ import annotations
 
+import dask
 import keras
 import numpy as np
 import pytest
@@ -86,8 +88,19 @@ def _assert_same(got: keras.Model, want: keras.Model, what: str) -> None:
             f"{what}: optimizer variable of shape {g.shape}")
 
 
+#: ``shard_state="gradients"``'s bucket in the tests: 64 values, so each slice of
+#: the 803 goes in 13 rounds (the last one short)
+BUCKET = 256
+
+
+@pytest.mark.parametrize("shard_state", ["optimizer", "gradients"])
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_sharded_equals_keras_and_unsharded_p2p(client, small_digits, name):
+def test_sharded_equals_keras_and_unsharded_p2p(client, small_digits, name, shard_state):
+    with dask.config.set({"dasktf.p2p.shard-bucket": BUCKET}):
+        _sharded_equals_keras_and_unsharded(client, small_digits, name, shard_state)
+
+
+def _sharded_equals_keras_and_unsharded(client, small_digits, name, shard_state):
     x, y = small_digits  # 250 rows at batch 48: a short last step, uneven shares
     make, frozen, callbacks = OPTIMIZERS[name]
     reference = _model(frozen)
@@ -100,7 +113,7 @@ def test_sharded_equals_keras_and_unsharded_p2p(client, small_digits, name):
                                                        strict=True))
     assert moved > 1e-3, "training must move the weights for the comparison to mean much"
 
-    sharded = _fit(sharded_model, x, y, client, make(), shard_state="optimizer",
+    sharded = _fit(sharded_model, x, y, client, make(), shard_state=shard_state,
                    callbacks=callbacks())
     plain = _fit(plain_model, x, y, client, make(), callbacks=callbacks())
     _assert_same(sharded.model, reference, "sharded vs Keras")
@@ -113,9 +126,120 @@ def test_sharded_equals_keras_and_unsharded_p2p(client, small_digits, name):
     # second Keras fit does.
     reference.fit(x, y, batch_size=48, epochs=1, shuffle=False, verbose=0,
                   callbacks=callbacks())
-    again = _fit(sharded.model, x, y, client, epochs=1, shard_state="optimizer",
+    again = _fit(sharded.model, x, y, client, epochs=1, shard_state=shard_state,
                  callbacks=callbacks())
     _assert_same(again.model, reference, "second sharded fit vs Keras")
+
+
+def _plateau():
+    # min_delta=10: no epoch improves on the one before by that much, so the rate
+    # halves at the end of every epoch after the first
+    return [keras.callbacks.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=0,
+                                              min_delta=10.0)]
+
+
+#: name: (the arguments of both fits, the callbacks of each, epochs)
+WEIGHTED = {
+    "sample-weight": (lambda y: {"sample_weight": 0.25 + (np.arange(len(y)) % 7) / 3.0},
+                      list, 2),
+    "class-weight": (lambda y: {"class_weight": {c: 0.5 + c / 4.0 for c in range(10)}},
+                     list, 2),
+    "reduce-lr-on-plateau": (lambda y: {}, _plateau, 3),
+}
+
+
+@pytest.mark.parametrize("shard_state", ["optimizer", "gradients"])
+@pytest.mark.parametrize("name", list(WEIGHTED))
+def test_weights_and_plateau_sharded_equal_keras_and_unsharded(client, small_digits, name,
+                                                               shard_state):
+    """Sample and class weights (the weighted sum over the global batch, summed slice
+    by slice) and ReduceLROnPlateau (a rate set on the slice's optimizer at an epoch
+    end) train as Keras does, sharded."""
+    x, y = small_digits
+    arguments, callbacks, epochs = WEIGHTED[name]
+    kwargs = arguments(y)
+    reference = _model()
+    sharded_model, plain_model = _twin(reference), _twin(reference)
+    reference.compile(optimizer=keras.optimizers.Adam(0.01),
+                      loss="sparse_categorical_crossentropy")
+    reference.fit(x, y, batch_size=48, epochs=epochs, shuffle=False, verbose=0,
+                  callbacks=callbacks(), **kwargs)
+    with dask.config.set({"dasktf.p2p.shard-bucket": BUCKET}):
+        sharded = _fit(sharded_model, x, y, client, keras.optimizers.Adam(0.01),
+                       epochs=epochs, shard_state=shard_state, callbacks=callbacks(),
+                       **kwargs)
+    plain = _fit(plain_model, x, y, client, keras.optimizers.Adam(0.01), epochs=epochs,
+                 callbacks=callbacks(), **kwargs)
+    _assert_same(sharded.model, reference, f"{name}: sharded vs Keras")
+    _assert_same(sharded.model, plain.model, f"{name}: sharded vs unsharded p2p")
+    np.testing.assert_allclose(sharded.history["loss"], plain.history["loss"], rtol=1e-5)
+    if name == "reduce-lr-on-plateau":
+        rate = float(keras.ops.convert_to_numpy(sharded.model.optimizer.learning_rate))
+        assert rate == pytest.approx(0.01 / 4), "halved after epochs 2 and 3"
+
+
+def _loss_scaled(scale: float, growth: int) -> keras.optimizers.LossScaleOptimizer:
+    return keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(0.01),
+                                               initial_scale=scale,
+                                               dynamic_growth_steps=growth)
+
+
+def _mixed_model() -> keras.Model:
+    keras.utils.set_random_seed(7)
+    # 1,040 + 1,088 + 650 parameters: slices of 926 values over 3 workers; the last
+    # holds float32 layers only, whose gradients stay finite when the float16
+    # layer's overflow: its vote alone would not skip the step
+    return keras.Sequential([
+        keras.Input((8, 8)), keras.layers.Flatten(),
+        keras.layers.Dense(16, activation="sigmoid", dtype="mixed_float16"),
+        keras.layers.Dense(64, activation="tanh", dtype="float32"),
+        keras.layers.Dense(10, activation="softmax", dtype="float32")])
+
+
+def _skips(model: keras.Model) -> tuple[int, float]:
+    optimizer = model.optimizer
+    return (int(optimizer.inner_optimizer.iterations.numpy()),
+            float(optimizer.dynamic_scale.numpy()))
+
+
+@pytest.mark.parametrize("shard_state", ["optimizer", "gradients"])
+def test_loss_scaling_skips_every_slice_as_unsharded(client, small_digits, shard_state):
+    """A mixed-precision model (a float16 layer) with a LossScaleOptimizer, sharded:
+    a step whose summed gradient is not finite in any slice is skipped on every
+    worker and the scale halved, growth doubles it, exactly as unsharded p2p
+    (weights, slots, scale, steps applied). Not compared with single-process Keras:
+    which steps overflow depends on each worker's float16 backward pass over its
+    own rows, not on the global batch (the same holds unsharded)."""
+    x, y = small_digits
+    # 2**24: the float16 backward pass overflows for the first steps (skipped, the
+    # scale halved each time); growth every 3 finite steps doubles the scale back
+    # into an overflow now and then
+    with dask.config.set({"dasktf.p2p.shard-bucket": BUCKET}):
+        sharded = _fit(_mixed_model(), x, y, client, _loss_scaled(2.0 ** 24, 3),
+                       epochs=3, shard_state=shard_state)
+    plain = _fit(_mixed_model(), x, y, client, _loss_scaled(2.0 ** 24, 3), epochs=3)
+    steps = 3 * -(-len(x) // 48)
+    applied, scale = _skips(plain.model)
+    assert 0 < applied < steps - 3, (applied, steps)  # skipped steps, and trained
+    assert _skips(sharded.model) == (applied, scale)
+    _assert_same(sharded.model, plain.model, "loss scaling: sharded vs unsharded p2p")
+    np.testing.assert_allclose(sharded.history["loss"], plain.history["loss"], rtol=1e-5)
+
+
+def test_mixed_precision_sharded_equals_unsharded(client, small_digits):
+    """mixed_precision=True (mixed_bfloat16 on these CPU workers, float32 weights
+    and slots) trains sharded as unsharded."""
+    x, y = small_digits
+    sharded = dasktf.fit("mnist-mlp", x.reshape(len(x), -1), y, client=client,
+                         n_workers=N_WORKERS, epochs=1, batch_size=48, optimizer="adam",
+                         loss="sparse_categorical_crossentropy", shuffle=False,
+                         seed=0, verbose=0, engine="p2p", mixed_precision=True,
+                         shard_state="optimizer")
+    plain = dasktf.fit("mnist-mlp", x.reshape(len(x), -1), y, client=client,
+                       n_workers=N_WORKERS, epochs=1, batch_size=48, optimizer="adam",
+                       loss="sparse_categorical_crossentropy", shuffle=False, seed=0,
+                       verbose=0, engine="p2p", mixed_precision=True)
+    _assert_same(sharded.model, plain.model, "mixed precision: sharded vs unsharded")
 
 
 def _slot_bytes(dask_worker=None) -> dict[str, int]:
@@ -156,11 +280,45 @@ def test_each_replica_holds_a_third_of_the_optimizer(client, digits):
     assert sum(per_worker["optimizer"]) <= sum(whole) / N_WORKERS + 3 * 64
 
 
+def _gradient_peaks(dask_worker=None) -> list[int]:
+    from dasktf.runtime.replica import registered_replicas
+
+    return [r.shard_optimizer.gradient_peak() for r in registered_replicas(dask_worker).values()]
+
+
+class _ReadPeaks(keras.callbacks.Callback):
+    def __init__(self, client):
+        super().__init__()
+        self.client, self.seen = client, []
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.seen = [p for v in self.client.run(_gradient_peaks).values() for p in v]
+
+
+def test_gradients_bucketed_bound_what_a_worker_holds(client, digits):
+    """shard_state="gradients": the peers' parts of a worker's slice never wait
+    more than two rounds of buckets (2 (N-1) buckets), where "optimizer" sends each
+    part whole (a part alone, 803 values, is over that bound); the summed slice is
+    1/N of the gradient in both."""
+    x, y = digits.x_train[:600], digits.y_train[:600]
+    slice_bytes = 4 * 803
+    peaks = {}
+    for shard_state in ("gradients", "optimizer"):
+        reader = _ReadPeaks(client)
+        with dask.config.set({"dasktf.p2p.shard-bucket": BUCKET}):
+            _fit(_model(), x, y, client, keras.optimizers.Adam(0.01), epochs=1,
+                 shard_state=shard_state, callbacks=[reader])
+        assert len(reader.seen) == N_WORKERS, reader.seen
+        peaks[shard_state] = reader.seen
+    # two rounds from each peer, the first with the step's few float64 scalars
+    bound = 2 * (N_WORKERS - 1) * BUCKET + (N_WORKERS - 1) * 128 + slice_bytes
+    assert all(slice_bytes < p <= bound for p in peaks["gradients"]), peaks
+    assert all(p >= slice_bytes + 4 * 802 for p in peaks["optimizer"]), peaks  # a part whole
+
+
 def test_refusals_before_the_run_starts(client, small_digits):
     model = _model()
-    with pytest.raises(ValueError, match="ZeRO-2"):
-        TrainOptions(model, engine="p2p", shard_state="gradients")
-    with pytest.raises(ValueError, match="must be None or 'optimizer'"):
+    with pytest.raises(ValueError, match="must be None, 'optimizer' or 'gradients'"):
         TrainOptions(model, engine="p2p", shard_state="slots")
     with pytest.raises(ValueError, match="engine='p2p'"):
         TrainOptions(model, shard_state="optimizer")  # engine="auto"
@@ -170,13 +328,14 @@ def test_refusals_before_the_run_starts(client, small_digits):
         TrainOptions(model, engine="p2p", shard_state="optimizer", local_steps=4)
     with pytest.raises(ValueError, match="compression='fp16'"):
         TrainOptions(model, engine="p2p", shard_state="optimizer", compression="fp16")
-    with pytest.raises(ValueError, match="mixed_precision=False"):
-        TrainOptions(model, engine="p2p", shard_state="optimizer", mixed_precision=True)
     with pytest.raises(ValueError, match="redundancy must be 0"):
         TrainOptions(model, engine="p2p", shard_state="optimizer", redundancy=2)
     with pytest.raises(ValueError, match="goes with shard_state"):
         TrainOptions(model, engine="p2p", redundancy=0)
     x, y = small_digits
+    clipped = keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(clipnorm=1.0))
+    with pytest.raises(ValueError, match="clipnorm="):
+        _fit(_model(), x, y, client, clipped, shard_state="optimizer")
     optimizer = keras.optimizers.Adam(gradient_accumulation_steps=2)
     with pytest.raises(ValueError, match="gradient_accumulation_steps=") as info:
         _fit(_model(), x, y, client, optimizer, shard_state="optimizer")

@@ -1,5 +1,5 @@
 """``python -m dasktf.cli``: the same as the ``dasktf`` command."""
 
-from dasktf.cli.app import main
+from dasktf.cli import main
 
 main()

@@ -10,7 +10,9 @@ epochs:
   :func:`dasktf.tf.bridge.run_tf_distributed`;
 * ``graph``, ``p2p``, ``collective``: dasktf sync on its three engines (a task graph
   per step; a worker-to-worker all-reduce per step; TensorFlow's ring);
-* ``async`` and ``async-k2``: dasktf async, unbounded and with staleness bound 2.
+* ``async`` and ``async-k2``: dasktf async, unbounded and with staleness bound 2;
+* ``p2p-sharded`` and ``p2p-zero2`` (only when ``--runners`` names them): the p2p
+  engine with ``shard_state="optimizer"`` and ``"gradients"`` (docs/sharding.md).
 
 Epoch times include the per-epoch validation, as ``fit(validation_data=...)``
 does. Each run reports its start-up (wall time minus training time: replicas, or child
@@ -41,7 +43,10 @@ import numpy as np
 
 from dasktf.cli.common import CONTEXT
 
-RUNNERS = ("keras", "mwms", "graph", "p2p", "collective", "async", "async-k2")
+RUNNERS = ("keras", "mwms", "graph", "p2p", "collective", "async", "async-k2",
+           "p2p-sharded", "p2p-zero2")
+#: what runs unless ``--runners`` says otherwise (the sharded ones are asked for)
+DEFAULT_RUNNERS = RUNNERS[:7]
 DEFAULT_MNIST = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "data",
                              "mnist.npz")
 
@@ -222,6 +227,10 @@ def dasktf_run(client: Any, n_workers: int, runner: str, model_name: str,
         "collective": {"engine": "collective"},
         "async": {"mode": "async"},
         "async-k2": {"mode": "async", "max_staleness": 2},
+        # docs/sharding.md: 1/N of the optimizer a worker (ZeRO-1), and the
+        # reduce-scatter bucketed as well (ZeRO-2)
+        "p2p-sharded": {"engine": "p2p", "shard_state": "optimizer"},
+        "p2p-zero2": {"engine": "p2p", "shard_state": "gradients"},
     }[runner]
     start = time.perf_counter()
     history = dasktf.fit(model_name, data["x"], data["y"], client=client,
@@ -288,8 +297,10 @@ def write_chart(rows: list[dict[str, Any]], path: str) -> None:
 @click.option("--models", default="mnist-mlp,cnn", show_default=True,
               help="Comma-separated built-in models.")
 @click.option("--workers", default="1,2,3", show_default=True, help="Worker counts.")
-@click.option("--runners", default=",".join(RUNNERS), show_default=True,
-              help="Which of keras, mwms, graph, p2p, collective, async, async-k2 to run.")
+@click.option("--runners", default=",".join(DEFAULT_RUNNERS), show_default=True,
+              help="Which of keras, mwms, graph, p2p, collective, async, async-k2, "
+              "p2p-sharded (shard_state='optimizer') and p2p-zero2 "
+              "(shard_state='gradients') to run.")
 @click.option("--data", default="mnist", show_default=True,
               help="mnist (if found) or digits.")
 @click.option("--train-size", type=click.IntRange(min=1), default=6144, show_default=True)

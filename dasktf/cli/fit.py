@@ -85,7 +85,8 @@ from dasktf.models import BUILTIN_MODELS
               help="the outer optimizer's learning rate (average: 1, nesterov: 0.7).")
 @click.option("--shard-state", type=click.Choice(["optimizer", "gradients"]),
               default=None, help="with --engine p2p: each worker keeps and applies "
-              "1/N of the optimizer's state (optimizer: ZeRO-1; gradients: not yet).")
+              "1/N of the optimizer's state (optimizer: ZeRO-1; gradients: ZeRO-2, "
+              "the reduce-scatter in buckets too).")
 @click.option("--redundancy", type=click.IntRange(0, 1), default=1, show_default=True,
               help="with --shard-state: copies of each optimizer slice besides its "
               "owner's (1: a lost worker costs nothing; 0: it stops the run).")
@@ -218,7 +219,7 @@ def _fit(
     )
     start = time.perf_counter()
     trainer = dasktf.Trainer.from_options(options, scheduler=scheduler)
-    from dasktf.dashboard.cli import serve_dashboard, write_run_report
+    from dasktf.cli.dashboard import serve_dashboard, write_run_report
 
     with trainer, serve_dashboard(
         trainer.client if dashboard else None, dashboard_address, dashboard_port

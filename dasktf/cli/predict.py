@@ -107,7 +107,7 @@ def _predict(model_path: str, data: str, out: str, columns: list[str] | None,
 
     from dasktf.cluster.local import choose_workers, cluster_client
     from dasktf.inference.predict import predict as dask_predict
-    from dasktf.inference.write import write_parquet
+    from dasktf.inference.predict import write_parquet
 
     model = keras.saving.load_model(model_path, compile=False)
     frame = _features(model, read_frame(data, columns), columns)

@@ -30,12 +30,6 @@ class MembershipPlugin(SchedulerPlugin):
     name = PLUGIN_NAME
     idempotent = True  # registering it again (every run does) keeps the first one
 
-    def __init__(self) -> None:
-        self.scheduler: Scheduler | None = None
-
-    async def start(self, scheduler: Scheduler) -> None:
-        self.scheduler = scheduler
-
     def add_worker(self, scheduler: Scheduler, worker: str) -> None:
         scheduler.log_event(TOPIC, {"action": "added", "worker": worker, "time": time.time()})
 

@@ -98,12 +98,15 @@ def wait_for(ctx: RunContext, futures: list[Future], what: str,
             check_alive(ctx, what)
             checked = time.monotonic()
         if deadline.passed():
-            raise StepTimeoutError(
-                f"{what} did not finish within dasktf.step-timeout "
-                f"({config.get_seconds('step-timeout'):g}s); workers {ctx.workers} "
-                "were alive but did not answer. Check their logs for a stuck task, "
-                "or raise the timeout with DASK_DASKTF__STEP_TIMEOUT."
-            )
+            raise _timed_out(ctx, what)
+
+
+def _timed_out(ctx: RunContext, what: str) -> StepTimeoutError:
+    return StepTimeoutError(
+        f"{what} did not finish within dasktf.step-timeout "
+        f"({config.get_seconds('step-timeout'):g}s); workers {ctx.workers} were alive "
+        "but did not answer. Check their logs for a stuck task, or raise the timeout "
+        "with DASK_DASKTF__STEP_TIMEOUT.")
 
 
 def _await_removal(ctx: RunContext, seconds: float) -> None:
@@ -168,12 +171,7 @@ def call_watched(ctx: RunContext, make: Callable[[], Awaitable[T]], what: str) -
                     raise
             check_alive(ctx, what)
             if deadline.passed():
-                raise StepTimeoutError(
-                    f"{what} did not finish within dasktf.step-timeout "
-                    f"({config.get_seconds('step-timeout'):g}s); workers {ctx.workers} "
-                    "were alive. Check their logs, or raise the timeout with "
-                    "DASK_DASKTF__STEP_TIMEOUT."
-                )
+                raise _timed_out(ctx, what)
     finally:
         if not pending.done():
             pending.cancel()

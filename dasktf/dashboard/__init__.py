@@ -13,8 +13,13 @@ Named data sources (``doc.get_model_by_name(name)``): ``loss``, ``epochs``,
 
 from __future__ import annotations
 
-from dasktf.dashboard.app import TrainingDashboard, client_fetcher, training_doc
-from dasktf.dashboard.report import report_html, write_report
+from dasktf.dashboard.app import (
+    TrainingDashboard,
+    client_fetcher,
+    report_html,
+    training_doc,
+    write_report,
+)
 from dasktf.dashboard.server import DashboardServer
 
 __all__ = [

@@ -7,12 +7,14 @@ document with a periodic callback that fetches what is new every
 ``(run, cursor) -> snapshot`` callable: :func:`client_fetcher` asks a scheduler
 through a ``distributed.Client`` (``dasktf fit --dashboard``, ``dasktf dashboard``,
 ``bokeh serve dashboards/training``); the scheduler preload reads its own store.
+:func:`write_report` saves the page as one standalone HTML file, BokehJS inlined.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -28,7 +30,7 @@ from dasktf.dashboard.components import (
     StalenessPanel,
     WorkerPanel,
 )
-from dasktf.diagnostics.metrics import Cursor, ensure_store, fetch_async
+from dasktf.diagnostics.metrics import Cursor, ensure_store, fetch, fetch_async
 
 if TYPE_CHECKING:
     from bokeh.document import Document
@@ -169,3 +171,38 @@ def shared_client(address: str) -> Client:
             client = _SHARED[address] = pool.submit(connect, address).result()
             pool.submit(ensure_store, client).result()
     return client
+
+
+def report_html(snapshot: dict[str, Any]) -> str:
+    """The HTML of a self-contained page showing ``snapshot`` (one full fetch)."""
+    from bokeh.embed import file_html
+    from bokeh.resources import INLINE
+
+    if snapshot.get("run") is None:
+        raise ValueError(f"nothing to report: {snapshot.get('error', 'no run')}")
+    dashboard = TrainingDashboard(snapshot["run"])
+    dashboard.apply(snapshot)
+    title = f"{TITLE}: run {snapshot['run']}"
+    return file_html(dashboard.root, INLINE, title)
+
+
+def write_report(
+    path: str | os.PathLike[str],
+    client: Client | None = None,
+    run: str | None = None,
+    snapshot: dict[str, Any] | None = None,
+) -> str:
+    """Write the report of ``run`` (default: the newest) to ``path``; return the path.
+
+    Give either a ``client`` (its scheduler's MetricsStore is read) or a
+    ``snapshot`` from :func:`dasktf.diagnostics.metrics.fetch`. The file needs no server and no
+    internet: BokehJS is inlined.
+    """
+    if snapshot is None:
+        if client is None:
+            raise ValueError("write_report needs a client or a snapshot.")
+        snapshot = fetch(client, run)
+    text = report_html(snapshot)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+    return os.fspath(path)

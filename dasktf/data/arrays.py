@@ -1,6 +1,6 @@
 """In-memory training data (NumPy, pandas, array-likes, or nests of them, and what
 :mod:`.keras_inputs` read), converted once and scattered interleaved
-(:func:`~dasktf.data.schedules.interleaved_schedule`).
+(:func:`~dasktf.data.base.interleaved_schedule`).
 """
 
 from __future__ import annotations
@@ -8,8 +8,9 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from dasktf.data.base import PlacedData, Source
-from dasktf.data.schedules import (
+from dasktf.data.base import (
+    PlacedData,
+    Source,
     check_worker_count,
     interleaved_indices,
     interleaved_schedule,

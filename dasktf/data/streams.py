@@ -25,7 +25,7 @@ import dataclasses
 import queue
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -33,9 +33,6 @@ from dasktf import config
 from dasktf.data.base import WorkerSideSource
 from dasktf.data.shards import Shard, ShardStats, check_stats
 from dasktf.data.structure import map_nest
-
-if TYPE_CHECKING:
-    pass
 
 _DONE = object()
 

@@ -14,8 +14,9 @@ bounded per-run summary:
   records per row, so the whole run stays visible at a resolution that halves as it
   grows, in constant memory;
 * a staleness histogram (exact counts);
-* per-worker aggregates (steps, examples, compute / communication / waiting seconds,
-  bytes, the last update) and a short window of recent steps for rates.
+* per-worker aggregates (steps, bytes, staleness, the last update) and a short
+  window of recent steps for the rates (examples/s, compute / communication /
+  waiting seconds).
 
 Anyone connected to the scheduler reads it through the scheduler handler
 ``dasktf_metrics`` (:func:`fetch`): the first call returns the whole summary, later
@@ -72,7 +73,6 @@ class DecimatedSeries:
         self.data: dict[str, list[float | None]] = {c: [] for c in self.columns}
         self.stride = 1
         self.generation = 0
-        self.appended = 0
         self._pending: list[dict[str, Any]] = []
 
     def __len__(self) -> int:
@@ -80,7 +80,6 @@ class DecimatedSeries:
 
     def append(self, row: dict[str, Any]) -> None:
         """Add one record (missing columns are ``None``)."""
-        self.appended += 1
         if self.stride == 1:
             key = self.order_by
             column = self.data[key] if key else None
@@ -148,42 +147,26 @@ def _mean_row(rows: list[dict[str, Any]], columns: list[str]) -> dict[str, Any]:
 class WorkerStats:
     """Running totals of one replica plus a window of its recent steps."""
 
-    __slots__ = (
-        "bytes", "communication_s", "compute_s", "examples", "last_seen", "last_update",
-        "recent", "staleness_max", "staleness_sum", "steps", "waiting_s",
-    )
+    __slots__ = ("bytes", "last_seen", "last_update", "recent", "staleness_sum", "steps")
 
     def __init__(self, window: int = 32) -> None:
         self.steps = 0
-        self.examples = 0
-        self.compute_s = 0.0
-        self.communication_s = 0.0
-        self.waiting_s = 0.0
         self.bytes = 0
         self.staleness_sum = 0
-        self.staleness_max = 0
         self.last_update = -1
         self.last_seen = 0.0
         # (batch, compute, communication, waiting) of the last steps: live rates
         self.recent: deque[tuple[int, float, float, float]] = deque(maxlen=window)
 
     def add(self, r: dict[str, Any], now: float) -> None:
-        batch = int(r.get("batch_size") or 0)
-        compute = float(r.get("compute_s") or 0.0)
-        comm = float(r.get("communication_s") or 0.0)
-        wait = float(r.get("waiting_s") or 0.0)
-        staleness = int(r.get("staleness") or 0)
         self.steps += 1
-        self.examples += batch
-        self.compute_s += compute
-        self.communication_s += comm
-        self.waiting_s += wait
         self.bytes += int(r.get("bytes") or 0)
-        self.staleness_sum += staleness
-        self.staleness_max = max(self.staleness_max, staleness)
+        self.staleness_sum += int(r.get("staleness") or 0)
         self.last_update = max(self.last_update, int(r.get("update", -1)))
         self.last_seen = now
-        self.recent.append((batch, compute, comm, wait))
+        self.recent.append((int(r.get("batch_size") or 0), float(r.get("compute_s") or 0.0),
+                            float(r.get("communication_s") or 0.0),
+                            float(r.get("waiting_s") or 0.0)))
 
     def recent_means(self) -> tuple[float, float, float, float]:
         """Examples/s and mean compute / communication / waiting seconds per step."""
@@ -494,11 +477,9 @@ class MetricsStore(SchedulerPlugin):
         self.max_runs = int(config.get("dashboard.max-runs", max_runs))
         self.slow_factor = float(config.get("dashboard.slow-factor", slow_factor))
         self.runs: OrderedDict[str, RunHistory] = OrderedDict()
-        self.scheduler: Scheduler | None = None
 
     # -- scheduler hooks --------------------------------------------------------
     async def start(self, scheduler: Scheduler) -> None:
-        self.scheduler = scheduler
         scheduler.handlers[HANDLER] = self.fetch
 
     def log_event(self, topic: str, msg: Any) -> None:

@@ -267,6 +267,7 @@ class Engine:
 
     def start_at(self, update: int) -> None:
         """The global update number of the epoch's first step (after a resume)."""
+        self.update_base = update
 
     def keep_restore_point(self, state: dict[str, Any] | None = None) -> None:
         """Keep ``state`` (read now if not given) to rewind to after a loss."""

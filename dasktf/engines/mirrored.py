@@ -71,9 +71,6 @@ class Mirrored:
             return unit
         return self.local.round_steps(unit, steps_per_epoch)[-1]
 
-    def start_at(self, update: int) -> None:
-        self.update_base = update
-
     def set_learning_rate(self, lr: float) -> None:
         """Every replica's optimizer takes ``lr`` (between epochs: nothing in flight)."""
         reconcile.set_learning_rate(self.ctx, lr)

@@ -13,6 +13,7 @@ import numpy as np
 from sklearn.base import BaseEstimator
 from sklearn.utils.validation import check_is_fitted, validate_data
 
+from dasktf.data.structure import is_dask
 from dasktf.estimators.routing import (
     build_loss,
     build_optimizer,
@@ -21,7 +22,7 @@ from dasktf.estimators.routing import (
     refuse_unknown,
     routed,
 )
-from dasktf.estimators.targets import is_dask, n_features, row_shape, row_weights
+from dasktf.estimators.targets import n_features, row_shape, row_weights
 from dasktf.inference.predict import predict as dask_predict
 from dasktf.models import BUILTIN_MODELS, ModelSpec
 from dasktf.trainer import fit as dask_fit

@@ -10,6 +10,7 @@ from sklearn.base import ClassifierMixin
 from sklearn.utils.multiclass import check_classification_targets
 from sklearn.utils.validation import column_or_1d
 
+from dasktf.data.structure import is_dask
 from dasktf.estimators.base import KerasEstimator
 from dasktf.estimators.routing import takes_one_hot
 from dasktf.estimators.targets import (
@@ -17,7 +18,6 @@ from dasktf.estimators.targets import (
     dask_classes,
     encode,
     encode_dask,
-    is_dask,
     one_hot,
     one_hot_dask,
     weighted_mean,

@@ -7,8 +7,9 @@ from typing import Any
 import numpy as np
 from sklearn.base import RegressorMixin
 
+from dasktf.data.structure import is_dask
 from dasktf.estimators.base import KerasEstimator
-from dasktf.estimators.targets import as_dask_array, is_dask
+from dasktf.estimators.targets import as_dask_array
 
 
 class KerasRegressor(RegressorMixin, KerasEstimator):

@@ -6,11 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from dasktf.data.partitions import is_dask_frame
-
-
-def is_dask(x: Any) -> bool:
-    return is_dask_frame(x) or type(x).__module__.startswith("dask.array")
+from dasktf.data.structure import is_dask_frame
 
 
 def n_features(X: Any) -> int:

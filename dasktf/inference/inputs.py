@@ -27,6 +27,7 @@ from dasktf.data.named_inputs import by_column, input_columns, model_inputs
 from dasktf.data.partitions import is_dask_frame
 from dasktf.data.structure import (
     Nest,
+    is_dask_array,
     is_nested,
     is_pandas,
     leaves,
@@ -147,7 +148,7 @@ def _named_leaves(nests: dict[str, Nest]) -> list[tuple[str, Any]]:
         if nest is None:
             continue
         for path, leaf in leaves(nest, name):
-            if not (is_dask_frame(leaf) or _is_dask_array(leaf) or hasattr(leaf, "__array__")):
+            if not (is_dask_frame(leaf) or is_dask_array(leaf) or hasattr(leaf, "__array__")):
                 raise TypeError(
                     f"{path} is a {type(leaf).__name__}; dasktf.predict and evaluate take "
                     "Dask arrays, Dask DataFrames or Series, NumPy arrays, or lists/dicts "
@@ -174,7 +175,7 @@ def _align(items: list[Any]) -> tuple[list[Any], list[tuple[Any, tuple[int, ...]
         return items, [_frame_meta(c) for c in items]
     import dask.array as da
 
-    arrays = [c if _is_dask_array(c) else _from_numpy(np.asarray(c)) for c in items]
+    arrays = [c if is_dask_array(c) else _from_numpy(np.asarray(c)) for c in items]
     lead = arrays[0]
     if lead.ndim == 0:
         raise ValueError("x must have a leading sample axis; got a scalar.")
@@ -207,10 +208,6 @@ def _from_numpy(array: np.ndarray) -> Any:
 def _frame_meta(frame: Any) -> tuple[Any, tuple[int, ...]]:
     meta = compat.meta(frame)
     return (None, (len(meta.columns),)) if meta.ndim == 2 else (meta.dtype, ())
-
-
-def _is_dask_array(a: Any) -> bool:
-    return type(a).__module__.startswith("dask.array") and hasattr(a, "chunks")
 
 
 def _is_text(dtype: Any) -> bool:

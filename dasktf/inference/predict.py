@@ -10,10 +10,14 @@ worker builds the model once and keeps it (:mod:`dasktf.runtime.inference`).
 As in ``xgboost.dask.predict``: arrays map block by block (the row blocks of
 ``x``), DataFrames partition by partition (their index and divisions kept where
 the result is a frame), and the result is a Dask collection nothing has computed.
+``dasktf predict`` writes it with :func:`write_parquet`: each partition by the
+worker that computed it, as ``part.<i>.parquet``, and only a row count comes back
+to the client (data larger than the client's memory).
 """
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -26,7 +30,7 @@ from dasktf.runtime.inference import pick_output, predict_frame_part, predict_pa
 from dasktf.transport import ModelPackage, SharedModel, share_model
 
 if TYPE_CHECKING:
-    from distributed import Client
+    from distributed import Client, Future
 
 
 def predict(model: Any, x: Any, *, batch_size: int | None = None, as_frame: bool = False,
@@ -232,3 +236,23 @@ def frame_columns(paths: list[tuple[tuple[Any, ...], np.ndarray]]) -> list[str]:
         width = int(np.prod(probe.shape[1:]))
         columns += [name] if width == 1 else [f"{name}_{i}" for i in range(width)]
     return columns
+
+
+def write_part(frame: Any, path: str) -> int:
+    """Write one partition's predictions to ``path``; its row count."""
+    frame.to_parquet(path, index=True)
+    return len(frame)
+
+
+def write_parquet(frame: Any, directory: str, client: Client) -> list[Future]:
+    """One task per partition of ``frame`` writing ``directory/part.<i>.parquet``;
+    the futures of their row counts, in partition order."""
+    import dask
+
+    os.makedirs(directory, exist_ok=True)
+    width = len(str(max(frame.npartitions - 1, 0)))
+    tasks = [dask.delayed(write_part, pure=True)(part, os.path.join(
+        directory, f"part.{i:0{width}d}.parquet"))
+        # As declared: an optimized read may fuse small files into fewer partitions.
+        for i, part in enumerate(frame.to_delayed(optimize_graph=False))]
+    return client.compute(tasks)  # type: ignore[no-any-return]

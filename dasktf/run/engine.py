@@ -18,8 +18,7 @@ from dasktf.engines.collective import options as collective_options
 from dasktf.engines.collective.engine import CollectiveEngine
 from dasktf.engines.graph.elastic import ElasticSyncEngine
 from dasktf.engines.holder import options as holder_options
-from dasktf.engines.holder.engine import AsyncEngine
-from dasktf.engines.holder.quorum import QuorumEngine
+from dasktf.engines.holder.engine import AsyncEngine, QuorumEngine
 from dasktf.engines.holder.sharded import plan_holders
 from dasktf.engines.p2p import options as p2p_options
 from dasktf.engines.p2p.engine import P2PEngine

@@ -58,9 +58,7 @@ def resolve_optimizer(optimizer: Any, learning_rate: float | None) -> dict[str, 
             "optimizer must be a name or a keras.optimizers.Optimizer; "
             f"got {type(optimizer).__name__}."
         )
-    if learning_rate is not None:
-        if not learning_rate > 0:
-            raise ValueError(f"learning_rate must be positive; got {learning_rate!r}.")
+    if learning_rate is not None:  # checked by TrainOptions
         opt.learning_rate = learning_rate
     return keras.optimizers.serialize(opt)  # type: ignore[no-any-return]
 
@@ -70,22 +68,17 @@ def resolve_metrics(metrics: Any) -> Any:
     lists), checked, with instances made portable (:func:`~dasktf.models.portable_metrics`)."""
     import keras
 
+    from dasktf.data.structure import leaves
     from dasktf.models import portable_metrics
 
     if metrics is None:
         return None
     if isinstance(metrics, str):
         metrics = [metrics]
-    for _, m in _metric_leaves(metrics):
+    for _, m in leaves(metrics, "metrics"):
         if not (isinstance(m, (keras.metrics.Metric, str)) or callable(m) or m is None):
             raise TypeError(f"metrics must be names, Metric instances or callables; got {m!r}.")
     return portable_metrics(metrics)
-
-
-def _metric_leaves(metrics: Any) -> list[tuple[str, Any]]:
-    from dasktf.data.structure import leaves
-
-    return list(leaves(metrics, "metrics"))
 
 
 @dataclass(frozen=True)

@@ -107,7 +107,7 @@ def receive(
     if len(packets) == 1:
         total = first.total()
     elif ch.spec.n_chunks == 1:
-        # the unreduced gradients of a direct exchange (dasktf.engines.graph.topology): summed
+        # the unreduced gradients of a direct exchange (dasktf.engines.graph.steps): summed
         # here, as the reduction task would have summed them
         summed = sum_packets(packets)
         return summed, summed

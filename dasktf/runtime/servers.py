@@ -49,7 +49,8 @@ if TYPE_CHECKING:
     from dasktf.runtime.replica import Replica
 
 def server_workers(workers: list[str], num_ps: int) -> list[str]:
-    """The worker each server runs on: ``s mod N`` (beside a replica)."""
+    """The worker each server (or async parameter holder) runs on: ``s mod N``,
+    beside a replica; two share a worker only when there are fewer workers."""
     return [workers[s % len(workers)] for s in range(num_ps)]
 
 
@@ -68,7 +69,6 @@ class PSShard:
         # The replica on this worker holds the same initial weights as every other
         # (async: the holder's own replica, built from the run's initial weights).
         initial = gather_ranges(replica.flat_weights(), ranges).copy()
-        self.ranges = ranges
         self.variable = keras.Variable(initial, dtype="float32", name=SLICE_NAME)
         opt = replica.model.optimizer
         self.optimizer = opt.__class__.from_config(opt.get_config())

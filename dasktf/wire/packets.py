@@ -3,7 +3,7 @@
 Every gradient leaves its worker as a :class:`Packet`: a codec's :class:`Encoded`
 form (:mod:`dasktf.wire.codecs`) of the gradient sum, or of one *chunk* of it (a set
 of ranges of the flat buffer: ring reduction and sharded parameter servers move
-chunks, see :mod:`dasktf.engines.graph.topology` and :mod:`dasktf.runtime.servers`). Reductions decode their
+chunks, see :mod:`dasktf.engines.graph.steps` and :mod:`dasktf.runtime.servers`). Reductions decode their
 inputs, add them in float32 and re-encode the sum for its way back; a lossy codec
 keeps a per-worker, per-chunk error-feedback residual on the replica.
 
@@ -337,7 +337,7 @@ def reduce_packets(run_id: str, compression: str, *parts: Packet) -> Packet:
 
 def sum_packets(parts: tuple[Packet, ...] | list[Packet]) -> GradientSum:
     """Decode gradient packets and add them in float32, in the order given: a
-    reduction task and a direct exchange (:mod:`dasktf.engines.graph.topology`) add the same
+    reduction task and a direct exchange (:mod:`dasktf.engines.graph.steps`) add the same
     gradients in the same (worker) order, so their sums are bitwise the same."""
     total, count, loss_sum = sum_parts(parts)
     return GradientSum(total, count, loss_sum, max(p.compute_seconds for p in parts),

@@ -59,23 +59,11 @@ logger = logging.getLogger(__name__)
 
 # -- the engine (client side) ---------------------------------------------------
 class CollectiveEngine(Engine):
-    """Runs sync epochs on ``MultiWorkerMirroredStrategy`` children of the workers.
-
-    Parameters
-    ----------
-    ctx
-        The run's context (client, run id, workers).
-    cfg, shards, schedule, weights, val_shards
-        What the graph engine's replicas are built from (see :class:`Run`).
-    hooks
-        What the run provides (:class:`~dasktf.engines.base.RunHooks`):
-        ``shuffle``, the user's ``on_epoch_end(weights, optimizer_variables,
-        epoch)`` called on the client after every epoch with replica 0's state
-        (every replica holds the same), and the ``last_checkpoint`` named when a
-        worker is lost.
-    keep_state
-        Fetch replica 0's optimizer state every epoch for :meth:`state` (the
-        run checkpoints it: :meth:`~dasktf.engines.base.Engine.checkpoint`).
+    """Runs sync epochs on ``MultiWorkerMirroredStrategy`` children of the workers,
+    from what the graph engine's replicas are built from. ``hooks.on_epoch_end``
+    gets replica 0's state after every epoch (every replica holds the same);
+    ``keep_state``: fetch replica 0's optimizer state every epoch for
+    :meth:`state` (the run checkpoints it).
     """
 
     mode = "sync"
@@ -201,9 +189,6 @@ class CollectiveEngine(Engine):
             raise RuntimeError("The collective engine keeps its state only with "
                                "keep_state=True, after an epoch or a load_state.")
         return self._state
-
-    def start_at(self, update: int) -> None:
-        self.update_base = update
 
     def final_state(self) -> dict[str, Any] | None:
         """The last epoch's state, kept when the run checkpoints (``keep_state``)."""

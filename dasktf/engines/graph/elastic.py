@@ -43,7 +43,7 @@ from distributed import Future
 
 from dasktf.cluster.waits import RunContext, wait_for
 from dasktf.engines.base import Capabilities, RunHooks
-from dasktf.engines.graph.topology import CommEngine
+from dasktf.engines.graph.steps import SyncEngine
 from dasktf.exceptions import WorkerLostError
 from dasktf.runtime import reconcile
 from dasktf.runtime.reconcile import round_state, set_state_task
@@ -66,36 +66,17 @@ logger = logging.getLogger(__name__)
 
 
 # -- the client side ------------------------------------------------------------------
-class ElasticSyncEngine(CommEngine):
-    """A sync engine (:class:`~dasktf.engines.graph.topology.CommEngine`: codec, topology,
-    placement) that survives losing workers.
+class ElasticSyncEngine(SyncEngine):
+    """A :class:`~dasktf.engines.graph.steps.SyncEngine` that survives losing
+    workers (see the module): any reduction and codec go on from the most advanced
+    survivor (the survivors take a lost worker's ring chunks until the run
+    re-forms), the sharded servers' placement rewinds to its restore point.
 
-    The mirrored placement, with any reduction (tree, all-to-one, ring: the
-    survivors take the lost worker's ring chunks until the run re-forms at the epoch
-    boundary) and any codec, goes on from the most advanced survivor; the sharded
-    servers' placement (a server's optimizer slice goes with its worker) rewinds to
-    its restore point (see the module).
-
-    Parameters
-    ----------
-    ctx
-        The run (its ``watcher`` reports removals).
-    spec, shapes
-        The run's communication spec and trainable variables' shapes (see
-        :class:`~dasktf.engines.graph.topology.CommEngine`).
-    schedule
-        The run's ``steps x workers`` local batch sizes.
-    hooks
-        What the run provides (:class:`~dasktf.engines.base.RunHooks`): ``reload``
-        a lost shard on a survivor, ``publish`` records, ``announce`` a loss, name
-        the ``last_checkpoint`` when every worker is gone, ``on_worker_loss``.
-    average_stats
-        The model has non-trainable float state (BatchNormalization's moving
-        statistics) to average over the replicas at each epoch end.
-    ps_layout
-        ``placement="ps"``: ``(OptimizerLayout, positions of the trainable
-        variables among the model's weights)``, to merge the servers' slices into
-        one state.
+    ``hooks`` reload a lost shard on a survivor and name the last checkpoint when
+    every worker is gone; ``average_stats``: the model has moving statistics to
+    average over the replicas at each epoch end; ``ps_layout`` (``placement="ps"``):
+    ``(OptimizerLayout, positions of the trainable variables among the model's
+    weights)``, to merge the servers' slices into one state.
     """
 
     capabilities = Capabilities(checkpoints="steps", resume=True, reforms=True)
@@ -120,7 +101,6 @@ class ElasticSyncEngine(CommEngine):
         self.policy = hooks.on_worker_loss
         self.average_stats = average_stats
         self.reform_needed = False
-        self.last_state: dict[str, Any] | None = None
         self.ps_layout = ps_layout
         #: The newest state sharded servers rewind to after a loss.
         self.restore_point: dict[str, Any] | None = None

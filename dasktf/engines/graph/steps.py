@@ -11,15 +11,44 @@ previous step's summed gradient, then computes this step's gradient (one fused t
 one flat buffer). ``sum`` is a tree of ``dasktf.reduction-fan-in``-ary additions. So a
 step costs two dependent task hops and two buffer moves (workers → sum → workers);
 with one worker the sum is skipped and a step is one hop, and so it is with two
-(lossless): each step sums the pair itself (a direct exchange, dasktf.engines.graph.topology).
+(lossless): each step sums the pair itself (a direct exchange, below).
 Gradients go worker to worker, never through the client, and the client keeps
 ``dasktf.submit-ahead`` steps in flight, sending ``dasktf.submit-window`` of them to
 the scheduler as one graph (:mod:`dasktf.engines.batch`).
+
+Every gradient is encoded by the run's codec (:mod:`dasktf.wire.codecs`) and counted
+at the codec (:mod:`dasktf.wire.packets`). The step graph is one of:
+
+``topology="tree"`` (default)
+    a tree of reductions, ``dasktf.reduction-fan-in`` gradients each; Dask runs
+    each where most of its inputs already are. The reducing worker receives
+    ``fan_in - 1`` gradients and sends the sum to every other worker.
+``topology="naive"``
+    all-to-one: one task, pinned to the first worker (the master), sums all N
+    gradients.
+``topology="ring"``
+    reduce-scatter / all-gather in the graph: each gradient leaves its worker as N
+    chunks; worker c sums chunk c of all gradients (pinned there), and every
+    worker's next step gathers the N summed chunks. Each worker sends and receives
+    ``2 (N-1)/N`` gradients per step, the allreduce lower bound, at the price of
+    N^2 + N more (small) tasks per step.
+two workers, lossless (``compression="none"``), tree: a *direct exchange*
+    no reduction task: each worker's next step takes both gradients and sums them
+    itself, in worker order, bitwise as the reduction would. With two workers the
+    reduction is a pure extra hop (~7 ms of scheduling per step, see
+    benchmarks/RESULTS.md) that moves the same bytes: each worker sends one
+    gradient and receives one either way. A lossy codec keeps the reduction (its
+    re-encoded sum is what every replica applies).
+``placement="ps"``
+    sharded parameter servers (:mod:`dasktf.runtime.servers`): chunk s goes to server s, which
+    applies the optimizer to its slice and sends the slice's weights back.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -30,8 +59,15 @@ from dasktf.engines.base import Capabilities, Engine
 from dasktf.engines.batch import Pending, TaskBatch, resolve
 from dasktf.engines.mirrored import Mirrored
 from dasktf.runtime.replica import EpochReport
+from dasktf.runtime.servers import ps_apply_task, server_workers
 from dasktf.runtime.tasks import end_epoch_task, epoch_stats_task, step_task
-from dasktf.wire.messages import sum_gradients
+from dasktf.wire.packets import (
+    CommSpec,
+    TrafficLog,
+    chunk_ranges,
+    pick,
+    reduce_packets,
+)
 
 if TYPE_CHECKING:
     from distributed import Future
@@ -40,15 +76,30 @@ logger = logging.getLogger(__name__)
 
 
 class SyncEngine(Mirrored, Engine):
-    """Runs epochs of synchronous data-parallel steps as Dask task graphs."""
+    """Runs epochs of synchronous data-parallel steps as Dask task graphs, with the
+    codec, reduction topology and placement of ``spec`` (see the module); chunks and
+    server slices are cut from the trainable variables' ``shapes``."""
 
     mode = "sync"
     engine = "graph"
     capabilities = Capabilities(checkpoints="steps", resume=True)
 
-    def __init__(self, ctx: RunContext) -> None:
+    def __init__(self, ctx: RunContext, spec: CommSpec, shapes: list[tuple[int, ...]]) -> None:
         self.ctx = ctx
-        self.fan_in = max(2, int(config.get("reduction-fan-in")))
+        self.spec = spec
+        self._shapes = shapes
+        self.chunks = chunk_ranges(spec, self._sizes(), shapes)
+        self.n_params = sum(self._sizes())
+        self.servers = server_workers(ctx.workers, spec.num_ps)
+        #: Raised whenever the servers' slices are reloaded (a rewind, a re-form):
+        #: server tasks of an older generation still running then do nothing.
+        self.generation = 0
+        #: rows of an epoch (bytes per example); set by the engine that knows the schedule
+        self.examples_per_epoch = 0
+        self.traffic = TrafficLog()
+        # all-to-one: one reduction of every gradient
+        self.fan_in = (max(2, len(ctx.workers)) if spec.topology == "naive"
+                       else max(2, int(config.get("reduction-fan-in"))))
         self.ahead = max(1, int(config.get("submit-ahead")))
         #: Steps sent to the scheduler in one graph (one ``update-graph`` message);
         #: the client waits for as many before it sends the next window.
@@ -78,6 +129,16 @@ class SyncEngine(Mirrored, Engine):
         #: The first replica's outer updates of the last epoch (rounds of local steps).
         self.round_log: list[dict[str, Any]] = []
 
+    def respec(self, n_workers: int) -> None:
+        """The run re-formed on ``n_workers`` (new replicas): cut the ring's chunks
+        as theirs are; the servers go to the workers of the run now."""
+        self.spec = dataclasses.replace(self.spec, n_workers=n_workers)
+        self.chunks = chunk_ranges(self.spec, self._sizes(), self._shapes)
+        self.servers = server_workers(self.ctx.workers, self.spec.num_ps)
+
+    def _sizes(self) -> list[int]:
+        return [int(math.prod(shape)) for shape in self._shapes]
+
     def _reduce(self, parts: list[Any], epoch: int, step: int) -> Pending:
         level, depth = parts, 0
         while len(level) > 1:
@@ -92,8 +153,12 @@ class SyncEngine(Mirrored, Engine):
         return level[0]
 
     def _submit_sum(self, parts: list[Any], key: str) -> Pending:
-        """One reduction task (dasktf.engines.graph.topology's engine sums encoded packets)."""
-        return self._task(sum_gradients, *parts, key=key)
+        # all-to-one means one master: pin it (Dask would otherwise move the sum to
+        # whichever worker holds most inputs, spreading the load like a tree)
+        return self._task(
+            reduce_packets, self.ctx.run_id, self.spec.compression, *parts, key=key,
+            worker=self.ctx.workers[0] if self.spec.topology == "naive" else None,
+        )
 
     def submit_step(self, epoch: int, step: int, previous: Any) -> Any:
         parts = self._step_parts(epoch, step, previous)
@@ -106,9 +171,66 @@ class SyncEngine(Mirrored, Engine):
 
     def _combine(self, parts: list[Pending], epoch: int, step: int) -> Any:
         """What the next step receives: the summed gradient (a future), or several
-        futures for a ring or sharded step or a direct exchange
-        (:class:`dasktf.engines.graph.topology.CommEngine`)."""
+        futures for a ring or sharded step or a direct exchange."""
+        if self.spec.placement == "ps":
+            return self._scatter(parts, epoch, step, self.servers, "ps")
+        if self.spec.n_chunks > 1:
+            # chunk c on worker c; after a loss (until the run re-forms at the epoch
+            # boundary) the survivors take the N chunks round the ring
+            workers = self.ctx.workers
+            targets = [workers[c % len(workers)] for c in range(len(self.chunks))]
+            return self._scatter(parts, epoch, step, targets, "ring")
+        if self.exchanges(len(parts)):
+            return list(parts)  # the next step sums them (dasktf.runtime.channel.receive)
         return self._reduce(parts, epoch, step)
+
+    def exchanges(self, n_workers: int) -> bool:
+        """Whether a step of ``n_workers`` is a direct exchange (see the module):
+        decided per step, as a lost worker can bring a run down to two."""
+        return (
+            n_workers == 2
+            and self.spec.topology == "tree"
+            and self.spec.placement == "mirrored"
+            and self.spec.compression == "none"
+        )
+
+    def _scatter(
+        self, parts: list[Pending], epoch: int, step: int, targets: list[str], what: str
+    ) -> list[Pending]:
+        """Chunk c of every gradient to ``targets[c]``, reduced (ring) or applied
+        (ps) there; returns the N (or K) tasks the next step gathers."""
+        run = self.ctx.run_id
+        n = len(self.chunks)
+        out = []
+        for c, target in enumerate(targets):
+            if n == 1:
+                inputs = parts
+            else:
+                inputs = [
+                    self._task(
+                        pick, p, c,
+                        key=f"dasktf-take-{run}-{epoch}-{step}-{i}-{c}{self.key_suffix}",
+                        # The packets are on worker i: taking one there moves nothing.
+                        worker=w,
+                    )
+                    for i, (p, w) in enumerate(zip(parts, self.ctx.workers, strict=False))
+                ]
+            key = f"dasktf-{what}-{run}-{epoch}-{step}-{c}{self.key_suffix}"
+            if what == "ps":
+                future = self._task(
+                    ps_apply_task, run, c, self.chunks[c], self.spec.weights_dtype,
+                    *inputs, key=key, update=self.update_base + step,
+                    keep=self.checkpoint_due(step), generation=self.generation,
+                    # The server's master slice and optimizer state live there.
+                    worker=target,
+                )
+            else:
+                future = self._task(
+                    reduce_packets, run, self.spec.compression, *inputs, key=key,
+                    worker=target,
+                )
+            out.append(future)
+        return out
 
     def _step_parts(self, epoch: int, step: int, previous: Any) -> list[Pending]:
         """Every worker's step task of this step (their gradients, not yet summed)."""
@@ -180,6 +302,9 @@ class SyncEngine(Mirrored, Engine):
         self.in_flight, self.retired = {}, None
         reports: list[EpochReport] = self.ctx.client.gather(ends)
         self.round_log = list(reports[0].rounds or [])
+        # The ledgers ride on the reports: no round trip to the workers per epoch.
+        self.traffic.update({r.worker: r.traffic for r in reports if r.traffic is not None},
+                            self.ctx.workers)
         return reports
 
     def _task(self, func: Callable[..., Any], *args: Any, key: str, worker: str | None = None,
@@ -214,7 +339,7 @@ class SyncEngine(Mirrored, Engine):
         self, item: tuple[int, Future], epoch: int, on_step: Callable[[int], None] | None
     ) -> None:
         step, future = item
-        # A ring, sharded or exchange step ends in several futures (dasktf.engines.graph.topology).
+        # A ring, sharded or exchange step ends in several futures.
         futures = future if isinstance(future, list) else [future]
         wait_for(self.ctx, futures, f"step {step + 1} of epoch {epoch + 1}")
         for old in [s for s in self.in_flight if s < step - 1]:

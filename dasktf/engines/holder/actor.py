@@ -370,7 +370,7 @@ class ParameterHolder:
         self, weights: list[np.ndarray], optimizer: list[np.ndarray], version: int,
         done: dict[int, list[tuple[int, int]]],
     ) -> None:
-        """Load a checkpoint (:mod:`dasktf.engines.holder.checkpoint`) before the first pull:
+        """Load a checkpoint (:func:`dasktf.engines.holder.state.resumable`) before the first pull:
         the applied items of each worker count against its budget."""
         _, lock = self._sync_objects()
         async with lock:

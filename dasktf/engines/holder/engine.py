@@ -63,7 +63,6 @@ from dasktf.engines.base import (
     Saved,
 )
 from dasktf.engines.holder.actor import ParameterHolder
-from dasktf.engines.holder.checkpoint import cut_state, resumable
 from dasktf.engines.holder.cursors import InFlight
 from dasktf.engines.holder.instructions import (
     AbandonHolder,
@@ -86,7 +85,7 @@ from dasktf.engines.holder.rpc import (
     abandon_holder_task,
 )
 from dasktf.engines.holder.sharded import ShardedHolders, byte_logs
-from dasktf.engines.holder.state import AsyncState
+from dasktf.engines.holder.state import AsyncState, QuorumState, cut_state, resumable
 from dasktf.engines.holder.tasks import async_step_task, flush_events
 from dasktf.exceptions import DasktfError, StepTimeoutError
 from dasktf.runtime.reconcile import on_every_worker
@@ -108,33 +107,15 @@ logger = logging.getLogger(__name__)
 class AsyncEngine(Recovery, Engine):
     """Runs asynchronous epochs: workers loop freely, the holder applies on arrival.
 
-    Parameters
-    ----------
-    ctx
-        The run's workers and id.
-    holder_worker
-        Address of the worker that holds the :class:`ParameterHolder`.
-    replica_config, weights, probe, val_shards
-        What the holder builds its model from (futures of the initial weights, the
-        holder worker's shard and the validation shards: they move worker to
-        worker, never through the client).
-    schedule
-        The run's ``steps x workers`` local batch sizes; a worker cycles over the
-        non-empty ones of its column.
-    max_staleness
-        ``K``: no applied update is more than ``K`` updates stale (None: unbounded).
-    staleness_lr
-        ``"inverse"``: the holder scales an update's learning rate by
-        ``1 / max(1, staleness)``.
-    epochs
-        The run's epochs: the holder stops admitting gradients once they are done,
-        so no update is applied past the last epoch (an early stop by a callback
-        lets the gradients already admitted, at most one per worker, complete).
-    hooks
-        What the run provides (:class:`~dasktf.engines.base.RunHooks`): with
-        ``on_worker_loss="recover"`` a lost worker's shard is reloaded on a
-        survivor, a lost holder rebuilt from its ``holder_inputs``, and an async
-        run takes in workers that join.
+    The holder (on ``holder_worker``) is built from ``replica_config``, ``weights``,
+    ``probe`` and ``val_shards``: futures that move worker to worker, never through
+    the client. A worker cycles over the non-empty batches of its column of
+    ``schedule``. The holder stops admitting gradients once ``epochs`` are done, so
+    no update is applied past the last epoch (an early stop lets the gradients
+    already admitted, at most one per worker, complete). With
+    ``hooks.on_worker_loss="recover"`` a lost worker's shard is reloaded on a
+    survivor, a lost holder rebuilt from ``hooks.holder_inputs``, and an async run
+    takes in workers that join.
     """
 
     mode = "async"
@@ -452,7 +433,7 @@ class AsyncEngine(Recovery, Engine):
             logs.update(byte_logs(self.plan, task_bytes))
         return logs
 
-    # -- checkpoints (the format: dasktf.engines.holder.checkpoint) -----------------
+    # -- checkpoints (the format: dasktf.engines.holder.state) ----------------------
     def _snapshot(self) -> dict[str, Any]:
         """The holder's consistent cut, taken between two applies."""
         self.send_non_trainable()
@@ -540,3 +521,40 @@ class AsyncEngine(Recovery, Engine):
             logger.debug("closing the holder of %s failed", self.ctx.run_id, exc_info=True)
         self.in_flight.cancel_all()
         self.release_holders()
+
+
+class QuorumEngine(AsyncEngine):
+    """First-k-of-n synchronous training ("backup workers").
+
+    Each step ``s`` applies the sum of the first ``k`` gradients computed on the
+    weights of version ``s``; a gradient that arrives after its step was applied is
+    *dropped* and counted for its worker (``history.history["dropped"]`` per epoch,
+    ``history.dropped`` per worker, ``"dropped": True`` records on the metrics
+    stream). The weights live in the same holder as in async mode, in quorum mode:
+    a worker's pull waits for the first step it has not contributed to, so no
+    worker contributes twice to a step and no gradient counts twice; a worker whose
+    gradient was dropped starts its next one from the newest weights, so it never
+    lags behind by more than the step it was computing. Steps thus complete at the
+    pace of the k-th fastest worker; an epoch is ``steps_per_epoch`` applied steps.
+
+    What differs from an async run is overridden here and in
+    :class:`~dasktf.engines.holder.state.QuorumState` (when an epoch ends, the
+    budget, drops, no rewind after a holder restore): a quorum run keeps its
+    workers (a joined one would change every step's k of N) and saves only its
+    final model."""
+
+    mode = "quorum"
+    #: the master weights and a step's applied updates are never in one piece
+    #: between two steps: only the final model is saved
+    capabilities = Capabilities(checkpoints="final", resume=False)
+    grows = False
+
+    def __init__(self, *args: Any, quorum: int, **kwargs: Any) -> None:
+        super().__init__(*args, quorum=quorum, **kwargs)
+        self.quorum = quorum
+
+    def _new_state(self, **kwargs: Any) -> QuorumState:
+        return QuorumState(steps_per_epoch=self.ctx.steps_per_epoch, **kwargs)
+
+    def final_state(self) -> None:
+        return None

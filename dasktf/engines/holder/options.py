@@ -123,12 +123,6 @@ def setup_refusal(options: Any, fault: Any, survivors: int) -> str | None:
     return None
 
 
-def spread_holders(order: list[str], num_ps: int) -> list[str]:
-    """Holder ``s`` on ``order[s]``; round the list again (two holders on one worker)
-    only when it has fewer workers than holders."""
-    return [order[s % len(order)] for s in range(num_ps)]
-
-
 def choose_holder(workers: list[str], slow_workers: dict[int, float]) -> int:
     """The holder's worker index: the first worker that is not slowed down (the
     applies run in the holder's own thread, but a slowed process would still blur

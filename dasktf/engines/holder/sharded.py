@@ -60,11 +60,11 @@ import numpy as np
 from dasktf import config
 from dasktf.data.shards import Shard
 from dasktf.engines.holder.actor import HOLDER_INDEX, ParameterHolder
-from dasktf.engines.holder.options import choose_holder, spread_holders
+from dasktf.engines.holder.options import choose_holder
 from dasktf.engines.holder.records import PushOutcome
 from dasktf.engines.holder.rpc import HolderRef, actor_call
 from dasktf.exceptions import DasktfError, StepTimeoutError
-from dasktf.runtime.servers import PSShard
+from dasktf.runtime.servers import PSShard, server_workers
 from dasktf.wire.packets import (
     Ranges,
     Slices,
@@ -110,7 +110,7 @@ def plan_holders(
     first = choose_holder(workers, slow_workers)
     order = [(first + j) % len(workers) for j in range(len(workers))]
     fast = [i for i in order if slow_workers.get(i, 1.0) <= 1.0] or order
-    return spread_holders([workers[i] for i in fast], num_ps), plan
+    return server_workers([workers[i] for i in fast], num_ps), plan
 
 
 class SliceHolder:
@@ -484,7 +484,6 @@ class ShardedHolders:
 
         config_, weights, probe = holder_args[:3]
         timeout = config.get_seconds("step-timeout")
-        self.holders, self.plan = holders, plan
         self.peer_futures: list[Future] = [
             ctx.client.submit(
                 SliceHolder,

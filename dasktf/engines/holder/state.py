@@ -36,11 +36,23 @@ checkpoint. An epoch ends once every batch of every shard's next pass is applied
 (not once as many results arrived: a helper's batch may still be in flight while
 its owner's of the next pass are applied). Quorum runs drop late gradients by
 design: there a batch is applied at most once (:class:`QuorumState`).
+
+Checkpoints. "Epoch e, step s" does not describe an async run's progress (workers
+run ahead of each other, several gradients are in flight), so a checkpoint is the
+holder's consistent cut between two applies
+(:meth:`~dasktf.engines.holder.actor.ParameterHolder.snapshot`): its state
+(:func:`cut_state`) and the ``(pass, step)`` items applied for every shard, in the
+manifest (``"async"``; the files are the run's, :mod:`dasktf.run.checkpoint`). The
+shuffle order needs no state: every permutation is drawn from ``(seed, pass,
+shard)``. On resume (:func:`resumable`, then :meth:`AsyncState.restored`) the
+holder counts the applied items against each shard's budget and each cursor
+computes its gaps first, so every batch of the requested epochs is applied exactly
+once over the two runs.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -58,9 +70,12 @@ from dasktf.engines.holder.instructions import (
     StepApplied,
     Submit,
 )
-from dasktf.engines.holder.options import spread_holders
 from dasktf.engines.holder.records import PushOutcome, StepResult, Tally, UpdateRecord
 from dasktf.exceptions import DasktfError
+from dasktf.runtime.servers import server_workers
+
+if TYPE_CHECKING:
+    from dasktf.engines.base import Saved
 
 
 class AsyncState:
@@ -424,7 +439,7 @@ class AsyncState:
         # slices' on the survivors after it
         load = self._load(survivors)
         first = survivors.index(min(survivors, key=lambda a: (load[a], survivors.index(a))))
-        self.holder_workers = spread_holders(survivors[first:] + survivors[:first],
+        self.holder_workers = server_workers(survivors[first:] + survivors[:first],
                                              self.n_holders)
         # the cut's batches by shard, then by the identity that now owns each shard
         owners = {self.shard_index.get(i, i): i for i in self.owners()}
@@ -458,7 +473,7 @@ class AsyncState:
 
 
 class QuorumState(AsyncState):
-    """A ``sync_quorum=k`` run (:mod:`dasktf.engines.holder.quorum`): an epoch is
+    """A ``sync_quorum=k`` run (:class:`~dasktf.engines.holder.engine.QuorumEngine`): an epoch is
     ``steps_per_epoch`` applied steps, one budget counts them, a late gradient is
     dropped (and counted in the epoch's figures), and a rebuilt holder goes on
     from where the cursors are (quorum steps never owed every batch)."""
@@ -487,3 +502,35 @@ class QuorumState(AsyncState):
 
     def _rewind(self, cursor: WorkerCursor, done: set[Batch]) -> None:
         pass
+
+
+def cut_state(snapshot: dict[str, Any]) -> dict[str, Any]:
+    """A holder snapshot as a checkpoint's state: weights, optimizer, ``applied``."""
+    return {"weights": snapshot["weights"], "optimizer": snapshot["optimizer"],
+            "applied": snapshot["version"] - 1}
+
+
+def resumable(saved: Saved, n_shards: int) -> tuple[int, dict[int, list[tuple[int, int]]]]:
+    """The version and the applied batches per shard of an async run's checkpoint.
+
+    Raises
+    ------
+    ValueError
+        A checkpoint of another mode, or of a run on other shards or batches.
+    """
+    manifest, path = saved.manifest, saved.path
+    if manifest.get("mode") != "async" or "async" not in manifest:
+        raise ValueError(
+            f"{path} is a checkpoint of a mode={manifest.get('mode', 'sync')!r} run; an "
+            "async run resumes only from an async run's checkpoints (use another "
+            "checkpoint_dir or the same mode)."
+        )
+    if manifest["n_shards"] != n_shards or manifest["batch_size"] != saved.batch_size:
+        raise ValueError(
+            f"{path} was written by a run on {manifest['n_shards']} worker(s) with "
+            f"batch_size={manifest['batch_size']}; this run has {n_shards} and "
+            f"{saved.batch_size}. Resume with the same n_workers and batch_size."
+        )
+    progress = manifest["async"]
+    done = {int(k): [(int(p), int(s)) for p, s in v] for k, v in progress["done"].items()}
+    return int(progress["version"]), done

@@ -249,7 +249,7 @@ class P2PEngine(Mirrored, Engine):
         if self.shard_state is not None and not self.redundancy:
             path = self.hooks.last_checkpoint()
             raise ShardingError(
-                f"worker(s) {', '.join(lost)} lost with shard_state='optimizer' and "
+                f"worker(s) {', '.join(lost)} lost with shard_state={self.shard_state!r} and "
                 "redundancy=0: their slice of the optimizer state had no other copy, "
                 "so the run cannot go on exactly. "
                 + (f"Resume from the last checkpoint, {path}, with resume=True; "

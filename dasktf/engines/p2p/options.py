@@ -57,17 +57,13 @@ def shard_refusal(options: Any, fault: Any = None) -> str | None:
         return (f"shard_state={options.shard_state!r} runs on the p2p engine only (its "
                 "reduce-scatter hands each worker its slice); pass engine='p2p'.")
     if options.local is not None:
-        return ("shard_state='optimizer' with rounds of local steps (local_steps > 1) "
+        return (f"shard_state={options.shard_state!r} with rounds of local steps (local_steps > 1) "
                 "is not implemented yet: each worker's inner optimizer steps need its "
                 "whole state. Use local_steps=1, or shard_state=None.")
     if options.comm.compression not in (None, "none"):
-        return (f"shard_state='optimizer' sums gradients in float32 only (a codec's "
+        return (f"shard_state={options.shard_state!r} sums gradients in float32 only (a codec's "
                 f"error feedback is kept per all-reduce chunk); drop "
                 f"compression={options.comm.compression!r}, or use shard_state=None.")
-    if options.mixed_precision:
-        return ("shard_state='optimizer' does not shard a LossScaleOptimizer yet (a "
-                "step skipped on one slice must be skipped on all): use "
-                "mixed_precision=False, or shard_state=None.")
     return None
 
 
@@ -75,9 +71,11 @@ def group_spec(gid: str, members: list[str], compression: str) -> GroupSpec:
     """A group's settings, read once here from the client's configuration and sent
     to every member, so that they all choose the same algorithm."""
     threshold = config.get("p2p.bandwidth-threshold")
+    bucket = config.get("p2p.shard-bucket")
     return GroupSpec(
         gid, tuple(members), codec=compression,
         algorithm=str(config.get("p2p.algorithm")),
         threshold=int(parse_bytes(threshold) if isinstance(threshold, str) else threshold),
         timeout=config.get_seconds("p2p.timeout"),
+        shard_bucket=int(parse_bytes(bucket) if isinstance(bucket, str) else bucket),
     )

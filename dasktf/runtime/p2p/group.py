@@ -253,6 +253,11 @@ class Group:
         self._ep.completed = step
         return out, sc
 
+    def held_peak(self, phase: str) -> int:
+        """The most bytes of ``phase``'s messages that ever waited in this member's
+        mailbox (a sharded step's buffers: :mod:`dasktf.runtime.p2p.sharding`)."""
+        return self._ep.mailbox.peak.get(phase, 0)
+
     # -- the transport the algorithms use -----------------------------------------
     def send(self, dest: int, key: Key, payload: Payload) -> None:
         address = self.members[dest]

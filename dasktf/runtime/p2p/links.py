@@ -36,6 +36,8 @@ class GroupSpec:
     algorithm: str = "auto"
     threshold: int = 1 << 20
     timeout: float = 300.0
+    #: shard_state="gradients": the reduce-scatter's bucket, in bytes
+    shard_bucket: int = 4 << 20
 
 
 class Link:

@@ -47,6 +47,10 @@ class Mailbox:
         #: (dropped); newer ones are early (kept: a peer may be one ahead)
         self._step = -1
         self.duplicates = 0
+        #: the bytes of the messages waiting here, per phase, and the most that
+        #: ever waited (what a sharded step's buffers cost a worker: docs/sharding.md)
+        self.held: dict[str, int] = {}
+        self.peak: dict[str, int] = {}
         #: called (outside the lock) when a message comes or the group fails: a
         #: training thread that waits in ``poll`` rather than on the condition
         #: (:mod:`dasktf.runtime.p2p.direct`) is woken by it
@@ -61,6 +65,8 @@ class Mailbox:
                 self.duplicates += 1
                 return False
             self._messages[(key, source)] = payload
+            held = self.held[key.phase] = self.held.get(key.phase, 0) + _nbytes(payload)
+            self.peak[key.phase] = max(self.peak.get(key.phase, 0), held)
             self._cond.notify_all()
         if wake:
             for waker in self.wakers:
@@ -94,7 +100,7 @@ class Mailbox:
             self._step = step
             stale = [k for k in self._messages if k[0].step < step]
             for k in stale:
-                del self._messages[k]
+                self.held[k[0].phase] -= _nbytes(self._messages.pop(k))
 
     def take(self, key: Key, source: int, timeout: float, peer: str,
              progress: Callable[[float], None] | None = None) -> Any:
@@ -115,6 +121,7 @@ class Mailbox:
             with self._cond:
                 payload = self._messages.pop((key, source), _MISSING)
                 if payload is not _MISSING:
+                    self.held[key.phase] -= _nbytes(payload)
                     return payload
                 if self._failure is not None:
                     raise self._failure
@@ -139,3 +146,10 @@ class Mailbox:
 
 
 _MISSING = object()
+
+
+def _nbytes(payload: Any) -> int:
+    """The bytes of a message's values and scalars (``(values, scalars)``)."""
+    if not isinstance(payload, tuple):
+        return 0
+    return int(sum(getattr(part, "nbytes", 0) or 0 for part in payload))

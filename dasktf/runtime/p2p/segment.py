@@ -22,6 +22,7 @@ An epoch's last segment (or one a vote stopped) returns the epoch's report
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from dasktf.exceptions import CollectiveAbortedError
+from dasktf.runtime.p2p.buckets import bucket_values, bucketed_update
 from dasktf.runtime.p2p.gradients import allreduce_step
 from dasktf.runtime.p2p.links import GroupSpec, Link, link
 from dasktf.runtime.p2p.redundancy import redundant_shard
@@ -64,7 +66,9 @@ class Segment:
     #: ``TerminateOnNaN``: the same step on every member, the loss being the same)
     stop_on_nonfinite: bool = False
     #: ``"optimizer"``: each member applies the optimizer to its slice of the
-    #: parameters (:mod:`dasktf.runtime.p2p.sharding`); ``None``: to all of them
+    #: parameters (:mod:`dasktf.runtime.p2p.sharding`); ``"gradients"``: as well,
+    #: the reduce-scatter in buckets (:mod:`dasktf.runtime.p2p.buckets`); ``None``:
+    #: to all of them
     shard_state: str | None = None
     #: with ``shard_state``: copies of each slice besides its owner's
     #: (:mod:`dasktf.runtime.p2p.redundancy`)
@@ -161,9 +165,12 @@ def _steps(replica: Replica, group: Group, segment: Segment, peers: Link, here: 
         votes = _votes(peers.stop, statistics)
         sharded = segment.shard_state is not None
         if sharded:  # summed, applied and the weights taken, in one collective
+            collective = (functools.partial(bucketed_update,
+                                            bucket_values(segment.group.shard_bucket))
+                          if segment.shard_state == "gradients" else None)
             summed, sums = sharded_step(
                 replica, group, out, update, size, votes,
-                redundant_shard if segment.redundancy else ShardOptimizer)
+                redundant_shard if segment.redundancy else ShardOptimizer, collective)
         else:
             summed, sums = allreduce_step(group, out, update, size=size,
                                           scale=segment.scale, votes=votes)

@@ -29,8 +29,10 @@ gives the same values on the slice as on the whole variable, and the whole
 optimizer is put back together by concatenating the owners' parts
 (:func:`assemble_optimizer`). Clipping by a norm (``clipnorm``: each whole
 variable's; ``global_clipnorm``: all of them) sums the slices' squared norms over
-the members first (:meth:`ShardOptimizer.scales`). A loss-scale optimizer, gradient
-accumulation or weight averaging is refused (:func:`optimizer_refusal`).
+the members first (:meth:`ShardOptimizer.scales`). A loss-scale optimizer (mixed precision) skips a
+step on every slice when the summed gradient is not finite in any: a vote of the
+slices, taken in the same small exchange. Gradient accumulation or weight averaging
+is refused (:func:`optimizer_refusal`).
 """
 
 from __future__ import annotations
@@ -53,21 +55,17 @@ if TYPE_CHECKING:
     from dasktf.runtime.p2p.group import Group
     from dasktf.runtime.replica import Replica
 
-#: The values of ``shard_state`` (``"gradients"``, ZeRO-2, is refused: not yet).
-SHARD_STATES = ("optimizer",)
+#: The values of ``shard_state``: ``"gradients"`` (ZeRO-2) buckets the
+#: reduce-scatter (:mod:`dasktf.runtime.p2p.buckets`).
+SHARD_STATES = ("optimizer", "gradients")
 _PIECE = re.compile(r"dasktfpiece(\d+)x")
 
 
 def check_shard_state(value: str | None) -> None:
-    """Refuse a ``shard_state`` this version cannot train, saying why."""
+    """Refuse a ``shard_state`` this version cannot train."""
     if value is None or value in SHARD_STATES:
         return
-    if value == "gradients":
-        raise ValueError(
-            "shard_state='gradients' (ZeRO-2: no worker keeps the whole summed "
-            "gradient) is not implemented yet; shard_state='optimizer' keeps 1/N "
-            "of the optimizer's slots a worker (issue 38).")
-    raise ValueError(f"shard_state must be None or 'optimizer'; got {value!r}.")
+    raise ValueError(f"shard_state must be None, 'optimizer' or 'gradients'; got {value!r}.")
 
 
 def optimizer_refusal(optimizer: Any) -> str | None:
@@ -81,10 +79,15 @@ def optimizer_refusal(optimizer: Any) -> str | None:
         name, config = optimizer.get("class_name", "optimizer"), optimizer.get("config", {})
     else:
         name, config = type(optimizer).__name__, optimizer.get_config()
-    if name == "LossScaleOptimizer" or "inner_optimizer" in config:
-        return (f"shard_state='optimizer' does not shard a {name} (mixed precision's "
-                "loss scaling: a step skipped on one slice must be skipped on all) "
-                "yet; train with mixed_precision=False or shard_state=None.")
+    inner = config.get("inner_optimizer")
+    if inner is not None:  # a LossScaleOptimizer: its skip is voted over the slices
+        inner = inner if isinstance(inner, dict) else {"config": inner.get_config()}
+        clipped = [k for k in ("clipnorm", "global_clipnorm") if inner["config"].get(k)]
+        if clipped:
+            return (f"shard_state='optimizer' does not clip by a norm ({clipped[0]}=) "
+                    f"under a {name} yet (the norm of the unscaled gradient would be "
+                    f"summed over the slices); use clipvalue, or shard_state=None.")
+        return optimizer_refusal(inner)
     for key, what in (("gradient_accumulation_steps", "accumulated gradients"),
                       ("use_ema", "averaged weights"),
                       ("loss_scale_factor", "a scaled loss")):
@@ -127,6 +130,12 @@ class ShardOptimizer:
         # all of them (global_clipnorm): summed across the slices (:meth:`scales`)
         # and applied here as a factor per variable, not by the slice's optimizer.
         self.clipnorm = config.get("clipnorm") or None
+        #: a LossScaleOptimizer: its skip (a non-finite gradient) is voted on by
+        #: every slice (:meth:`scales`), so the scale stays the same everywhere
+        self.loss_scaled = hasattr(whole, "inner_optimizer")
+        # The replica's gradient function was traced with the whole optimizer's
+        # scale_loss: it reads the whole one's scale, kept equal to the slice's.
+        self.traced_scale = whole.dynamic_scale if self.loss_scaled and whole.built else None
         self.global_clipnorm = config.get("global_clipnorm") or None
         config.update(clipnorm=None, global_clipnorm=None)
         self.optimizer = opt = type(whole).from_config(config)
@@ -140,6 +149,8 @@ class ShardOptimizer:
         if take_over:  # (a redundant copy of another rank's slice does not)
             replica.model.optimizer = opt
         self.variables = replica.variables
+        #: the most bytes of the peers' gradient parts that waited here (sharded_step)
+        self.held = 0
         self.shapes = list(replica.shapes)
         # the short call path (one concrete function, arguments handed flat): a
         # small model's step is mostly the fixed cost of each TensorFlow call
@@ -176,6 +187,8 @@ class ShardOptimizer:
         grads = tf.split(chunk / count, [b - a for a, b in self.parts])
         grads = [g * scales[j] for j, g in enumerate(grads)]  # clipping; else ones
         self.optimizer.apply(grads, self.pieces)
+        if self.traced_scale is not None:
+            self.traced_scale.assign(self.optimizer.dynamic_scale)
         return tf.concat([tf.identity(p) for p in self.pieces], 0)
 
     def _take_body(self, flat: Any) -> None:
@@ -218,6 +231,13 @@ class ShardOptimizer:
         per variable, ``global_clipnorm`` over all), from the squared norms of the
         slices' parts summed over the members; ones without clipping."""
         ones = np.ones(len(self.parts), np.float32)
+        if self.loss_scaled:
+            # Keras skips the step (and halves the scale) when any element of the
+            # whole summed gradient is not finite: a vote of every slice, taken after
+            # the reduce-scatter (finite parts may sum to an inf). NaN factors make
+            # every slice's loss-scale optimizer see it.
+            skip = exchange(np.array([float(not np.all(np.isfinite(chunk)))]))[0]
+            return ones * np.float32(np.nan) if skip else ones
         if self.clipnorm is None and self.global_clipnorm is None:
             return ones
         mean = np.asarray(chunk, np.float32) / np.float32(count)
@@ -240,6 +260,13 @@ class ShardOptimizer:
         return np.concatenate([np.asarray(v.numpy(), np.float32).ravel()[a:b]
                                for v, (a, b) in zip(self.variables, self.parts,
                                                     strict=True)])
+
+    def gradient_peak(self) -> int:
+        """The most bytes of summed-gradient buffers this worker held in a step: the
+        peers' parts of its slice waiting to be added (the most that ever waited)
+        and the slice's sum. (Its own gradient, the backward pass's output, is
+        whole on every worker, sharded or not.)"""
+        return int(self.held) + 4 * (self.edges[self.rank + 1] - self.edges[self.rank])
 
     def slot_bytes(self) -> int:
         """The bytes of the slice's optimizer variables (what TensorFlow holds)."""
@@ -282,6 +309,20 @@ def sharded_update(apply: Callable[..., np.ndarray],
         acc = np.array(part, np.float32, copy=True) if acc is None else acc + part
         total = np.array(theirs, copy=True) if total is None else total + theirs
     assert acc is not None and total is not None
+    return apply_and_gather(apply, t, acc, total, buf.size, step, scalars is not None)
+
+
+def apply_and_gather(apply: Callable[..., np.ndarray], t: Transport, acc: np.ndarray,
+                     total: np.ndarray, size: int, step: int, scalars: bool
+                     ) -> tuple[np.ndarray, np.ndarray | None]:
+    """The rest of a sharded step once rank r holds its summed slice ``acc`` and
+    the summed scalars ``total``: ``apply`` it, all-gather the updated slices into
+    the ``size`` new flat weights (:func:`sharded_update`)."""
+    n, r = t.size, t.rank
+    edges = chunk_edges(size, n)
+
+    def seg(c: int) -> slice:
+        return slice(edges[c], edges[c + 1])
     calls = 0
 
     def exchange(vector: np.ndarray) -> np.ndarray:
@@ -314,7 +355,7 @@ def sharded_update(apply: Callable[..., np.ndarray],
     new = apply(acc, total, exchange, relay)
     mine, copied = new if isinstance(new, tuple) else (new, None)
     mine = np.ascontiguousarray(mine, np.float32)
-    out = np.empty(buf.size, np.float32)
+    out = np.empty(size, np.float32)
     out[seg(r)] = mine
     if copied is not None:
         out[seg((r - 1) % n)] = copied
@@ -327,7 +368,7 @@ def sharded_update(apply: Callable[..., np.ndarray],
         source = (r - k) % n
         values, _ = t.recv(source, Key(step, "zg", 0, source))
         values_of(values, out=out[seg(source)])
-    return out, (None if scalars is None else total)
+    return out, (total if scalars else None)
 
 
 def shard_state_task(run_id: str) -> dict[str, Any]:
@@ -341,7 +382,8 @@ def shard_state_task(run_id: str) -> dict[str, Any]:
     if shard is None:  # no step ran yet: the whole optimizer is still the model's
         return {**state, "layout": None, "parts": None}
     return {**state, "layout": shard.layout, "parts": shard.parts,
-            "rank": shard.rank, "slot_bytes": shard.slot_bytes()}
+            "rank": shard.rank, "slot_bytes": shard.slot_bytes(),
+            "gradient_peak": shard.gradient_peak()}
 
 
 def assemble_optimizer(states: list[dict[str, Any]], shapes: list[tuple[int, ...]]
@@ -363,14 +405,18 @@ def assemble_optimizer(states: list[dict[str, Any]], shapes: list[tuple[int, ...
 
 def sharded_step(replica: Replica, group: Group, grad: GradientSum, update: int,
                  size: int, votes: np.ndarray,
-                 make: Callable[[Replica, int, int], ShardOptimizer] = ShardOptimizer
+                 make: Callable[[Replica, int, int], ShardOptimizer] = ShardOptimizer,
+                 collective: Callable[..., tuple[np.ndarray, np.ndarray | None]] | None = None
                  ) -> tuple[GradientSum, np.ndarray]:
     """:func:`~dasktf.runtime.p2p.gradients.allreduce_step` of a sharded run: the
     step's gradient summed, applied slice by slice and the new weights taken, in
     one collective. Returns the sum (without its buffer: no member holds it whole)
     and the summed votes, the same on every member. ``make(replica, rank, n)``
     builds the replica's slice at a group's first step (redundant slices:
-    :func:`dasktf.runtime.p2p.redundancy.redundant_shard`)."""
+    :func:`dasktf.runtime.p2p.redundancy.redundant_shard`). ``collective``: the
+    step's collective, called as :func:`sharded_update` (the default) is
+    (``shard_state="gradients"``: its reduce-scatter in buckets,
+    :func:`~dasktf.runtime.p2p.buckets.bucketed_update`)."""
     shard = replica.shard_optimizer
     if shard is None:  # the first step: the slice takes over the optimizer
         shard = replica.shard_optimizer = make(replica, group.rank, group.size)
@@ -393,9 +439,11 @@ def sharded_step(replica: Replica, group: Group, grad: GradientSum, update: int,
         claimed = new is not None
         return shard.own_values() if new is None else new
 
-    runner = functools.partial(sharded_update, apply)
-    flat, sums = group.allreduce(total, update, scalars, runner=runner)
+    collective = collective or sharded_update
+    flat, sums = group.allreduce(total, update, scalars,
+                                 runner=functools.partial(collective, apply))
     assert sums is not None
+    shard.held = max(group.held_peak("zs"), group.held_peak("zb"))
     if claimed:
         with replica.apply_lock:
             shard.take(flat)
