@@ -88,6 +88,9 @@ KILLS = {
     # hold it at that update, the lost one's slice as its backup computed it (at
     # the rate the callback set)
     "during-the-all-gather": (1, 2 * STEPS + 7, "allgather"),
+    # shard_state="gradients" (ZeRO-2): the same apply and all-gather after its
+    # bucketed reduce-scatter (the same sums: equal to the ZeRO-1 run)
+    "zero2-during-the-all-gather": (1, 2 * STEPS + 7, "allgather", "gradients"),
 }
 
 
@@ -95,11 +98,11 @@ KILLS = {
 @pytest.mark.parametrize("case", list(KILLS.values()), ids=list(KILLS))
 @pytest.mark.timeout(300)
 def test_a_sigkilled_worker_loses_no_optimizer_state(digits, uninterrupted, case):
-    rank, update, where = case
+    rank, update, where, *shard_state = case
     with own_cluster(3) as (_, client):
         workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
         kill_worker_at_update(client, workers[rank], update, where)
-        history = _halved(client, digits)
+        history = _halved(client, digits, shard_state=(shard_state or ["optimizer"])[0])
     (recovery,) = history.recoveries
     assert recovery["lost"] == [workers[rank]] and recovery["steps_lost"] == 0
     assert len(history.workers) == 2
