@@ -114,6 +114,9 @@ def run(client: Any, model: Any, x: np.ndarray, y: np.ndarray, epochs: int, batc
                          batch_size=batch, optimizer="adam", learning_rate=1e-3,
                          loss="sparse_categorical_crossentropy", shuffle=False, seed=0,
                          verbose=0, engine="p2p", shard_state=shard_state,
+                         # one copy of each slice: the figures and targets below
+                         # (benchmarks/shard_redundancy.py weighs redundancy=1)
+                         **({"redundancy": 0} if shard_state else {}),
                          callbacks=[Clock()])
     return {"step": [s / steps for s in seen["epochs"][1:]], "held": seen["held"],
             "bytes": float(np.mean(history.history["bytes_per_step"]))}

@@ -60,6 +60,7 @@ from dasktf.engines.p2p.options import group_spec
 from dasktf.exceptions import ShardingError
 from dasktf.runtime import reconcile
 from dasktf.runtime.p2p.plugin import PLUGIN_NAME, P2PPlugin
+from dasktf.runtime.p2p.redundancy import recovered_state, reshard_task, slices_task
 from dasktf.runtime.p2p.segment import Segment, SegmentResult
 from dasktf.runtime.p2p.sharding import assemble_optimizer, shard_state_task
 from dasktf.wire.packets import TrafficLog
@@ -96,6 +97,10 @@ class P2PEngine(Mirrored, Engine):
     shard_state
         ``"optimizer"``: each worker keeps and applies its slice of the optimizer
         (:mod:`dasktf.runtime.p2p.sharding`); ``None``: every replica all of it.
+    redundancy
+        With ``shard_state``: ``1`` keeps each slice on a second worker too, so a
+        lost worker costs nothing (:mod:`dasktf.runtime.p2p.redundancy`); ``0``
+        stops the run with a :class:`~dasktf.exceptions.ShardingError`.
     """
 
     mode = "sync"
@@ -105,7 +110,7 @@ class P2PEngine(Mirrored, Engine):
     def __init__(self, ctx: RunContext, spec: CommSpec, shapes: list[tuple[int, ...]],
                  schedule: np.ndarray, hooks: RunHooks, *, batch_size: int,
                  average_stats: bool = False, local: LocalSpec | None = None,
-                 shard_state: str | None = None) -> None:
+                 shard_state: str | None = None, redundancy: int = 0) -> None:
         self.ctx = ctx
         self.spec = spec
         self.n_params = int(sum(int(np.prod(s)) for s in shapes))
@@ -115,6 +120,7 @@ class P2PEngine(Mirrored, Engine):
         self.average_stats = average_stats
         self.local = local
         self.shard_state = shard_state
+        self.redundancy = int(redundancy) if shard_state is not None else 0
         self.shapes = [tuple(s) for s in shapes]
         self.losses: list[dict[str, Any]] = []
         self.update_base = 0
@@ -247,7 +253,8 @@ class P2PEngine(Mirrored, Engine):
                        scale=1.0 / max(1, self.batch_size),
                        average_stats=self.average_stats,
                        stop_on_nonfinite=self.hooks.stop_on_nonfinite,
-                       shard_state=self.shard_state, spans=spans)
+                       shard_state=self.shard_state, redundancy=self.redundancy,
+                       spans=spans)
 
     def _ticker(self, on_step: Callable[[int], None] | None, last: int
                 ) -> Callable[[], None]:
@@ -289,22 +296,48 @@ class P2PEngine(Mirrored, Engine):
         module). None are left to stop when a first try of this recovery did."""
         ended = self.flight.stop(survivors, f"worker(s) {', '.join(lost)} lost")
         self._ended = ended if ended is not None else self._ended
-        if self.shard_state is not None:
+        if self.shard_state is not None and not self.redundancy:
+            path = self.hooks.last_checkpoint()
             raise ShardingError(
-                f"worker(s) {', '.join(lost)} lost with shard_state='optimizer': their "
-                "slice of the optimizer state had no other copy, so the run cannot go "
-                "on exactly (issue 38: redundant slices are not implemented yet). "
-                "Train again from the last weights, or with shard_state=None to "
-                "recover from lost workers.")
+                f"worker(s) {', '.join(lost)} lost with shard_state={self.shard_state!r} and "
+                "redundancy=0: their slice of the optimizer state had no other copy, "
+                "so the run cannot go on exactly. "
+                + (f"Resume from the last checkpoint, {path}, with resume=True; "
+                   if path else "Keep checkpoints (checkpoint_dir=) to resume from, ")
+                + "or train with redundancy=1 (each slice on two workers) to go on "
+                "from a lost worker.")
 
     def reform(self, schedule: np.ndarray) -> None:
         self.flight.end_span()  # its replicas are about to be rebuilt
-        if self.shard_state is not None:
-            raise ShardingError(
-                "workers joined or left a run with shard_state='optimizer', which "
-                "cannot re-shard the optimizer over them yet (issue 38); keep the "
-                "workers fixed for the run, or use shard_state=None.")
         super().reform(schedule)
+
+    def catch_up(self, lost: list[str], survivors: list[str], applied: list[int]
+                 ) -> tuple[int, int, str | None]:
+        """Sharded: the whole optimizer put together from one copy of each slice
+        at the newest update a survivor applied (those one behind complete it
+        first), loaded into every survivor, to be cut again over them by their next
+        step (:mod:`dasktf.runtime.p2p.redundancy`)."""
+        if self.shard_state is None:
+            return super().catch_up(lost, survivors, applied)
+        ctx, target = self.ctx, max(applied)
+        futures = [ctx.client.submit(slices_task, ctx.run_id, target, workers=[w],
+                                     allow_other_workers=False, pure=False)
+                   for w in survivors]  # pinned: each survivor's slices are its own
+        wait_for(ctx, futures, "reading the optimizer's slices")
+        state, flat = recovered_state(ctx.client.gather(futures), target, self.shapes)
+        self._reshard(survivors, state, flat)
+        return target, 0, None
+
+    def _reshard(self, workers: list[str], state: dict[str, Any],
+                 flat: np.ndarray | None = None) -> None:
+        """Load ``state`` into the replicas on ``workers``, the optimizer whole: the
+        next step cuts it over them (:func:`~dasktf.runtime.p2p.redundancy.reshard_task`)."""
+        client = self.ctx.client
+        big = client.scatter(state, broadcast=True, hash=False)
+        flat_f = None if flat is None else client.scatter(flat, broadcast=True, hash=False)
+        futures = [client.submit(reshard_task, self.ctx.run_id, big, flat_f, workers=[w],
+                                 allow_other_workers=False, pure=False) for w in workers]
+        wait_for(self.ctx, futures, "loading the state into the replicas")
 
     def regroup(self) -> None:
         self.generation += 1
@@ -335,7 +368,12 @@ class P2PEngine(Mirrored, Engine):
                 "optimizer": assemble_optimizer(states, self.shapes)}
 
     def load_state(self, state: dict[str, Any]) -> None:
-        reconcile.load_state(self.ctx, state)
+        """Load ``state`` into every replica; sharded: each cuts its slices of the
+        whole optimizer again at its next step."""
+        if self.shard_state is not None:
+            self._reshard(self.ctx.workers, state)
+        else:
+            reconcile.load_state(self.ctx, state)
 
     # -- the end ------------------------------------------------------------------------
     def finish(self) -> None:

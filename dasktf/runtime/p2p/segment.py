@@ -39,7 +39,8 @@ from dasktf.exceptions import CollectiveAbortedError
 from dasktf.runtime.p2p.buckets import bucket_values, bucketed_update
 from dasktf.runtime.p2p.gradients import allreduce_step
 from dasktf.runtime.p2p.links import GroupSpec, Link, link
-from dasktf.runtime.p2p.sharding import sharded_step
+from dasktf.runtime.p2p.redundancy import redundant_shard
+from dasktf.runtime.p2p.sharding import ShardOptimizer, sharded_step
 from dasktf.runtime.replica import EpochReport, StepTiming, get_replica, straggle
 from dasktf.runtime.reports import epoch_report
 from dasktf.wire.messages import GradientSum
@@ -77,6 +78,9 @@ class Segment:
     #: go on through the next epochs (``last``: the epoch's last step), each epoch's
     #: result filed in the run's gate, until the client's word ends it
     spans: bool = False
+    #: with ``shard_state``: copies of each slice besides its owner's
+    #: (:mod:`dasktf.runtime.p2p.redundancy`)
+    redundancy: int = 0
 
 
 @dataclass
@@ -198,8 +202,9 @@ def _steps(replica: Replica, group: Group, segment: Segment, peers: Link, here: 
             collective = (functools.partial(bucketed_update,
                                             bucket_values(segment.group.shard_bucket))
                           if segment.shard_state == "gradients" else None)
-            summed, sums = sharded_step(replica, group, out, update, size, votes,
-                                        collective)
+            summed, sums = sharded_step(
+                replica, group, out, update, size, votes,
+                redundant_shard if segment.redundancy else ShardOptimizer, collective)
         else:
             summed, sums = allreduce_step(group, out, update, size=size,
                                           scale=segment.scale, votes=votes)
