@@ -52,17 +52,15 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dasktf import compat, config
-from dasktf.cluster.waits import RunContext, call_watched, wait_for
+from dasktf.cluster.waits import RunContext, call_watched
 from dasktf.engines.base import Capabilities, Engine, RunHooks
 from dasktf.engines.mirrored import Mirrored
+from dasktf.engines.p2p import shards
 from dasktf.engines.p2p.flight import Flight
 from dasktf.engines.p2p.options import group_spec
-from dasktf.exceptions import ShardingError
 from dasktf.runtime import reconcile
 from dasktf.runtime.p2p.plugin import PLUGIN_NAME, P2PPlugin
-from dasktf.runtime.p2p.redundancy import recovered_state, reshard_task, slices_task
 from dasktf.runtime.p2p.segment import Segment, SegmentResult
-from dasktf.runtime.p2p.sharding import assemble_optimizer, shard_state_task
 from dasktf.wire.packets import TrafficLog
 
 if TYPE_CHECKING:
@@ -297,15 +295,7 @@ class P2PEngine(Mirrored, Engine):
         ended = self.flight.stop(survivors, f"worker(s) {', '.join(lost)} lost")
         self._ended = ended if ended is not None else self._ended
         if self.shard_state is not None and not self.redundancy:
-            path = self.hooks.last_checkpoint()
-            raise ShardingError(
-                f"worker(s) {', '.join(lost)} lost with shard_state={self.shard_state!r} and "
-                "redundancy=0: their slice of the optimizer state had no other copy, "
-                "so the run cannot go on exactly. "
-                + (f"Resume from the last checkpoint, {path}, with resume=True; "
-                   if path else "Keep checkpoints (checkpoint_dir=) to resume from, ")
-                + "or train with redundancy=1 (each slice on two workers) to go on "
-                "from a lost worker.")
+            raise shards.lost_slices(lost, self.shard_state, self.hooks.last_checkpoint())
 
     def reform(self, schedule: np.ndarray) -> None:
         self.flight.end_span()  # its replicas are about to be rebuilt
@@ -319,25 +309,9 @@ class P2PEngine(Mirrored, Engine):
         step (:mod:`dasktf.runtime.p2p.redundancy`)."""
         if self.shard_state is None:
             return super().catch_up(lost, survivors, applied)
-        ctx, target = self.ctx, max(applied)
-        futures = [ctx.client.submit(slices_task, ctx.run_id, target, workers=[w],
-                                     allow_other_workers=False, pure=False)
-                   for w in survivors]  # pinned: each survivor's slices are its own
-        wait_for(ctx, futures, "reading the optimizer's slices")
-        state, flat = recovered_state(ctx.client.gather(futures), target, self.shapes)
-        self._reshard(survivors, state, flat)
+        target = max(applied)
+        shards.recover(self.ctx, survivors, target, self.shapes)
         return target, 0, None
-
-    def _reshard(self, workers: list[str], state: dict[str, Any],
-                 flat: np.ndarray | None = None) -> None:
-        """Load ``state`` into the replicas on ``workers``, the optimizer whole: the
-        next step cuts it over them (:func:`~dasktf.runtime.p2p.redundancy.reshard_task`)."""
-        client = self.ctx.client
-        big = client.scatter(state, broadcast=True, hash=False)
-        flat_f = None if flat is None else client.scatter(flat, broadcast=True, hash=False)
-        futures = [client.submit(reshard_task, self.ctx.run_id, big, flat_f, workers=[w],
-                                 allow_other_workers=False, pure=False) for w in workers]
-        wait_for(self.ctx, futures, "loading the state into the replicas")
 
     def regroup(self) -> None:
         self.generation += 1
@@ -350,28 +324,14 @@ class P2PEngine(Mirrored, Engine):
         if self.local is not None:
             return reconcile.round_state(self.ctx, None, [None] * len(self.ctx.workers))
         if self.shard_state is not None:
-            return self._sharded_state()
+            return shards.gathered_state(self.ctx, self.shapes)
         return reconcile.read_state(self.ctx)
-
-    def _sharded_state(self) -> dict[str, Any]:
-        """The training state with the whole optimizer, its slices gathered from
-        every replica (:func:`~dasktf.runtime.p2p.sharding.assemble_optimizer`)."""
-        client = self.ctx.client
-        # pinned: each replica (and its slice) lives on its own worker
-        futures = [client.submit(shard_state_task, self.ctx.run_id, workers=[w],
-                                 allow_other_workers=False, pure=False)
-                   for w in self.ctx.workers]
-        wait_for(self.ctx, futures, "gathering the optimizer's slices")
-        states = client.gather(futures)
-        return {"weights": states[0]["weights"], "applied": states[0]["applied"],
-                "index": states[0]["index"],
-                "optimizer": assemble_optimizer(states, self.shapes)}
 
     def load_state(self, state: dict[str, Any]) -> None:
         """Load ``state`` into every replica; sharded: each cuts its slices of the
         whole optimizer again at its next step."""
         if self.shard_state is not None:
-            self._reshard(self.ctx.workers, state)
+            shards.load_whole(self.ctx, self.ctx.workers, state)
         else:
             reconcile.load_state(self.ctx, state)
 
