@@ -38,6 +38,12 @@ computing. A step ``k`` is then:
   ``submit-ahead`` steps early on purpose),
 * ``critical path``: from ``ready`` to its last task's end (its reduction's root).
 
+``--whole-fit ROWS``: the window is a whole ``dasktf.fit`` instead (its set-up, every
+epoch end, its clean-up) of ROWS rows for ``--epochs`` epochs at 32 rows per worker a
+step (4,096 rows: 64 steps an epoch at N=2, 16 at N=8): short epochs, where what an
+epoch and a fit cost the scheduler shows, ``p2p`` (segments spanning epochs) beside
+``p2p-per-epoch`` (a segment per epoch) in one run.
+
 Usage::
 
     python benchmarks/scale.py --workers 2 4 8 16 32 --modes tree ring ps2 local8 \
@@ -83,6 +89,8 @@ MODES = {
     "tree-window1": {"engine": "graph", "config": {"submit-window": 1}},
     "tree-nometrics": {"engine": "graph", "config": {"metrics": False}},
     "p2p-nometrics": {"engine": "p2p", "config": {"metrics": False}},
+    # the p2p engine as it was: one segment task per worker per epoch
+    "p2p-per-epoch": {"engine": "p2p", "config": {"p2p.span-epochs": False}},
 }
 ROWS_PER_WORKER = 16
 STEPS = 32
@@ -331,6 +339,53 @@ def measure(client: Any, n: int, mode: str, sched_pid: int,
     return out
 
 
+def measure_fit(client: Any, n: int, mode: str, sched_pid: int, rows: int,
+                epochs: int) -> dict[str, Any]:
+    """The scheduler's (and the client's) CPU over one whole ``dasktf.fit`` of
+    ``rows`` rows for ``epochs`` epochs, per step: short epochs, the fit's set-up
+    and end in the window."""
+    import psutil
+
+    import dasktf
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(rows, FEATURES)).astype("float32")
+    y = rng.integers(0, 10, size=rows)
+    batch = 32 * n
+    units = epochs * -(-rows // batch)
+    options = dict(MODES[mode])
+    settings = {f"dasktf.{k}": v for k, v in options.pop("config", {}).items()}
+    sched = psutil.Process(sched_pid)
+
+    def mark() -> dict[str, Any]:
+        cpu, me = sched.cpu_times(), os.times()
+        return {**client.run_on_scheduler(read_probe), "wall": time.perf_counter(),
+                "sched_cpu": cpu.user + cpu.system, "client_cpu": me.user + me.system}
+
+    with dask.config.set(settings):
+        a = mark()
+        history = dasktf.fit(tiny_model(), x, y, client=client, n_workers=n,
+                             epochs=epochs, batch_size=batch, optimizer="sgd",
+                             loss="sparse_categorical_crossentropy", verbose=0,
+                             **options)
+        b = mark()
+    return {
+        "n": n, "mode": f"{mode} (fit)", "unit": "step", "units": units,
+        "wall_ms": (b["wall"] - a["wall"]) * 1e3 / units,
+        "sched_cpu_ms": (b["sched_cpu"] - a["sched_cpu"]) * 1e3 / units,
+        "client_cpu_ms": (b["client_cpu"] - a["client_cpu"]) * 1e3 / units,
+        "sched_tasks": (b["tasks"] - a["tasks"]) / units,
+        "sched_msgs_in": (b["in"] - a["in"]) / units,
+        "sched_msgs_out": (b["out"] - a["out"]) / units,
+        "sched_kb": (b["out_bytes"] - a["out_bytes"]) / 1e3 / units,
+        "records": (b["records"] - a["records"]) / units,
+        "fit_tasks": b["tasks"] - a["tasks"],
+        "ops": {k: v - a["in_ops"].get(k, 0) for k, v in b["in_ops"].items()
+                if v - a["in_ops"].get(k, 0)},
+        "epoch_loss": float(history.history["loss"][-1]),
+    }
+
+
 def time_submits(total: list[float]) -> Any:
     """Count the client's CPU in building and sending task graphs (the submit):
     wraps the engines' submit methods for the benchmark; returns the undo."""
@@ -466,7 +521,8 @@ def cli_run(n: int) -> str:
 
 
 def run_all(ns: list[int], modes: list[str], out_path: str | None,
-            model: str = "tiny") -> list[dict[str, Any]]:
+            model: str = "tiny", whole_fit: int | None = None,
+            epochs: int = 8) -> list[dict[str, Any]]:
     from distributed import Client
 
     results: list[dict[str, Any]] = []
@@ -479,14 +535,20 @@ def run_all(ns: list[int], modes: list[str], out_path: str | None,
             noop = calibrate(client, pid)
             idle = idle_rate(pid)
             print(f"N={n}: a no-op task costs the scheduler {noop:.3f} ms of CPU; idle, "
-                  f"it spends {idle * 1e3:.1f} ms a second (heartbeats)", flush=True)
+                  f"it spends {idle * 1e3:.1f} ms a second (heartbeats); load average "
+                  f"{open('/proc/loadavg').read().split()[:3]}", flush=True)
+            if whole_fit:  # the workers import TensorFlow and trace once, untimed
+                measure_fit(client, n, modes[0], pid, whole_fit, 1)
             for mode in modes:
                 if (mode.endswith("ps2") and n < 3) or (mode == "quorum" and n < 3):
                     continue
                 if mode == "ring" and n > 16:  # N^2 + N tasks a step: minutes a run
                     continue
                 t0 = time.perf_counter()
-                r = measure(client, n, mode, pid, model)
+                if whole_fit:
+                    r = measure_fit(client, n, mode, pid, whole_fit, epochs)
+                else:
+                    r = measure(client, n, mode, pid, model)
                 r["rss_gb"] = worker_rss(client)
                 r["noop_task_ms"] = noop
                 # what the scheduler spends per second whatever runs (heartbeats),
@@ -600,6 +662,9 @@ def main() -> None:
                    help="steps an epoch (the measured window is one epoch): the "
                         "scheduler's CPU is read in clock ticks (10 ms), so a mode "
                         "that costs it little per step needs a window of seconds")
+    p.add_argument("--whole-fit", type=int, metavar="ROWS", default=None,
+                   help="the window is a whole fit of ROWS rows (4096: short epochs)")
+    p.add_argument("--epochs", type=int, default=8, help="--whole-fit's epochs")
     args = p.parse_args()
     STEPS = args.steps
     if args.cli:
@@ -614,7 +679,8 @@ def main() -> None:
         print(fit_model(results, args.holdout))
         return
     print(header(), flush=True)
-    results = run_all(args.workers, args.modes, args.json, args.model)
+    results = run_all(args.workers, args.modes, args.json, args.model, args.whole_fit,
+                      args.epochs)
     print()
     print(fit_model(results, args.holdout))
 

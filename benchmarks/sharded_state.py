@@ -83,7 +83,7 @@ def _held(dask_worker: Any = None) -> list[dict[str, int]]:
             group = None if link is None else link.group
             summed = own  # the all-reduce's output, whole
             waited = 0 if group is None else max(
-                group.held_peak(p) for p in ALLREDUCE_PHASES)
+                group.mailbox.peak.get(p, 0) for p in ALLREDUCE_PHASES)
         out.append({"slots": slots, "own": own, "summed": summed, "waited": waited,
                     # the worker process's peak resident memory (a fresh cluster
                     # per run): everything, TensorFlow's and Python's
@@ -114,6 +114,9 @@ def run(client: Any, model: Any, x: np.ndarray, y: np.ndarray, epochs: int, batc
                          batch_size=batch, optimizer="adam", learning_rate=1e-3,
                          loss="sparse_categorical_crossentropy", shuffle=False, seed=0,
                          verbose=0, engine="p2p", shard_state=shard_state,
+                         # one copy of each slice: the figures and targets below
+                         # (benchmarks/shard_redundancy.py weighs redundancy=1)
+                         **({"redundancy": 0} if shard_state else {}),
                          callbacks=[Clock()])
     return {"step": [s / steps for s in seen["epochs"][1:]], "held": seen["held"],
             "bytes": float(np.mean(history.history["bytes_per_step"]))}

@@ -66,9 +66,9 @@ class ReplicaError(DasktfError):
 
 
 class ShardingError(DasktfError):
-    """A run with sharded optimizer state (``shard_state="optimizer"``) met what it
-    cannot do yet without losing state: a lost worker (its slice of the optimizer
-    had no other copy), the optimizer re-sharded over other workers."""
+    """A run with sharded optimizer state (``shard_state="optimizer"``) lost a slice
+    of the optimizer: a lost worker with ``redundancy=0`` (its slice had no other
+    copy), or both copies of a slice lost at once with ``redundancy=1``."""
 
 
 class StepTimeoutError(DasktfError, TimeoutError):

@@ -140,18 +140,24 @@ def kill_worker_at_update(client: Client, address: str, update: int,
     """Arm the worker at ``address`` to SIGKILL itself at global update ``update`` of
     the next ``engine="p2p"`` run there (its nanny told first not to restart it):
     ``where="step"`` as that update's step begins, ``"allreduce"`` in the middle of
-    its all-reduce, once its first message reached the peer's end of the connection.
+    its all-reduce, once its first message reached the peer's end of the connection,
+    ``"allgather"`` likewise with its first message of a sharded step's all-gather
+    (``shard_state``: every member has applied its slice by then), ``"ready"`` with
+    its first message of the exchange that follows the reduce-scatter (with
+    ``redundancy=1`` and no clipping, the round that tells the others it can apply).
     Deterministic, where a client-side :class:`KillWorkerAt` hears of steps late."""
-    if where not in ("step", "allreduce"):
-        raise ValueError(f"where must be 'step' or 'allreduce'; got {where!r}.")
+    phases = {"allreduce": None, "allgather": "zg", "ready": "zn"}
+    if where != "step" and where not in phases:
+        raise ValueError("where must be 'step', 'allreduce', 'allgather' or 'ready'; "
+                         f"got {where!r}.")
     try:
         client.run(_no_restart, nanny=True, workers=[address])
     except Exception:  # noqa: BLE001 - no nanny: nothing restarts it anyway
         pass
-    client.run(_arm_kill, int(update), where, workers=[address])
+    client.run(_arm_kill, int(update), where, phases.get(where), workers=[address])
 
 
-def _arm_kill(update: int, where: str, dask_worker: Any = None) -> None:
+def _arm_kill(update: int, where: str, phase: str | None, dask_worker: Any = None) -> None:
     from dasktf.runtime.manager import run_manager
 
     def die() -> None:
@@ -162,7 +168,7 @@ def _arm_kill(update: int, where: str, dask_worker: Any = None) -> None:
             die()
 
     def at_send(g: Any, dest: int, key: Any, acknowledged: Any) -> None:
-        if key.step == update:
+        if key.step == update and phase in (None, key.phase):
             acknowledged.result(timeout=60)  # the peer's kernel holds the message
             die()
 

@@ -234,7 +234,12 @@ class Trainer:
         1/N of the optimizer's state, exactly (docs/sharding.md); ``"gradients"``
         (ZeRO-2): as well, the reduce-scatter in buckets, so a worker never holds
         more than two rounds of its peers' gradient parts. Refused with the reason
-        where not supported yet (codecs, local steps, checkpoints, a lost worker).
+        where not supported yet (codecs, local steps).
+    redundancy
+        With ``shard_state``: ``1`` (default) keeps each slice of the optimizer
+        on a second worker as well ((1 + 1)/N of it a worker), so a lost worker
+        costs no update and the run goes on exactly; ``0`` keeps one copy (1/N),
+        and a lost worker stops the run (resume from a checkpoint).
 
     Examples
     --------

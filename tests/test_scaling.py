@@ -75,18 +75,34 @@ def test_a_window_of_steps_reaches_the_scheduler_as_one_graph(client, digits):
         np.testing.assert_array_equal(a, b)
 
 
-def test_a_p2p_segment_reaches_the_scheduler_as_one_graph(client, digits):
-    """The N tasks of a p2p segment are one update-graph message, not N (the
-    scheduler's largest cost per epoch at 32 workers)."""
+def _p2p_fit(client, digits, **kw):
     x, y = digits.x_train[:480].reshape(-1, 64), digits.y_train[:480]
     client.register_plugin(GraphCounter())
     client.run_on_scheduler(_segments)  # forget earlier runs'
+    keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10, activation="softmax")])
     history = dasktf.fit(model, x, y, client=client, n_workers=3, epochs=3, batch_size=48,
                          optimizer="sgd", verbose=0, engine="p2p",
-                         loss="sparse_categorical_crossentropy")
+                         loss="sparse_categorical_crossentropy", **kw)
     assert history.engine == "p2p"
-    assert client.run_on_scheduler(_segments) == [3, 3, 3]  # a graph of 3 an epoch
+    return history, client.run_on_scheduler(_segments)
+
+
+def test_a_p2p_fit_costs_the_scheduler_one_task_per_worker_not_one_per_epoch(
+        client, digits):
+    """A p2p fit of 3 epochs reaches the scheduler as one graph of N segment tasks
+    (segments span epochs: dasktf.runtime.p2p.span), not N a graph each epoch; and
+    per-epoch segments (``dasktf.p2p.span-epochs: false``) train the same model."""
+    spanned, graphs = _p2p_fit(client, digits, validation_split=0.25)
+    assert graphs == [3]  # one graph of 3 tasks for the whole fit
+    with dask.config.set({"dasktf.p2p.span-epochs": False}):
+        per_epoch, graphs = _p2p_fit(client, digits, validation_split=0.25)
+    assert graphs == [3, 3, 3]  # a graph of 3 an epoch (one update-graph message)
+    for key in ("loss", "val_loss"):
+        assert spanned.history[key] == per_epoch.history[key]
+    for a, b in zip(spanned.model.get_weights(), per_epoch.model.get_weights(),
+                    strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_the_client_hears_one_replica_s_loss_not_every_worker_s_records(client, digits):

@@ -266,7 +266,8 @@ def test_each_replica_holds_a_third_of_the_optimizer(client, digits):
     for shard_state in ("optimizer", None):
         reader = _ReadSlots(client)
         _fit(_model(), x, y, client, keras.optimizers.Adam(0.01), epochs=1,
-             shard_state=shard_state, callbacks=[reader])
+             shard_state=shard_state, callbacks=[reader],
+             **({"redundancy": 0} if shard_state else {}))
         assert reader.seen is not None and len(reader.seen) == N_WORKERS
         assert all(len(runs) == 1 for runs in reader.seen.values()), reader.seen
         per_worker[shard_state] = [b for runs in reader.seen.values()
@@ -327,10 +328,11 @@ def test_refusals_before_the_run_starts(client, small_digits):
         TrainOptions(model, engine="p2p", shard_state="optimizer", local_steps=4)
     with pytest.raises(ValueError, match="compression='fp16'"):
         TrainOptions(model, engine="p2p", shard_state="optimizer", compression="fp16")
+    with pytest.raises(ValueError, match="redundancy must be 0"):
+        TrainOptions(model, engine="p2p", shard_state="optimizer", redundancy=2)
+    with pytest.raises(ValueError, match="goes with shard_state"):
+        TrainOptions(model, engine="p2p", redundancy=0)
     x, y = small_digits
-    with pytest.raises(ValueError, match="checkpoint"):
-        _fit(_model(), x, y, client, "adam", shard_state="optimizer",
-             checkpoint_dir="/tmp/never-written")
     clipped = keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(clipnorm=1.0))
     with pytest.raises(ValueError, match="clipnorm="):
         _fit(_model(), x, y, client, clipped, shard_state="optimizer")
@@ -343,11 +345,13 @@ def test_refusals_before_the_run_starts(client, small_digits):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_lost_worker_is_refused_with_the_reason(digits):
-    """Its slice of the optimizer had no other copy: the run stops with a
-    ShardingError that says so, never goes on with a rebuilt (wrong) slice."""
+    """redundancy=0: its slice of the optimizer had no other copy: the run stops
+    with a ShardingError that says so, never goes on with a rebuilt (wrong) slice
+    (redundancy=1, the default: tests/test_shard_recovery.py)."""
     x, y = digits.x_train[:600], digits.y_train[:600]
     with own_cluster(N_WORKERS) as (_, client):
         workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
         kill_worker_at_update(client, workers[2], 5, "step")
         with pytest.raises(ShardingError, match="no other copy"):
-            _fit(_model(), x, y, client, "adam", epochs=2, shard_state="optimizer")
+            _fit(_model(), x, y, client, "adam", epochs=2, shard_state="optimizer",
+                 redundancy=0)

@@ -87,6 +87,9 @@ from dasktf.models import BUILTIN_MODELS
               default=None, help="with --engine p2p: each worker keeps and applies "
               "1/N of the optimizer's state (optimizer: ZeRO-1; gradients: ZeRO-2, "
               "the reduce-scatter in buckets too).")
+@click.option("--redundancy", type=click.IntRange(0, 1), default=1, show_default=True,
+              help="with --shard-state: copies of each optimizer slice besides its "
+              "owner's (1: a lost worker costs nothing; 0: it stops the run).")
 @click.option("--epochs", "-e", type=click.IntRange(min=1), default=None,
               help="Passes over the data. Default: the data set's own (digits: 5).")
 @click.option("--batch-size", "-b", type=click.IntRange(min=1), default=None,
@@ -173,6 +176,7 @@ def _fit(
     topology: str | None = None, weights_dtype: str = "float32",
     local_steps: int = 1, outer_optimizer: str = "average",
     outer_learning_rate: float | None = None, shard_state: str | None = None,
+    redundancy: int = 1,
 ) -> None:
     import dasktf
     from dasktf.run.engine import resolve_engine
@@ -211,7 +215,7 @@ def _fit(
         compression=compression, weights_dtype=weights_dtype, num_ps=num_ps,
         placement=placement, topology=topology, local_steps=local_steps,
         outer_optimizer=outer_optimizer, outer_learning_rate=outer_learning_rate,
-        shard_state=shard_state,
+        shard_state=shard_state, redundancy=redundancy,
     )
     start = time.perf_counter()
     trainer = dasktf.Trainer.from_options(options, scheduler=scheduler)

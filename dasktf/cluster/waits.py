@@ -54,23 +54,32 @@ class RunContext:
 
 
 def wait_for(ctx: RunContext, futures: list[Future], what: str,
-             tick: Callable[[], None] | None = None, tick_interval: float = 0.05) -> None:
+             tick: Callable[[], None] | None = None, tick_interval: float = 0.05,
+             until: Callable[[float], bool] | None = None,
+             timeout_key: str = "step-timeout") -> None:
     """Wait for ``futures`` without ever hanging on a dead peer.
 
     Checks every ``dasktf.poll-interval`` that the run's workers are alive and fails
-    after ``dasktf.step-timeout``, naming the workers that have not answered.
+    after ``dasktf.<timeout_key>`` (passed, not set in the global config around the
+    call: runs in other threads read it too), naming the workers that have not
+    answered.
     ``tick``: called every ``tick_interval`` seconds while waiting (an engine
-    following its long-running tasks' progress).
+    following its long-running tasks' progress). ``until(seconds)``: waits up to
+    that long for something else the caller waits for (instead of the futures),
+    ``True`` once it came: the wait then ends too, the futures still running.
     """
     poll = config.get_seconds("poll-interval")
     interval = poll if tick is None else min(poll, tick_interval)
     checked = time.monotonic()
-    deadline = Deadline(config.get_seconds("step-timeout"))
+    deadline = Deadline(config.get_seconds(timeout_key))
     pending = list(futures)
     while True:
-        quiet = False
+        quiet = came = False
         try:
-            wait(pending, timeout=interval, return_when="FIRST_COMPLETED")
+            if until is None:
+                wait(pending, timeout=interval, return_when="FIRST_COMPLETED")
+            else:
+                came = until(interval)
         except TimeoutError:
             quiet = tick is None
         if tick is not None:
@@ -89,7 +98,7 @@ def wait_for(ctx: RunContext, futures: list[Future], what: str,
             check_alive(ctx, what)  # a task lost with its worker: say so, by name
             raise_task_error(errored[0], what)
         pending = [f for f in pending if f.status != "finished"]
-        if not pending:
+        if came or not pending:
             return
         # After a quiet poll interval, not each time one of several futures
         # finishes: the check asks the scheduler for every worker's identity
@@ -98,15 +107,15 @@ def wait_for(ctx: RunContext, futures: list[Future], what: str,
             check_alive(ctx, what)
             checked = time.monotonic()
         if deadline.passed():
-            raise _timed_out(ctx, what)
+            raise _timed_out(ctx, what, timeout_key)
 
 
-def _timed_out(ctx: RunContext, what: str) -> StepTimeoutError:
+def _timed_out(ctx: RunContext, what: str, key: str = "step-timeout") -> StepTimeoutError:
     return StepTimeoutError(
-        f"{what} did not finish within dasktf.step-timeout "
-        f"({config.get_seconds('step-timeout'):g}s); workers {ctx.workers} were alive "
+        f"{what} did not finish within dasktf.{key} "
+        f"({config.get_seconds(key):g}s); workers {ctx.workers} were alive "
         "but did not answer. Check their logs for a stuck task, or raise the timeout "
-        "with DASK_DASKTF__STEP_TIMEOUT.")
+        f"with DASK_DASKTF__{key.upper().replace('-', '_')}.")
 
 
 def _await_removal(ctx: RunContext, seconds: float) -> None:

@@ -218,7 +218,7 @@ def make_engine(inputs: EngineInputs, hooks: RunHooks) -> Engine:
             return P2PEngine(inputs.ctx, spec, shapes, placed.schedule, hooks,
                              batch_size=int(placed.schedule.sum(axis=1).max()),
                              average_stats=average_stats, local=t.local,
-                             shard_state=t.shard_state)
+                             shard_state=t.shard_state, redundancy=t.redundancy)
         warn_collective_hint(collective_hint(
             t.engine, t.mode, t.sync_quorum, inputs.slow_workers,
             sum(int(np.prod(s)) for s in shapes), len(workers),

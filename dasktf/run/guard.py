@@ -201,6 +201,10 @@ class RunGuard:
         run = self.run
         watcher = run.ctx.watcher
         joined = watcher.added_since(self.started, run.ctx.workers) if watcher else []
+        if not joined and not engine.reform_needed:
+            # (before asking the scheduler to describe every worker: an epoch end
+            # with nothing to re-form costs it nothing)
+            return False
         from dasktf.cluster.local import alive_workers
 
         alive = set(alive_workers(run.ctx.client))

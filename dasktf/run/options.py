@@ -119,6 +119,7 @@ class TrainOptions:
     outer_learning_rate: float | None = None
     outer_momentum: float | None = None
     shard_state: str | None = None
+    redundancy: int = 1
     #: how gradients and weights travel (from compression ... topology)
     comm: CommSpec = field(init=False, repr=False)
     #: the optimizer given (with ``learning_rate``) as a Keras config, ``None`` when
@@ -241,6 +242,7 @@ FIT_ORDER = (
     "checkpoint_every", "resume", "on_worker_loss", "scale_lr", "compression",
     "weights_dtype", "num_ps", "placement", "topology", "local_steps",
     "outer_optimizer", "outer_learning_rate", "outer_momentum", "shard_state",
+    "redundancy",
 )
 
 #: What ``Trainer(...)`` takes, and what ``Trainer.fit`` does.

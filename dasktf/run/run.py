@@ -9,8 +9,6 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
-import dask
-
 from dasktf import config
 from dasktf.callbacks import (
     History,
@@ -243,8 +241,7 @@ class Run:
         ]
         self._futures = futures
         self._validation_shards = val
-        with dask.config.set({"dasktf.step-timeout": config.get("replica-timeout")}):
-            wait_for(self.ctx, futures, "building the replicas")
+        wait_for(self.ctx, futures, "building the replicas", timeout_key="replica-timeout")
         self.replica_info = self.client.gather(futures)
 
     # -- the epoch loop -----------------------------------------------------------------

@@ -12,6 +12,22 @@ the steps; the client sees the steps through replica 0's loss records
 of a segment once the segment is over (a checkpoint there reads the replicas as
 they stand).
 
+Segments span epochs (``dasktf.p2p.span-epochs``, on by default): a fit with no
+``checkpoint_every`` grid inside its epochs submits one task per worker for all its
+epochs, or for each stretch between two re-forms (:meth:`P2PEngine._spanned`). The
+workers end each epoch as an epoch's last segment does (moving statistics averaged,
+validation, the report) and wait there: the client reads their results straight
+from them and starts the next epoch with a word to each, over its own connections
+to the workers (:mod:`dasktf.runtime.p2p.span`): nothing per epoch reaches the
+scheduler. Why they wait rather than run ahead while the client hears of the epoch:
+everything the client does at an epoch end (the callbacks: a learning rate they
+set, ``stop_training``, EarlyStopping's weights; a checkpoint; a re-form) then
+meets the replicas exactly where a per-epoch segment left them, so every such run
+stays exact with no list of callbacks known to be harmless to keep up; the wait is
+one round trip to each worker, which a per-epoch segment also paid (its submission
+through the scheduler, and more). A stop voted mid-epoch ends the spanning segment
+there as it ends a per-epoch one; a re-form, the fit's end or a loss ends it too.
+
 A callback's ``stop_training`` reaches the workers as one ``client.run`` that sets
 their stop vote; the vote rides on the next step's collective, so every replica
 stops after the same update and the epoch ends there.
@@ -35,17 +51,16 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dasktf import compat
-from dasktf.cluster.waits import RunContext, call_watched, wait_for
+from dasktf import compat, config
+from dasktf.cluster.waits import RunContext, call_watched
 from dasktf.engines.base import Capabilities, Engine, RunHooks
 from dasktf.engines.mirrored import Mirrored
+from dasktf.engines.p2p import shards
 from dasktf.engines.p2p.flight import Flight
 from dasktf.engines.p2p.options import group_spec
-from dasktf.exceptions import ShardingError
 from dasktf.runtime import reconcile
 from dasktf.runtime.p2p.plugin import PLUGIN_NAME, P2PPlugin
 from dasktf.runtime.p2p.segment import Segment, SegmentResult
-from dasktf.runtime.p2p.sharding import assemble_optimizer, shard_state_task
 from dasktf.wire.packets import TrafficLog
 
 if TYPE_CHECKING:
@@ -80,6 +95,10 @@ class P2PEngine(Mirrored, Engine):
     shard_state
         ``"optimizer"``: each worker keeps and applies its slice of the optimizer
         (:mod:`dasktf.runtime.p2p.sharding`); ``None``: every replica all of it.
+    redundancy
+        With ``shard_state``: ``1`` keeps each slice on a second worker too, so a
+        lost worker costs nothing (:mod:`dasktf.runtime.p2p.redundancy`); ``0``
+        stops the run with a :class:`~dasktf.exceptions.ShardingError`.
     """
 
     mode = "sync"
@@ -89,7 +108,7 @@ class P2PEngine(Mirrored, Engine):
     def __init__(self, ctx: RunContext, spec: CommSpec, shapes: list[tuple[int, ...]],
                  schedule: np.ndarray, hooks: RunHooks, *, batch_size: int,
                  average_stats: bool = False, local: LocalSpec | None = None,
-                 shard_state: str | None = None) -> None:
+                 shard_state: str | None = None, redundancy: int = 0) -> None:
         self.ctx = ctx
         self.spec = spec
         self.n_params = int(sum(int(np.prod(s)) for s in shapes))
@@ -99,6 +118,7 @@ class P2PEngine(Mirrored, Engine):
         self.average_stats = average_stats
         self.local = local
         self.shard_state = shard_state
+        self.redundancy = int(redundancy) if shard_state is not None else 0
         self.shapes = [tuple(s) for s in shapes]
         self.losses: list[dict[str, Any]] = []
         self.update_base = 0
@@ -144,6 +164,10 @@ class P2PEngine(Mirrored, Engine):
 
     def _epoch(self, epoch: int, on_step: Callable[[int], None] | None, start: int
                ) -> list[EpochReport]:
+        if (self.keep_every is None and not self.reform_needed
+                and not self.stop_requested and config.get("p2p.span-epochs")):
+            return self._spanned(epoch, on_step, start)
+        self.flight.end_span()
         units = self.units_per_epoch
         step = start
         while True:
@@ -161,6 +185,26 @@ class P2PEngine(Mirrored, Engine):
             if results[0].report is not None:
                 return self._end_epoch(results)
             step = done + 1
+
+    def _spanned(self, epoch: int, on_step: Callable[[int], None] | None, start: int
+                 ) -> list[EpochReport]:
+        """Epoch ``epoch`` (from step ``start``) of the segment spanning epochs:
+        the one in flight goes on, waiting after the previous epoch, or a new one
+        starts here (see the module)."""
+        units, flight = self.units_per_epoch, self.flight
+        if flight.spanning == epoch - 1 and start == 0:
+            flight.go(epoch)
+        else:
+            flight.end_span()
+            segment = self._plan(epoch, start, units - 1, True, spans=True)
+            flight.span(segment, f"dasktf-segment-{self.ctx.run_id}-{epoch}-{start}-"
+                                 f"{self.generation}-span")
+        results = flight.epoch_results(self._ticker(on_step, units - 1))
+        done = results[0].last
+        if results[0].stopped is not None:
+            self._stopped(done, results[0].stopped)
+        self._tell(on_step, done)
+        return self._end_epoch(results)
 
     def _weighed(self, results: list[SegmentResult]) -> list[SegmentResult]:
         """The survivors' results of an epoch they ended, the first one carrying the
@@ -196,15 +240,26 @@ class P2PEngine(Mirrored, Engine):
     def _segment(self, epoch: int, first: int, last: int, ends: bool,
                  on_step: Callable[[int], None] | None) -> list[SegmentResult]:
         """Run steps ``first..last`` on every worker; their results."""
-        ctx = self.ctx
-        segment = Segment(group_spec(self.gid, ctx.workers, self.spec.compression), epoch,
-                          first, last, self.update_base, ends,
-                          scale=1.0 / max(1, self.batch_size),
-                          average_stats=self.average_stats,
-                          stop_on_nonfinite=self.hooks.stop_on_nonfinite,
-                          shard_state=self.shard_state)
+        segment = self._plan(epoch, first, last, ends)
+        key = f"dasktf-segment-{self.ctx.run_id}-{epoch}-{first}-{self.generation}"
+        return self.flight.run(segment, key, self._ticker(on_step, last))
 
-        def tick() -> None:  # the steps the client hears of, and a stop to pass on
+    def _plan(self, epoch: int, first: int, last: int, ends: bool, spans: bool = False
+              ) -> Segment:
+        return Segment(group_spec(self.gid, self.ctx.workers, self.spec.compression),
+                       epoch, first, last, self.update_base, ends,
+                       scale=1.0 / max(1, self.batch_size),
+                       average_stats=self.average_stats,
+                       stop_on_nonfinite=self.hooks.stop_on_nonfinite,
+                       shard_state=self.shard_state, redundancy=self.redundancy,
+                       spans=spans)
+
+    def _ticker(self, on_step: Callable[[int], None] | None, last: int
+                ) -> Callable[[], None]:
+        """What a wait for steps up to ``last`` calls meanwhile: ``on_step`` for
+        the steps the client heard of (not ``last``: it is told with the results),
+        and a stop requested passed on."""
+        def tick() -> None:
             heard = self.hooks.heard()
             if heard is not None:
                 self._tell(on_step, min(heard - self.update_base, last - 1))
@@ -212,8 +267,7 @@ class P2PEngine(Mirrored, Engine):
                 self._stop_sent = True
                 self.flight.request_stop()
 
-        key = f"dasktf-segment-{ctx.run_id}-{epoch}-{first}-{self.generation}"
-        return self.flight.run(segment, key, tick)
+        return tick
 
     def _stopped(self, done: int, why: str) -> None:
         """The record of an epoch the workers ended after step ``done``: the update,
@@ -240,21 +294,24 @@ class P2PEngine(Mirrored, Engine):
         module). None are left to stop when a first try of this recovery did."""
         ended = self.flight.stop(survivors, f"worker(s) {', '.join(lost)} lost")
         self._ended = ended if ended is not None else self._ended
-        if self.shard_state is not None:
-            raise ShardingError(
-                f"worker(s) {', '.join(lost)} lost with shard_state='optimizer': their "
-                "slice of the optimizer state had no other copy, so the run cannot go "
-                "on exactly (issue 38: redundant slices are not implemented yet). "
-                "Train again from the last weights, or with shard_state=None to "
-                "recover from lost workers.")
+        if self.shard_state is not None and not self.redundancy:
+            raise shards.lost_slices(lost, self.shard_state, self.hooks.last_checkpoint())
 
     def reform(self, schedule: np.ndarray) -> None:
-        if self.shard_state is not None:
-            raise ShardingError(
-                "workers joined or left a run with shard_state='optimizer', which "
-                "cannot re-shard the optimizer over them yet (issue 38); keep the "
-                "workers fixed for the run, or use shard_state=None.")
+        self.flight.end_span()  # its replicas are about to be rebuilt
         super().reform(schedule)
+
+    def catch_up(self, lost: list[str], survivors: list[str], applied: list[int]
+                 ) -> tuple[int, int, str | None]:
+        """Sharded: the whole optimizer put together from one copy of each slice
+        at the newest update a survivor applied (those one behind complete it
+        first), loaded into every survivor, to be cut again over them by their next
+        step (:mod:`dasktf.runtime.p2p.redundancy`)."""
+        if self.shard_state is None:
+            return super().catch_up(lost, survivors, applied)
+        target = max(applied)
+        shards.recover(self.ctx, survivors, target, self.shapes)
+        return target, 0, None
 
     def regroup(self) -> None:
         self.generation += 1
@@ -267,27 +324,22 @@ class P2PEngine(Mirrored, Engine):
         if self.local is not None:
             return reconcile.round_state(self.ctx, None, [None] * len(self.ctx.workers))
         if self.shard_state is not None:
-            return self._sharded_state()
+            return shards.gathered_state(self.ctx, self.shapes)
         return reconcile.read_state(self.ctx)
 
-    def _sharded_state(self) -> dict[str, Any]:
-        """The training state with the whole optimizer, its slices gathered from
-        every replica (:func:`~dasktf.runtime.p2p.sharding.assemble_optimizer`)."""
-        client = self.ctx.client
-        # pinned: each replica (and its slice) lives on its own worker
-        futures = [client.submit(shard_state_task, self.ctx.run_id, workers=[w],
-                                 allow_other_workers=False, pure=False)
-                   for w in self.ctx.workers]
-        wait_for(self.ctx, futures, "gathering the optimizer's slices")
-        states = client.gather(futures)
-        return {"weights": states[0]["weights"], "applied": states[0]["applied"],
-                "index": states[0]["index"],
-                "optimizer": assemble_optimizer(states, self.shapes)}
-
     def load_state(self, state: dict[str, Any]) -> None:
-        reconcile.load_state(self.ctx, state)
+        """Load ``state`` into every replica; sharded: each cuts its slices of the
+        whole optimizer again at its next step."""
+        if self.shard_state is not None:
+            shards.load_whole(self.ctx, self.ctx.workers, state)
+        else:
+            reconcile.load_state(self.ctx, state)
 
     # -- the end ------------------------------------------------------------------------
+    def finish(self) -> None:
+        """End a segment spanning epochs, waiting after the fit's last one."""
+        self.flight.end_span()
+
     def close(self) -> None:
         """A segment still running (the run failed): abort its group, release it."""
         self.flight.abort("the run ended")

@@ -7,10 +7,17 @@ results (checked to agree), and on a loss aborts the group on the survivors (a m
 may be waiting in it for the lost one) and keeps what they finished. Outside the
 task graph it talks to the workers' event loops only (:func:`tell_workers`), which a
 segment's task never blocks.
+
+A segment that spans epochs (:mod:`dasktf.runtime.p2p.span`) is submitted once
+(:meth:`Flight.span`); each epoch's results are read from the members' gates and
+the next epoch started with a word to each (:meth:`Flight.epoch_results`,
+:meth:`Flight.go`), over the client's own connections to the workers: nothing of
+it reaches the scheduler.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -20,6 +27,7 @@ from distributed import wait
 from dasktf import config
 from dasktf.cluster.waits import RunContext, call_watched, wait_for
 from dasktf.engines.batch import TaskBatch
+from dasktf.exceptions import CollectiveAbortedError, ReplicaError, WorkerLostError
 from dasktf.runtime.p2p.links import request_stop
 from dasktf.runtime.p2p.plugin import abort_group
 from dasktf.runtime.p2p.segment import Segment, SegmentResult, segment_task
@@ -40,11 +48,30 @@ class Flight:
         self.gid = ""
         #: per worker, the update it had applied when the stop request reached it
         self.stop_heard: dict[str, int | None] = {}
+        #: the epoch a spanning segment in flight is in (``None``: none in flight)
+        self.spanning: int | None = None
+        #: that epoch's results read so far, by member
+        self._got: dict[str, SegmentResult] = {}
 
     def run(self, segment: Segment, key: str, tick: Callable[[], None]
             ) -> list[SegmentResult]:
         """Submit ``segment`` on every worker of the run (task ``key-i`` on worker
         ``i``, pinned), wait for it calling ``tick`` meanwhile, and read the results."""
+        self.submit(segment, key)
+        ctx = self.ctx
+        what = (f"steps {segment.first + 1}-{segment.last + 1} of epoch "
+                f"{segment.epoch + 1}")
+        wait_for(ctx, self.futures, what, tick=tick)
+        # (a worker lost since its task ended takes its result along: no waiting
+        # for a recomputation that cannot happen; it is a loss like any other)
+        futures = self.futures
+        results: list[SegmentResult] = call_watched(
+            ctx, lambda: ctx.client.gather(futures, asynchronous=True), what)
+        self.release()
+        return self.agreed(results)
+
+    def submit(self, segment: Segment, key: str) -> None:
+        """Submit ``segment``'s tasks (task ``key-i`` on worker ``i``, pinned)."""
         ctx = self.ctx
         self.members, self.gid = list(ctx.workers), segment.group.gid
         # One update-graph message for the N tasks (N submits were N messages, the
@@ -57,16 +84,91 @@ class Flight:
         batch.want(tasks)
         futures_by_key = batch.flush()
         self.futures = [futures_by_key[t.key] for t in tasks]
-        what = (f"steps {segment.first + 1}-{segment.last + 1} of epoch "
-                f"{segment.epoch + 1}")
-        wait_for(ctx, self.futures, what, tick=tick)
-        # (a worker lost since its task ended takes its result along: no waiting
-        # for a recomputation that cannot happen; it is a loss like any other)
-        futures = self.futures
-        results: list[SegmentResult] = call_watched(
-            ctx, lambda: ctx.client.gather(futures, asynchronous=True), what)
-        self.release()
-        return self.agreed(results)
+
+    # -- a segment that spans epochs ------------------------------------------------
+    def span(self, segment: Segment, key: str) -> None:
+        """Submit ``segment`` (``spans``), which starts with epoch ``segment.epoch``."""
+        self.submit(segment, key)
+        self.spanning, self._got = segment.epoch, {}
+
+    def go(self, epoch: int) -> None:
+        """The spanning segment goes on with epoch ``epoch`` (the one after its
+        last); a member that does not hear of it is left to the waits."""
+        assert self.spanning == epoch - 1, (self.spanning, epoch)
+        self._ask(self.members, "dasktf_p2p_word", config.get_seconds("poll-interval") * 4,
+                  run=self.ctx.run_id, epoch=epoch - 1, go=True)
+        self.spanning, self._got = epoch, {}
+
+    def epoch_results(self, tick: Callable[[], None]) -> list[SegmentResult]:
+        """The members' results of the spanning segment's epoch, read from their
+        gates as they come (``tick`` called meanwhile); the segment is over (its
+        tasks released) when a vote ended the epoch."""
+        ctx, got, epoch = self.ctx, self._got, self.spanning
+        assert epoch is not None
+
+        def until(seconds: float) -> bool:
+            missing = [w for w in self.members if w not in got]
+            answers = self._ask(missing, "dasktf_p2p_epoch",
+                                seconds + config.get_seconds("poll-interval") * 4,
+                                run=ctx.run_id, epoch=epoch, wait=seconds)
+            got.update({w: r for w, r in answers.items()
+                        if r is not None and not isinstance(r, BaseException)})
+            return len(got) == len(self.members)
+
+        wait_for(ctx, self.futures, f"epoch {epoch + 1}", tick=tick, until=until)
+        if not until(0.0):  # the tasks returned (a vote): their results are filed
+            raise RuntimeError(f"the members of {self.gid} ended epoch {epoch + 1} "
+                               "without filing its results; this is a dasktf bug.")
+        results = self.agreed([got[w] for w in self.members])
+        if results[0].stopped is not None:
+            wait_for(ctx, self.futures, f"the end of epoch {epoch + 1}")
+            self.release()
+        return results
+
+    def end_span(self) -> None:
+        """End the spanning segment waiting after its epoch (none: nothing)."""
+        if self.spanning is None or not self.futures:
+            self.spanning = None
+            return
+        self._ask(self.members, "dasktf_p2p_word", config.get_seconds("poll-interval") * 4,
+                  run=self.ctx.run_id, epoch=self.spanning, go=False)
+        # (a member the run went on without since, at its end, is not waited for)
+        mine = [f for f, w in zip(self.futures, self.members, strict=True)
+                if w in self.ctx.workers]
+        try:
+            wait_for(self.ctx, mine, f"the end of epoch {self.spanning + 1}")
+        except (WorkerLostError, CollectiveAbortedError, ReplicaError) as exc:
+            # Once the client read the last epoch, a task only waits for its word,
+            # and fails only with its group (a member lost since, which took nothing
+            # trained along: the caller's own checks name it, as after a per-epoch
+            # segment); the others' tasks are let go.
+            logger.debug("run %s: the span's end: %s", self.ctx.run_id, exc)
+            tell_workers(self.ctx, abort_group, [self.gid, "the span ended"],
+                         self.members)
+        finally:
+            self.release()
+
+    def _ask(self, workers: list[str], op: str, timeout: float, **kwargs: Any
+             ) -> dict[str, Any]:
+        """``op(**kwargs)`` on each of ``workers`` over the client's own
+        connections to them (not the scheduler); per worker, its answer or the
+        exception it raised (a lost one: the waits name it)."""
+        client = self.ctx.client
+
+        async def every() -> list[Any]:
+            return await asyncio.gather(
+                *[getattr(client.rpc(w), op)(**kwargs) for w in workers],
+                return_exceptions=True)
+
+        if not workers:
+            return {}
+        pending = asyncio.run_coroutine_threadsafe(every(), client.loop.asyncio_loop)
+        try:
+            answers = pending.result(timeout)
+        except Exception as exc:  # noqa: BLE001 - a timeout: the waits name who
+            pending.cancel()
+            answers = [exc] * len(workers)
+        return dict(zip(workers, answers, strict=True))
 
     def agreed(self, results: list[SegmentResult]) -> list[SegmentResult]:
         """``results``, checked to end at the same step (a collective ends them)."""
@@ -99,7 +201,17 @@ class Flight:
             logger.warning("run %s: a survivor's segment did not end after the abort",
                            self.ctx.run_id)
         ended = None
-        if mine and all(f.status == "finished" for f in mine):
+        if self.spanning is not None:  # the epoch's results the survivors filed
+            got = {w: r for w, r in self._got.items() if w in survivors}
+            got.update({w: r for w, r in self._ask(
+                [w for w in survivors if w not in got], "dasktf_p2p_epoch",
+                config.get_seconds("poll-interval") * 4, run=self.ctx.run_id,
+                epoch=self.spanning, wait=0.0).items()
+                if r is not None and not isinstance(r, BaseException)})
+            if survivors and all(w in got and got[w].report is not None
+                                 for w in survivors):
+                ended = self.agreed([got[w] for w in survivors])
+        elif mine and all(f.status == "finished" for f in mine):
             results = self.ctx.client.gather(mine)
             if all(r.report is not None for r in results):
                 ended = self.agreed(results)
@@ -116,6 +228,7 @@ class Flight:
         for f in self.futures:
             f.release()
         self.futures = []
+        self.spanning, self._got = None, {}
 
 
 def tell_workers(ctx: RunContext, func: Callable[..., Any], args: list[Any],

@@ -8,6 +8,7 @@ from dask.utils import parse_bytes
 
 from dasktf import config
 from dasktf.runtime.p2p.links import GroupSpec
+from dasktf.runtime.p2p.redundancy import check_redundancy
 from dasktf.runtime.p2p.sharding import check_shard_state
 
 if TYPE_CHECKING:
@@ -46,7 +47,11 @@ def options_refusal(options: Any, fault: Any = None) -> str | None:
 def shard_refusal(options: Any, fault: Any = None) -> str | None:
     """Why ``shard_state`` cannot run with these options (yet), or ``None``."""
     check_shard_state(options.shard_state)
+    check_redundancy(options.redundancy)
     if options.shard_state is None:
+        if options.redundancy != 1:
+            return (f"redundancy={options.redundancy!r} counts the copies of the "
+                    "optimizer's slices: it goes with shard_state='optimizer'.")
         return None
     if options.engine != "p2p":
         return (f"shard_state={options.shard_state!r} runs on the p2p engine only (its "
@@ -59,13 +64,6 @@ def shard_refusal(options: Any, fault: Any = None) -> str | None:
         return (f"shard_state={options.shard_state!r} sums gradients in float32 only (a codec's "
                 f"error feedback is kept per all-reduce chunk); drop "
                 f"compression={options.comm.compression!r}, or use shard_state=None.")
-    if fault is not None and (fault.checkpoint_dir is not None or fault.resume):
-        return (f"shard_state={options.shard_state!r} does not write or resume checkpoints yet "
-                "(the optimizer's slices would have to be gathered, and re-cut on "
-                "resume); drop checkpoint_dir/resume, or use shard_state=None.")
-    if fault is not None and fault.scale_lr:
-        return (f"shard_state={options.shard_state!r} cannot re-shard the optimizer when workers "
-                "join (scale_lr re-forms the run on them); drop scale_lr.")
     return None
 
 

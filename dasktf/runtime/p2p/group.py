@@ -39,7 +39,7 @@ from dasktf.runtime.p2p.algorithms import (
     payload_nbytes,
     sources,
 )
-from dasktf.runtime.p2p.mailbox import Key
+from dasktf.runtime.p2p.mailbox import Key, Mailbox
 from dasktf.runtime.p2p.plugin import P2PPlugin
 from dasktf.wire.codecs import Codec, get_codec
 
@@ -253,11 +253,6 @@ class Group:
         self._ep.completed = step
         return out, sc
 
-    def held_peak(self, phase: str) -> int:
-        """The most bytes of ``phase``'s messages that ever waited in this member's
-        mailbox (a sharded step's buffers: :mod:`dasktf.runtime.p2p.sharding`)."""
-        return self._ep.mailbox.peak.get(phase, 0)
-
     # -- the transport the algorithms use -----------------------------------------
     def send(self, dest: int, key: Key, payload: Payload) -> None:
         address = self.members[dest]
@@ -316,6 +311,12 @@ class Group:
                 )
             future.result()  # a send that failed otherwise than by a lost connection
             self._pending.popleft()
+
+    @property
+    def mailbox(self) -> Mailbox:
+        """This member's mailbox: its ``failed``/``failure`` (a peer lost, an abort)
+        and the most bytes of each phase that waited in it (``peak``)."""
+        return self._ep.mailbox
 
     # -- ending -----------------------------------------------------------------------
     def abort(self, reason: str) -> None:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from dasktf.runtime.manager import run_manager
 from dasktf.runtime.p2p.group import Group
+from dasktf.runtime.p2p.span import Gate
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -51,6 +52,8 @@ class Link:
         self.stop = False
         #: the last update this replica had applied when the request arrived
         self.stop_heard_after: int | None = None
+        #: a spanning segment's epoch ends (:mod:`dasktf.runtime.p2p.span`)
+        self.gate = Gate()
         self._lock = threading.Lock()
 
     def group_for(self, spec: GroupSpec) -> Group:
@@ -67,15 +70,18 @@ class Link:
                                timeout=spec.timeout)
             return self.group
 
-    def close(self, error: BaseException | None = None) -> None:
-        """Leave the group without waiting for anything (the run is over); after
-        ``error``, the other members hear of it at once."""
+    def fail(self, error: BaseException | None = None) -> None:
+        """Leave the group without waiting for anything; after ``error``, the
+        other members hear of it at once."""
         with self._lock:
             group, self.group = self.group, None
         if group is not None:
             group.close(error, flush=False)
 
-    fail = close
+    def close(self, error: BaseException | None = None) -> None:
+        """The run is over: leave the group, end a segment waiting at its gate."""
+        self.gate.close()
+        self.fail(error)
 
 
 def link(run_id: str, address: str | None = None) -> Link:

@@ -19,13 +19,17 @@ new listens anywhere. The groups' endpoints live in the worker's
     watching peer hears of it at once (no heartbeat to wait for).
 ``dasktf_p2p_abort``
     fail the group here: a peer noticed a lost member, or the run decided to stop.
+``dasktf_p2p_epoch`` and ``dasktf_p2p_word``
+    the client's: an epoch's result of a segment that spans epochs, and its word
+    at that epoch's end (:mod:`.span`).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from distributed.diagnostics.plugin import WorkerPlugin
+from distributed.protocol import to_serialize
 
 from dasktf.runtime.manager import RunManager, run_manager
 from dasktf.runtime.p2p import handshake
@@ -58,6 +62,8 @@ class P2PPlugin(WorkerPlugin):
         worker.handlers["dasktf_p2p_direct"] = self.direct
         worker.handlers["dasktf_p2p_watch"] = self.watch
         worker.handlers["dasktf_p2p_abort"] = self.abort
+        worker.handlers["dasktf_p2p_epoch"] = self.epoch
+        worker.handlers["dasktf_p2p_word"] = self.word
         worker.extensions[PLUGIN_NAME] = self
 
     def teardown(self, worker: Worker) -> None:
@@ -131,6 +137,20 @@ class P2PPlugin(WorkerPlugin):
         if ep is not None:
             ep.announced = True  # the sender told the others
             ep.mailbox.fail(ep.error(reason, lost))
+        return "OK"
+
+    async def epoch(self, run: str, epoch: int, wait: float) -> Any:
+        """Run ``run``'s result of epoch ``epoch`` here, waiting up to ``wait``
+        seconds for it; ``None``: not there (yet)."""
+        link = self.manager.links.get(run)
+        found = None if link is None else await link.gate.take(epoch, wait)
+        return None if found is None else to_serialize(found)
+
+    def word(self, run: str, epoch: int, go: bool) -> str:
+        """The client's word after run ``run``'s epoch ``epoch``: go on, or end."""
+        link = self.manager.links.get(run)
+        if link is not None:
+            link.gate.say(epoch, go)
         return "OK"
 
 

@@ -17,11 +17,15 @@ With ``shard_state="optimizer"`` a step's sum, its apply and the new weights are
 one collective (:func:`~dasktf.runtime.p2p.sharding.sharded_step`: each member
 applies its slice of the optimizer), never fused with the next gradient.
 An epoch's last segment (or one a vote stopped) returns the epoch's report
-(:func:`~dasktf.runtime.reports.epoch_report`).
+(:func:`~dasktf.runtime.reports.epoch_report`). A segment that *spans* epochs
+(:attr:`Segment.spans`) goes on through the epochs after its first, each one's end
+filed in the run's gate for the client, whose word starts the next
+(:mod:`dasktf.runtime.p2p.span`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import time
@@ -30,11 +34,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from dasktf import config
 from dasktf.exceptions import CollectiveAbortedError
 from dasktf.runtime.p2p.buckets import bucket_values, bucketed_update
 from dasktf.runtime.p2p.gradients import allreduce_step
 from dasktf.runtime.p2p.links import GroupSpec, Link, link
-from dasktf.runtime.p2p.sharding import sharded_step
+from dasktf.runtime.p2p.redundancy import redundant_shard
+from dasktf.runtime.p2p.sharding import ShardOptimizer, sharded_step
 from dasktf.runtime.replica import EpochReport, StepTiming, get_replica, straggle
 from dasktf.runtime.reports import epoch_report
 from dasktf.wire.messages import GradientSum
@@ -69,6 +75,12 @@ class Segment:
     #: the reduce-scatter in buckets (:mod:`dasktf.runtime.p2p.buckets`); ``None``:
     #: to all of them
     shard_state: str | None = None
+    #: go on through the next epochs (``last``: the epoch's last step), each epoch's
+    #: result filed in the run's gate, until the client's word ends it
+    spans: bool = False
+    #: with ``shard_state``: copies of each slice besides its owner's
+    #: (:mod:`dasktf.runtime.p2p.redundancy`)
+    redundancy: int = 0
 
 
 @dataclass
@@ -111,22 +123,48 @@ def segment_task(run_id: str, segment: Segment) -> SegmentResult:
     peers = link(run_id, here)
     try:
         group = peers.group_for(segment.group)
-        last, stopped, statistics = _steps(replica, group, segment, peers, here)
-        report = None
-        if segment.ends_epoch or stopped is not None:
-            if segment.average_stats and statistics is None:
-                # a vote ended the epoch before its last step, whose collective the
-                # statistics ride on: one of their own, numbered as the next update
-                # (none follows in this epoch)
-                statistics = _average_statistics(
-                    replica, group, segment.update_base + last + 1)
-            report = epoch_report(replica, group.rank == 0, statistics)
-        else:  # the client hears the segment's last losses before its results
-            replica.events.flush()
+        if segment.spans:
+            return _span(replica, group, segment, peers, here)
+        return _segment(replica, group, segment, peers, here)
     except BaseException as exc:
         peers.fail(exc)
         raise
+
+
+def _segment(replica: Replica, group: Group, segment: Segment, peers: Link, here: str
+             ) -> SegmentResult:
+    """One segment's steps, and its epoch's report if the epoch ends there."""
+    last, stopped, statistics = _steps(replica, group, segment, peers, here)
+    report = None
+    if segment.ends_epoch or stopped is not None:
+        if segment.average_stats and statistics is None:
+            # a vote ended the epoch before its last step, whose collective the
+            # statistics ride on: one of their own, numbered as the next update
+            # (none follows in this epoch)
+            statistics = _average_statistics(
+                replica, group, segment.update_base + last + 1)
+        report = epoch_report(replica, group.rank == 0, statistics)
+    else:  # the client hears the segment's last losses before its results
+        replica.events.flush()
     return SegmentResult(here, last, stopped, report, peers.stop_heard_after)
+
+
+def _span(replica: Replica, group: Group, segment: Segment, peers: Link, here: str
+          ) -> SegmentResult:
+    """Epoch after epoch from ``segment`` (each one ended as :func:`_segment` ends
+    it), each epoch's result filed in the gate, until a vote stops them or the
+    client's word ends them; the last epoch's result (the client read it from the
+    gate)."""
+    units = segment.last + 1
+    timeout = config.get_seconds("step-timeout")
+    while True:
+        result = _segment(replica, group, segment, peers, here)
+        peers.gate.put(segment.epoch, result)
+        if result.stopped is not None or not peers.gate.wait_word(
+                segment.epoch, group, timeout):
+            return result
+        segment = dataclasses.replace(segment, epoch=segment.epoch + 1, first=0,
+                                      update_base=segment.update_base + units)
 
 
 def _steps(replica: Replica, group: Group, segment: Segment, peers: Link, here: str
@@ -164,8 +202,9 @@ def _steps(replica: Replica, group: Group, segment: Segment, peers: Link, here: 
             collective = (functools.partial(bucketed_update,
                                             bucket_values(segment.group.shard_bucket))
                           if segment.shard_state == "gradients" else None)
-            summed, sums = sharded_step(replica, group, out, update, size, votes,
-                                        collective)
+            summed, sums = sharded_step(
+                replica, group, out, update, size, votes,
+                redundant_shard if segment.redundancy else ShardOptimizer, collective)
         else:
             summed, sums = allreduce_step(group, out, update, size=size,
                                           scale=segment.scale, votes=votes)

@@ -16,6 +16,10 @@ one collective (:func:`sharded_update`):
 3. all-gather: each owner sends its updated slice to every member, which writes
    the N slices into its model.
 
+With ``redundancy=1`` each slice also has a copy on the next rank, which the owner
+relays its summed slice to (and then sends it no all-gather message: the copy's
+holder computed the new values itself); see :mod:`dasktf.runtime.p2p.redundancy`.
+
 The slice's optimizer is a clone of the model's Keras optimizer (``from_config``)
 built over one flat ``keras.Variable`` per trainable variable (the variable's part
 of the slice, empty where it has none): the same class, the same variables in the
@@ -106,7 +110,8 @@ class ShardOptimizer:
     the whole one's slots are dropped, so a worker holds 1/N of them.
     """
 
-    def __init__(self, replica: Replica, rank: int, n: int) -> None:
+    def __init__(self, replica: Replica, rank: int, n: int, take_over: bool = True
+                 ) -> None:
         import keras
         import tensorflow as tf
 
@@ -123,6 +128,8 @@ class ShardOptimizer:
         if why is not None:
             raise ValueError(why)
         config = whole.get_config()
+        #: the whole optimizer's config: one is built again to re-cut the slices
+        self.config = dict(config)
         # Clipping by a norm needs the norm of each whole variable (clipnorm) or of
         # all of them (global_clipnorm): summed across the slices (:meth:`scales`)
         # and applied here as a factor per variable, not by the slice's optimizer.
@@ -143,7 +150,8 @@ class ShardOptimizer:
         #: per optimizer variable: the trainable variable it is a slot of, or -1
         self.layout = [_piece_of(v) for v in opt.variables]
         self._continue(whole)
-        compat.replace_optimizer(replica.model, opt)  # the whole one's slots freed
+        if take_over:  # (a redundant copy of another rank's slice does not)
+            compat.replace_optimizer(replica.model, opt)  # the whole one's slots freed
         self.variables = replica.variables
         #: the most bytes of the peers' gradient parts that waited here (sharded_step)
         self.held = 0
@@ -213,8 +221,22 @@ class ShardOptimizer:
               exchange: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
         """:meth:`_apply_body` on NumPy values; ``exchange`` sums a small vector
         over the members (every member calls it, or none)."""
-        scales = self.scales(chunk, count, exchange)
+        return self.apply_scaled(chunk, count, self.scales(chunk, count, exchange))
+
+    def apply_scaled(self, chunk: np.ndarray, count: float, scales: np.ndarray
+                     ) -> np.ndarray:
+        """:meth:`_apply_body` with the clipping factors ``scales`` known."""
         return np.asarray(self._apply(chunk, np.float32(count), scales))
+
+    def step(self, replica: Replica, update: int, chunk: np.ndarray, count: int,
+             exchange: Callable[[np.ndarray], np.ndarray],
+             relay: Callable[[np.ndarray], np.ndarray]) -> Any:
+        """Apply ``update`` (its summed slice ``chunk`` over ``count`` examples)
+        here if the replica claims it; the slice's new values, ``None`` if not
+        (``relay``: unused here, see :mod:`dasktf.runtime.p2p.redundancy`)."""
+        if not (count and replica.claim_update(update)):
+            return None
+        return self.apply(chunk, count, exchange)
 
     def scales(self, chunk: np.ndarray, count: float,
                exchange: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
@@ -275,8 +297,9 @@ def sharded_update(apply: Callable[..., np.ndarray],
                    coding: Coding, step: int) -> tuple[np.ndarray, np.ndarray | None]:
     """One sharded step as a collective runner (``Group.allreduce(runner=...)``):
     reduce-scatter ``buf`` (and the ``scalars``), ``apply(summed slice, summed
-    scalars)`` on this rank's slice, all-gather the slices it returns. Returns the
-    new flat weights and the summed scalars, the same on every member."""
+    scalars, exchange, relay)`` on this rank's slice, all-gather the slices it
+    returns (with a relay, the previous rank's slice comes from ``apply`` too).
+    Returns the new flat weights and the summed scalars, the same on every member."""
     n, r = t.size, t.rank
     edges = chunk_edges(buf.size, n)
     x = np.asarray(buf, np.float32)
@@ -313,24 +336,48 @@ def apply_and_gather(apply: Callable[..., np.ndarray], t: Transport, acc: np.nda
 
     def seg(c: int) -> slice:
         return slice(edges[c], edges[c + 1])
+    calls = 0
 
     def exchange(vector: np.ndarray) -> np.ndarray:
-        """``vector`` (float64) summed over the members in rank order."""
+        """``vector`` (float64) summed over the members in rank order (the
+        ``calls``-th exchange of this step: a step may have several)."""
+        nonlocal calls
+        calls += 1
         for k in range(1, n):
-            t.send((r + k) % n, Key(step, "zn", 0, r), (np.zeros(0, np.float32), vector))
+            t.send((r + k) % n, Key(step, "zn", calls, r), (np.zeros(0, np.float32), vector))
         out = None
         for source in range(n):
-            theirs = vector if source == r else t.recv(source, Key(step, "zn", 0, source))[1]
+            theirs = (vector if source == r else
+                      t.recv(source, Key(step, "zn", calls, source))[1])
             out = np.array(theirs, np.float64) if out is None else out + theirs
         assert out is not None
         return out
 
-    mine = np.ascontiguousarray(apply(acc, total, exchange), np.float32)
+    relayed = False
+
+    def relay(values: np.ndarray) -> np.ndarray:
+        """``values`` to the next rank; what the previous rank relayed here."""
+        nonlocal relayed
+        relayed = True
+        t.send((r + 1) % n, Key(step, "zf", 0, r), (values, None))
+        got, _ = t.recv((r - 1) % n, Key(step, "zf", 0, (r - 1) % n))
+        return np.array(values_of(got), np.float32, copy=True)
+
+    # ``apply`` returns the slice's new values, and with a relay the previous
+    # rank's slice as this rank's copy computed it (or ``None``: not applied)
+    new = apply(acc, total, exchange, relay)
+    mine, copied = new if isinstance(new, tuple) else (new, None)
+    mine = np.ascontiguousarray(mine, np.float32)
     out = np.empty(size, np.float32)
     out[seg(r)] = mine
-    for k in range(1, n):
+    if copied is not None:
+        out[seg((r - 1) % n)] = copied
+    # relayed: the next rank computed this slice's new values itself (the same
+    # update on the same bits), and the previous rank's are here: not sent
+    skip = 1 if relayed else 0
+    for k in range(1 + skip, n):
         t.send((r + k) % n, Key(step, "zg", 0, r), (mine, None))
-    for k in range(1, n):
+    for k in range(1 + skip, n):
         source = (r - k) % n
         values, _ = t.recv(source, Key(step, "zg", 0, source))
         values_of(values, out=out[seg(source)])
@@ -371,24 +418,26 @@ def assemble_optimizer(states: list[dict[str, Any]], shapes: list[tuple[int, ...
 
 def sharded_step(replica: Replica, group: Group, grad: GradientSum, update: int,
                  size: int, votes: np.ndarray,
+                 make: Callable[[Replica, int, int], ShardOptimizer] = ShardOptimizer,
                  collective: Callable[..., tuple[np.ndarray, np.ndarray | None]] | None = None
                  ) -> tuple[GradientSum, np.ndarray]:
     """:func:`~dasktf.runtime.p2p.gradients.allreduce_step` of a sharded run: the
     step's gradient summed, applied slice by slice and the new weights taken, in
     one collective. Returns the sum (without its buffer: no member holds it whole)
-    and the summed votes, the same on every member. ``collective``: the step's
-    collective, called as :func:`sharded_update` (the default) is
+    and the summed votes, the same on every member. ``make(replica, rank, n)``
+    builds the replica's slice at a group's first step (redundant slices:
+    :func:`dasktf.runtime.p2p.redundancy.redundant_shard`). ``collective``: the
+    step's collective, called as :func:`sharded_update` (the default) is
     (``shard_state="gradients"``: its reduce-scatter in buckets,
     :func:`~dasktf.runtime.p2p.buckets.bucketed_update`)."""
     shard = replica.shard_optimizer
     if shard is None:  # the first step: the slice takes over the optimizer
-        shard = replica.shard_optimizer = ShardOptimizer(replica, group.rank, group.size)
+        shard = replica.shard_optimizer = make(replica, group.rank, group.size)
     elif (shard.rank, shard.n) != (group.rank, group.size):
         raise ShardingError(
             f"replica {replica.index} holds slice {shard.rank} of {shard.n} of the "
-            f"optimizer, and its group is now rank {group.rank} of {group.size}: "
-            "shard_state='optimizer' cannot re-shard the optimizer over other "
-            "workers yet (issue 38); run without shard_state, or on fixed workers.")
+            f"optimizer, and its group is now rank {group.rank} of {group.size}, with "
+            "no state loaded in between to cut the slices again; this is a dasktf bug.")
     total = (np.zeros(size, np.float32) if grad.total is None
              else np.asarray(grad.total, np.float32).ravel())
     scalars = np.concatenate([[grad.count, grad.loss_sum, grad.square_sum],
@@ -396,17 +445,18 @@ def sharded_step(replica: Replica, group: Group, grad: GradientSum, update: int,
     claimed = False
 
     def apply(chunk: np.ndarray, sums: np.ndarray,
-              exchange: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+              exchange: Callable[[np.ndarray], np.ndarray],
+              relay: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
         nonlocal claimed
-        count = round(float(sums[0]))
-        claimed = bool(count) and replica.claim_update(update)
-        return shard.apply(chunk, count, exchange) if claimed else shard.own_values()
+        new = shard.step(replica, update, chunk, round(float(sums[0])), exchange, relay)
+        claimed = new is not None
+        return shard.own_values() if new is None else new
 
     collective = collective or sharded_update
     flat, sums = group.allreduce(total, update, scalars,
                                  runner=functools.partial(collective, apply))
     assert sums is not None
-    shard.held = max(group.held_peak("zs"), group.held_peak("zb"))
+    shard.held = max(group.mailbox.peak.get(p, 0) for p in ("zs", "zb"))
     if claimed:
         with replica.apply_lock:
             shard.take(flat)

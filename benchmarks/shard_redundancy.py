@@ -1,0 +1,119 @@
+"""Redundant optimizer slices (``redundancy=1``) against one copy (``redundancy=0``)
+and unsharded p2p, side by side.
+
+On real MNIST (``mnist-mlp``, Adam), N workers (default 3), global batch 256, one
+cluster: the three runs alternate (``--repeats`` rounds, unsharded first), each for
+``--epochs`` epochs; a step's time is an epoch's wall time over its steps, the
+epochs after the first (which traces) only. Printed: the median step time of each
+and its ratio to unsharded, the bytes of the optimizer variables each replica holds
+(its slice's and, with redundancy 1, its copy of its neighbour's: read on the
+workers during the run, what TensorFlow holds), the bytes a worker moves a step,
+and the load average before and after (on a shared 2-core machine the workers
+share the cores).
+
+Usage: ``python benchmarks/shard_redundancy.py [--workers 3] [--rows 15360]
+[--epochs 3] [--repeats 2] [--data /work/shared/data/mnist.npz]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+
+DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "mnist.npz")
+#: name: the options of the run
+RUNS: dict[str, dict[str, Any]] = {
+    "unsharded": {"shard_state": None},
+    "redundancy=0": {"shard_state": "optimizer", "redundancy": 0},
+    "redundancy=1": {"shard_state": "optimizer", "redundancy": 1},
+}
+
+
+def _held_bytes(dask_worker: Any = None) -> list[int]:
+    from dasktf.runtime.replica import registered_replicas
+
+    def nbytes(variables: Any) -> int:
+        return int(sum(np.prod(v.shape) * np.dtype(v.dtype).itemsize for v in variables))
+
+    out = []
+    for r in registered_replicas(dask_worker).values():
+        backup = getattr(r.shard_optimizer, "backup", None)
+        out.append(nbytes(r.model.optimizer.variables)
+                   + (0 if backup is None else nbytes(backup.optimizer.variables)))
+    return out
+
+
+def run(client: Any, x: np.ndarray, y: np.ndarray, n: int, epochs: int,
+        options: dict[str, Any]) -> tuple[list[float], list[int], float]:
+    """Seconds per step of each epoch after the first; each replica's optimizer
+    bytes; the bytes a worker moved a step (the last epoch's)."""
+    import keras
+
+    import dasktf
+
+    steps = -(-len(x) // 256)
+    seen: dict[str, Any] = {}
+
+    class Clock(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+            seen["begin"] = time.perf_counter()
+
+        def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+            seen.setdefault("epochs", []).append(time.perf_counter() - seen["begin"])
+            seen["bytes"] = [b for v in client.run(_held_bytes).values() for b in v]
+
+    history = dasktf.fit("mnist-mlp", x, y, client=client, n_workers=n, epochs=epochs,
+                         batch_size=256, optimizer="adam", learning_rate=1e-3,
+                         loss="sparse_categorical_crossentropy", shuffle=False, seed=0,
+                         verbose=0, engine="p2p", callbacks=[Clock()], **options)
+    return ([s / steps for s in seen["epochs"][1:]], seen["bytes"],
+            float(history.history["bytes_per_step"][-1]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", type=int, default=3)
+    parser.add_argument("--rows", type=int, default=15360)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--data", default=DATA)
+    args = parser.parse_args()
+    from distributed import Client
+
+    import dasktf
+
+    with np.load(args.data) as f:
+        x = (f["x_train"][:args.rows].reshape(-1, 784) / 255.0).astype(np.float32)
+        y = f["y_train"][:args.rows].astype(np.int64)
+    n = args.workers
+    load_before = open("/proc/loadavg").read().split()[:3]
+    times: dict[str, list[float]] = {name: [] for name in RUNS}
+    held: dict[str, list[int]] = {}
+    moved: dict[str, float] = {}
+    with dasktf.make_local_cluster(n, tf_threads=1) as cluster, Client(cluster) as client:
+        client.wait_for_workers(n, timeout=120)
+        for _ in range(args.repeats):
+            for name, options in RUNS.items():
+                seconds, held[name], moved[name] = run(client, x, y, n, args.epochs,
+                                                       options)
+                times[name] += seconds
+    load_after = open("/proc/loadavg").read().split()[:3]
+    base = statistics.median(times["unsharded"])
+    print(f"mnist-mlp, Adam, {n} workers, batch 256, {args.rows} rows, {args.epochs} "
+          f"epochs x {args.repeats} repeats (medians of the epochs after the first)")
+    for name in RUNS:
+        step = statistics.median(times[name])
+        print(f"  {name:13s} {step * 1e3:7.2f} ms/step ({step / base:.2f}x)   optimizer "
+              f"bytes per replica {held[name]} "
+              f"({max(held[name]) / max(held['unsharded']):.3f}x)   bytes a step "
+              f"{moved[name]:,.0f}")
+    print(f"  load average before {' '.join(load_before)}, after {' '.join(load_after)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""The client's side of a sharded run's state (``shard_state``): the whole optimizer
+gathered from its slices, recovered from the copies a lost worker's slice had, and
+loaded whole into the replicas, each of which cuts its slice again at its next step
+(:mod:`dasktf.runtime.p2p.sharding`, :mod:`dasktf.runtime.p2p.redundancy`).
+
+Every task is pinned: each replica (and its slices) lives on its own worker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from dasktf.cluster.waits import RunContext, wait_for
+from dasktf.exceptions import ShardingError
+from dasktf.runtime.p2p.redundancy import recovered_state, reshard_task, slices_task
+from dasktf.runtime.p2p.sharding import assemble_optimizer, shard_state_task
+
+
+def _on_each(ctx: RunContext, workers: list[str], task: Callable[..., Any], what: str,
+             *args: Any) -> list[Any]:
+    client = ctx.client
+    futures = [client.submit(task, *args, workers=[w], allow_other_workers=False,
+                             pure=False) for w in workers]
+    wait_for(ctx, futures, what)
+    return client.gather(futures)  # type: ignore[no-any-return]
+
+
+def gathered_state(ctx: RunContext, shapes: list[tuple[int, ...]]) -> dict[str, Any]:
+    """The training state with the whole optimizer, its slices gathered from every
+    replica (:func:`~dasktf.runtime.p2p.sharding.assemble_optimizer`)."""
+    states = _on_each(ctx, ctx.workers, shard_state_task,
+                      "gathering the optimizer's slices", ctx.run_id)
+    return {"weights": states[0]["weights"], "applied": states[0]["applied"],
+            "index": states[0]["index"], "optimizer": assemble_optimizer(states, shapes)}
+
+
+def recover(ctx: RunContext, survivors: list[str], target: int,
+            shapes: list[tuple[int, ...]]) -> None:
+    """The whole optimizer put together from one copy of each slice at update
+    ``target`` (survivors one behind complete it first), loaded into every survivor."""
+    slices = _on_each(ctx, survivors, slices_task, "reading the optimizer's slices",
+                      ctx.run_id, target)
+    state, flat = recovered_state(slices, target, shapes)
+    load_whole(ctx, survivors, state, flat)
+
+
+def load_whole(ctx: RunContext, workers: list[str], state: dict[str, Any],
+               flat: np.ndarray | None = None) -> None:
+    """Load ``state`` into the replicas on ``workers``, the optimizer whole: the next
+    step cuts it over them (:func:`~dasktf.runtime.p2p.redundancy.reshard_task`)."""
+    client = ctx.client
+    big = client.scatter(state, broadcast=True, hash=False)
+    flat_f = None if flat is None else client.scatter(flat, broadcast=True, hash=False)
+    _on_each(ctx, workers, reshard_task, "loading the state into the replicas",
+             ctx.run_id, big, flat_f)
+
+
+def lost_slices(lost: list[str], shard_state: str, checkpoint: str | None
+                ) -> ShardingError:
+    """Why a run with ``redundancy=0`` cannot go on from a lost worker, and what to do."""
+    return ShardingError(
+        f"worker(s) {', '.join(lost)} lost with shard_state={shard_state!r} and "
+        "redundancy=0: their slice of the optimizer state had no other copy, "
+        "so the run cannot go on exactly. "
+        + (f"Resume from the last checkpoint, {checkpoint}, with resume=True; "
+           if checkpoint else "Keep checkpoints (checkpoint_dir=) to resume from, ")
+        + "or train with redundancy=1 (each slice on two workers) to go on "
+        "from a lost worker.")
