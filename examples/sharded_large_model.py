@@ -87,7 +87,8 @@ def train(shard_state: str | None, workers: int, memory_limit: str | None, steps
                                  epochs=2, batch_size=batch, optimizer="adam",
                                  learning_rate=1e-3, loss="sparse_categorical_crossentropy",
                                  shuffle=False, seed=0, verbose=0, engine="p2p",
-                                 shard_state=shard_state, on_worker_loss="raise")
+                                 shard_state=shard_state, on_worker_loss="raise",
+                                 **({} if shard_state is None else {"redundancy": 0}))
         except WorkerLostError as exc:
             return f"stopped: {type(exc).__name__}: {str(exc).splitlines()[0]}"
         peaks = sorted(round(p / 2**20) for p in client.run(_peak).values())
