@@ -94,7 +94,7 @@ def big_model(inputs: int, units: list[int]) -> Any:
 def child(path: str, mode: str, n: int) -> None:
     """One mode, in this fresh process (see the module)."""
     sampler = Sampler()
-    import keras  # noqa: F401
+    import keras
     import tensorflow as tf  # noqa: F401
 
     from dasktf.runtime import replica as rep
@@ -240,7 +240,6 @@ def main() -> None:
     import keras
 
     from dasktf.models import CompileRecipe
-    from dasktf.runtime.replica import Shard  # noqa: F401 - checks the import path
     from dasktf.transport import ModelPackage
 
     model = big_model(args.inputs, args.units)
