@@ -25,7 +25,10 @@ the optimizer's variables). The N of ``--workers`` gives the slice (rank 0 of N)
 no other worker runs: the exchange is the identity.
 
 Usage: ``python benchmarks/replica_peak.py [--units 2048,2048,2048,2048]
-[--inputs 2048] [--workers 2] [--modes none,optimizer]``.
+[--inputs 2048] [--workers 2] [--modes none,optimizer]``; with ``--fit
+[--steps 3] [--redundancy R]``, each mode in a real ``dasktf.fit`` on a fresh
+cluster of ``--workers`` (``--modes`` may name ``gradients`` too): every worker's
+peak resident set (sampled every 2 ms in a thread on the worker) and its last.
 """
 
 from __future__ import annotations
@@ -206,7 +209,9 @@ def fit_part(args: argparse.Namespace) -> None:
                        epochs=1, batch_size=batch, optimizer="adam", learning_rate=1e-3,
                        loss="sparse_categorical_crossentropy", shuffle=False, seed=0,
                        verbose=0, engine="p2p",
-                       shard_state=None if mode == "none" else mode)
+                       shard_state=None if mode == "none" else mode,
+                       **({} if mode == "none" or args.redundancy is None
+                          else {"redundancy": args.redundancy}))
             got = client.run(_read_sampler)
         peaks = sorted(g["peak"] / mib for g in got.values())
         ends = sorted(g["end"] / mib for g in got.values())
@@ -226,6 +231,9 @@ def main() -> None:
     parser.add_argument("--fit", action="store_true",
                         help="each mode in a real dasktf.fit instead (see fit_part)")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--redundancy", type=int, default=None,
+                        help="with --fit, sharded: copies of each slice beyond one "
+                        "(default: dasktf's)")
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.fit:
