@@ -9,8 +9,8 @@ gradient and the summed one (64 MiB each) and the apply's temporaries; sharded,
 a quarter of the slots and of the sum. Measured on a 2-core machine
 (``benchmarks/replica_peak.py --fit --workers 4``): workers peaked at 1495-1530 MiB
 of resident memory unsharded, 1321-1339 sharded; most of either is TensorFlow
-itself (about 660 MiB once imported). ``--memory-limit`` (default 1450 MiB: ends a
-worker at 1378 MiB) sits between them; TensorFlow's own size differs from one
+itself (about 660 MiB once imported). ``--memory-limit`` (default 1520 MiB: ends a
+worker at 1444 MiB) sits between them; TensorFlow's own size differs from one
 build to another, so adjust it to your machine.
 
 ``on_worker_loss="raise"`` makes a lost worker an error: by default a run goes
@@ -98,7 +98,7 @@ def train(shard_state: str | None, workers: int, memory_limit: str | None, steps
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=4)
-    parser.add_argument("--memory-limit", type=int, default=1485, help="MiB per worker (0: none)")
+    parser.add_argument("--memory-limit", type=int, default=1520, help="MiB per worker (0: none)")
     args = parser.parse_args()
     for shard_state in (None, "gradients"):
         got = train(shard_state, args.workers,
