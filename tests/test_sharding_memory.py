@@ -92,8 +92,8 @@ def _limit_nanny(limit: int, dask_worker=None) -> None:
 
 #: A worker's budget over its resident set once TensorFlow is imported, in bytes
 #: of the model's weights: measured (benchmarks/replica_peak.py --fit, 4 workers,
-#: 16.8M parameters), unsharded runs peak 12.6-13.5x over it, "gradients" (one copy)
-#: 9.9-10.7x.
+#: 16.8M parameters; TensorFlow about 680 MiB), unsharded runs peak about
+#: 12.5-13.5x over it, "gradients" (one copy of each slice) about 10-11x.
 BUDGET_IN_WEIGHTS = 11.9
 
 
