@@ -144,6 +144,17 @@ def compile_arguments(model: Any) -> dict[str, Any]:
     return dict(getattr(getattr(model, "_compile_config", None), "config", None) or {})
 
 
+def replace_optimizer(model: Any, optimizer: Any) -> None:
+    """Make ``optimizer`` the compiled ``model``'s optimizer. Keras' ``compile``
+    keeps the instance it was given in ``_compile_config`` as well (for
+    ``get_compile_config()``): left there, a replaced optimizer, all its slots
+    included, lives as long as the model. Without it: the attribute only."""
+    model.optimizer = optimizer
+    config = getattr(getattr(model, "_compile_config", None), "config", None)
+    if isinstance(config, dict) and "optimizer" in config:
+        config["optimizer"] = optimizer
+
+
 def output_loss_metrics(model: Any) -> list[Any]:
     """The per-output loss trackers of a compiled model: Keras'
     ``_compile_loss.metrics`` (each output's loss in the logs, as ``fit`` gives

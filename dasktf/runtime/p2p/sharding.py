@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from dasktf import compat
 from dasktf.exceptions import ShardingError
 from dasktf.runtime.keras_step import SignatureFunction
 from dasktf.runtime.p2p.algorithms import chunk_edges, values_of
@@ -58,6 +59,9 @@ if TYPE_CHECKING:
 #: The values of ``shard_state``: ``"gradients"`` (ZeRO-2) buckets the
 #: reduce-scatter (:mod:`dasktf.runtime.p2p.buckets`).
 SHARD_STATES = ("optimizer", "gradients")
+
+#: The most bytes of weights :meth:`ShardOptimizer.take` writes in one TensorFlow call.
+TAKE_IN_ONE_CALL = 16 << 20
 _PIECE = re.compile(r"dasktfpiece(\d+)x")
 
 
@@ -147,7 +151,7 @@ class ShardOptimizer:
         self.layout = [_piece_of(v) for v in opt.variables]
         self._continue(whole)
         if take_over:  # (a redundant copy of another rank's slice does not)
-            replica.model.optimizer = opt
+            compat.replace_optimizer(replica.model, opt)  # the whole one's slots freed
         self.variables = replica.variables
         #: the most bytes of the peers' gradient parts that waited here (sharded_step)
         self.held = 0
@@ -201,8 +205,17 @@ class ShardOptimizer:
             v.assign(tf.reshape(part, shape))
 
     def take(self, flat: np.ndarray) -> None:
-        """The model's weights from the all-gather's flat buffer."""
-        self._take(flat)
+        """The model's weights from the all-gather's flat buffer: in one TensorFlow
+        call for a small model (a call's fixed cost dominates), else variable by
+        variable from views of ``flat`` (the one call's input and split outputs are
+        two more whole copies of the weights: the sharded step's memory peak)."""
+        if 4 * len(flat) <= TAKE_IN_ONE_CALL:
+            self._take(flat)
+            return
+        at = 0
+        for v, size, shape in zip(self.variables, self.sizes, self.shapes, strict=True):
+            v.assign(flat[at:at + size].reshape(shape))
+            at += size
 
     def apply(self, chunk: np.ndarray, count: float,
               exchange: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:

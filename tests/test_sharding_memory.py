@@ -1,0 +1,136 @@
+"""What a sharded replica holds in memory (``shard_state="optimizer"``): once its
+slice takes over, the whole optimizer and its slots are freed, and writing the
+gathered weights makes no whole copies of them for a large model.
+
+A replica and its slice built here, in the test process, as a p2p worker builds
+them (what is measured is one process's objects, not the collective).
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import keras
+import numpy as np
+import pytest
+
+from dasktf.data.shards import Shard
+from dasktf.models import CompileRecipe
+from dasktf.runtime.p2p import sharding
+from dasktf.runtime.p2p.sharding import ShardOptimizer
+from dasktf.runtime.replica import Replica, ReplicaConfig
+from dasktf.transport import ModelPackage
+
+
+def _replica() -> Replica:
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(24, activation="relu"),
+                              keras.layers.Dense(5, activation="softmax")])
+    recipe = CompileRecipe(keras.optimizers.serialize(keras.optimizers.Adam(0.01)),
+                           "sparse_categorical_crossentropy")
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((32, 16)).astype(np.float32)
+    y = rng.integers(0, 5, 32).astype(np.int64)
+    config = ReplicaConfig(ModelPackage.pack(model).ref(), recipe, 0, publish_metrics=False)
+    return Replica(config, 0, Shard(x, y), np.array([32]))
+
+
+def test_the_slice_frees_the_whole_optimizer():
+    replica = _replica()
+    whole = replica.model.optimizer
+    assert whole.built and len(whole.variables) > 2  # its slots were built
+    gone = weakref.ref(whole)
+    slots = [weakref.ref(v) for v in whole.variables]
+    del whole
+    shard = ShardOptimizer(replica, 0, 3)
+    gc.collect()
+    assert replica.model.optimizer is shard.optimizer
+    # Keras' compile config held the whole one (and all its slots) for the model's life
+    assert gone() is None
+    assert all(s() is None for s in slots)
+
+
+@pytest.mark.parametrize("in_one_call", [True, False])
+def test_take_writes_the_gathered_weights(monkeypatch, in_one_call):
+    """Both ways of writing the all-gather's buffer (one TensorFlow call for a
+    small model, variable by variable from views for a large one) give the model
+    exactly its values, the buffer untouched."""
+    if not in_one_call:
+        monkeypatch.setattr(sharding, "TAKE_IN_ONE_CALL", 0)
+    replica = _replica()
+    shard = ShardOptimizer(replica, 1, 3)
+    flat = np.random.default_rng(1).standard_normal(sum(replica.sizes)).astype(np.float32)
+    kept = flat.copy()
+    shard.take(flat)
+    np.testing.assert_array_equal(replica.flat_weights(), kept)
+    np.testing.assert_array_equal(flat, kept)
+
+
+#: no spilling or pausing (they act on Dask's data, not TensorFlow's); the nanny
+#: checks often enough to see a step's short peak
+_MEMORY = {"distributed.worker.memory.target": False,
+           "distributed.worker.memory.spill": False,
+           "distributed.worker.memory.pause": False,
+           "distributed.worker.memory.terminate": 0.95,
+           "distributed.worker.memory.monitor-interval": "10ms"}
+
+
+def _resident_after_import(dask_worker=None) -> int:
+    import psutil
+    import tensorflow  # noqa: F401
+
+    import dasktf.runtime.replica  # noqa: F401
+
+    return int(psutil.Process().memory_info().rss)
+
+
+def _limit_nanny(limit: int, dask_worker=None) -> None:
+    """Lower this nanny's memory limit (its monitor reads it at every check)."""
+    dask_worker.memory_manager.memory_limit = limit
+
+
+#: A worker's budget over its resident set once TensorFlow is imported, in bytes
+#: of the model's weights: measured (benchmarks/replica_peak.py --fit, 4 workers,
+#: 16.8M parameters; TensorFlow about 680 MiB), unsharded runs peak about
+#: 12.5-13.5x over it, "gradients" (one copy of each slice) about 10-11x.
+BUDGET_IN_WEIGHTS = 11.9
+
+
+@pytest.mark.slow
+def test_a_model_only_sharding_fits():
+    """Under the same per-worker limit (the nanny ends a worker past it), the
+    unsharded run stops with WorkerLostError and the sharded one trains."""
+    import dask
+
+    import dasktf
+    from dasktf.exceptions import WorkerLostError
+    from dasktf.testing import own_cluster
+
+    n, batch = 4, 128
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4 * batch, 2048)).astype(np.float32)
+    y = rng.integers(0, 10, len(x)).astype(np.int64)
+
+    def run(shard_state):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((2048,))] + [
+            keras.layers.Dense(2048, activation="relu") for _ in range(4)
+        ] + [keras.layers.Dense(10, activation="softmax")])  # 16.8M parameters
+        weights = 4 * model.count_params()
+        with dask.config.set(_MEMORY), own_cluster(n, memory_limit="8GiB") as (_, client):
+            base = max(client.run(_resident_after_import).values())
+            limit = int((base + BUDGET_IN_WEIGHTS * weights) / 0.95)
+            client.run(_limit_nanny, limit, nanny=True)
+            return dasktf.fit(model, x, y, client=client, n_workers=n, epochs=2,
+                              batch_size=batch, optimizer="adam", learning_rate=1e-3,
+                              loss="sparse_categorical_crossentropy", shuffle=False,
+                              seed=0, verbose=0, engine="p2p", shard_state=shard_state,
+                              on_worker_loss="raise",
+                              # one copy of each slice: 1/N of the state a worker
+                              **({} if shard_state is None else {"redundancy": 0}))
+
+    with pytest.raises(WorkerLostError):
+        run(None)
+    history = run("gradients")
+    assert len(history.history["loss"]) == 2
