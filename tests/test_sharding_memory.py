@@ -98,6 +98,7 @@ BUDGET_IN_WEIGHTS = 11.9
 
 
 @pytest.mark.slow
+@pytest.mark.memory  # the margins are tens of MiB: run it where it was calibrated
 def test_a_model_only_sharding_fits():
     """Under the same per-worker limit (the nanny ends a worker past it), the
     unsharded run stops with WorkerLostError and the sharded one trains."""
