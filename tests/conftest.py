@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 
+import keras
 import numpy as np
 import pytest
 
@@ -83,3 +84,16 @@ def kill_once_checkpointed(proc, directory, timeout: float) -> None:
             proc.kill()
             proc.wait(timeout=30)
 
+
+class ScaleUpAfterFirstEpoch(keras.callbacks.Callback):
+    """Grow ``cluster`` to ``n`` workers at the first epoch's end (a run's re-form
+    tests: the joiners are taken in at the next epoch boundary)."""
+
+    def __init__(self, cluster, client, n):
+        super().__init__()
+        self.cluster, self.client, self.n = cluster, client, n
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == 0:
+            self.cluster.scale(self.n)
+            self.client.wait_for_workers(self.n, timeout=120)

@@ -14,6 +14,7 @@ import pytest
 
 import dasktf
 from dasktf.testing import KillWorkerAt, own_cluster
+from tests.conftest import ScaleUpAfterFirstEpoch
 
 ACCURACY = 0.85  # the digits target every training test in the suite uses
 
@@ -234,17 +235,6 @@ def test_quorum_run_survives_sigkill(digits, victim):
     assert time.monotonic() - start < 240
 
 
-class _ScaleUpAfterFirstEpoch(keras.callbacks.Callback):
-    def __init__(self, cluster, client, n):
-        super().__init__()
-        self.cluster, self.client, self.n = cluster, client, n
-
-    def on_epoch_end(self, epoch, logs=None):
-        if epoch == 0:
-            self.cluster.scale(self.n)
-            self.client.wait_for_workers(self.n, timeout=120)
-
-
 @pytest.mark.slow
 def test_sync_run_grows_from_two_to_three_workers_with_scaled_lr(digits):
     """A worker that joins mid-run gets a replica and a share of the data at the next
@@ -255,7 +245,7 @@ def test_sync_run_grows_from_two_to_three_workers_with_scaled_lr(digits):
         history = dasktf.fit(
             "mnist-mlp", digits.x_train, digits.y_train, client=client,
             validation_data=(digits.x_test, digits.y_test), scale_lr=True,
-            callbacks=[_ScaleUpAfterFirstEpoch(cluster, client, 3)], **_options(epochs=3),
+            callbacks=[ScaleUpAfterFirstEpoch(cluster, client, 3)], **_options(epochs=3),
         )
         joined = [w for w in history.workers if w not in before]
         assert len(history.workers) == 3 and len(joined) == 1

@@ -26,7 +26,7 @@ import dasktf
 from dasktf.exceptions import ShardingError
 from dasktf.run.checkpoint import list_checkpoints
 from dasktf.testing import kill_worker_at_update, own_cluster
-from tests.conftest import relative_error
+from tests.conftest import ScaleUpAfterFirstEpoch, relative_error
 
 EPOCHS, BATCH, STEPS = 3, 64, 23  # 1,438 digits at 64: 23 steps an epoch
 
@@ -251,17 +251,6 @@ def test_four_workers_a_replica_torn_in_the_all_gather_is_made_whole(digits):
     _assert_same_state(_state(history.model), want, 1e-5)
 
 
-class _ScaleUpAfterFirstEpoch(keras.callbacks.Callback):
-    def __init__(self, cluster, client, n):
-        super().__init__()
-        self.cluster, self.client, self.n = cluster, client, n
-
-    def on_epoch_end(self, epoch, logs=None):
-        if epoch == 0:
-            self.cluster.scale(self.n)
-            self.client.wait_for_workers(self.n, timeout=120)
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_a_worker_joining_gets_its_slices_at_the_epoch_end(digits):
@@ -273,7 +262,7 @@ def test_a_worker_joining_gets_its_slices_at_the_epoch_end(digits):
         with own_cluster(2) as (cluster, client):
             reader = _ReadHeld(client)
             history = _fit(client, digits, shard_state=shard_state, n_workers=None,
-                           callbacks=[_ScaleUpAfterFirstEpoch(cluster, client, 3),
+                           callbacks=[ScaleUpAfterFirstEpoch(cluster, client, 3),
                                       reader])
             assert len(history.workers) == 3
             states[shard_state] = _state(history.model)
