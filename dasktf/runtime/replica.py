@@ -143,7 +143,8 @@ class Replica:
         self.output_loss_trackers = compat.output_loss_metrics(model)
         self.weighted = probe.w is not None
         self.evaluator = MetricEvaluator(model)
-        self._gradient_fn = SignatureFunction(self.batch_gradient, batch_signature(probe))
+        self.batch_spec = batch_signature(probe)  #: the gradient functions' batch inputs
+        self._gradient_fn = SignatureFunction(self.batch_gradient, self.batch_spec)
         # A fixed signature: a Python int count would retrace for every new value
         # (the short last batch of each epoch, for one).
         summed = [tf.TensorSpec((sum(self.sizes),), tf.float32), tf.TensorSpec((), tf.float32)]
@@ -152,7 +153,7 @@ class Replica:
         # (the p2p engine's steps; :meth:`apply_then_gradient`): half the calls,
         # whose fixed cost dominates a small model's step.
         self._apply_gradient_fn = SignatureFunction(self._apply_then_gradient,
-                                                    [*summed, *batch_signature(probe)])
+                                                    [*summed, *self.batch_spec])
         self._epoch = -1
         self._order = None if isinstance(shard, StreamedShard) else np.arange(len(shard))
         self.step_seconds: list[float] = []

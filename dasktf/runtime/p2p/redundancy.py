@@ -79,9 +79,20 @@ class RedundantShard(ShardOptimizer):
     (:attr:`backup`), updated alike (see the module)."""
 
     def __init__(self, replica: Replica, rank: int, n: int) -> None:
+        import tensorflow as tf
+
+        from dasktf.runtime.keras_step import SignatureFunction
+
         # built first: the whole optimizer is still the model's
         self.backup = ShardOptimizer(replica, (rank - 1) % n, n, take_over=False)
         super().__init__(replica, rank, n)
+        # Both slices' updates in one TensorFlow call: on a small model a call's
+        # fixed cost is most of an apply (benchmarks/shard_redundancy.py).
+        lo, hi = self.edges[rank], self.edges[rank + 1]
+        b_lo, b_hi = self.backup.edges[self.backup.rank], self.backup.edges[self.backup.rank + 1]
+        self._apply_both = SignatureFunction(self._apply_both_body, [
+            tf.TensorSpec((hi - lo,), tf.float32), tf.TensorSpec((b_hi - b_lo,), tf.float32),
+            tf.TensorSpec((), tf.float32), tf.TensorSpec((len(self.parts),), tf.float32)])
         self.pending: Pending | None = None
         #: the update applied here and the weights not taken yet: the slices'
         #: values are their pieces', not the model's
@@ -101,8 +112,17 @@ class RedundantShard(ShardOptimizer):
         pending = Pending(update, chunk, relay(chunk), count)
         with self.lock:  # kept before this member says it is ready
             self.pending = pending
-        pending.scales = self.scales(chunk, count, exchange)
-        exchange(np.zeros(0))  # ready: every member can apply ``update``
+        exchanged = False
+
+        def counted(vector: np.ndarray) -> np.ndarray:
+            nonlocal exchanged
+            exchanged = True
+            return exchange(vector)
+        # Sent after the relay came: the clipping norms' (or the loss scale's
+        # vote's) exchange is the ready round, else an empty one is.
+        pending.scales = self.scales(chunk, count, counted)
+        if not exchanged:
+            exchange(np.zeros(0))  # ready: every member can apply ``update``
         with self.lock:
             if not replica.claim_update(update):
                 return None
@@ -117,13 +137,16 @@ class RedundantShard(ShardOptimizer):
         rate = self.optimizer.learning_rate  # a callback's or a warm-up's: the same
         if isinstance(rate, keras.Variable):
             self.backup.optimizer.learning_rate = rate
-        copied = self.backup.apply_scaled(p.relayed, p.count, p.scales)
-        new = self.apply_scaled(p.chunk, p.count, p.scales)
+        new, copied = self._apply_both(p.chunk, p.relayed, np.float32(p.count), p.scales)
         self.pending, self.torn = None, True
-        return new, copied
+        return np.asarray(new), np.asarray(copied)
 
-    def take(self, flat: np.ndarray) -> None:
-        super().take(flat)
+    def _apply_both_body(self, chunk: Any, relayed: Any, count: Any, scales: Any) -> Any:
+        """The backup's update and the slice's (a TF body): their new values."""
+        copied = self.backup._apply_body(relayed, count, scales)
+        return self._apply_body(chunk, count, scales), copied
+
+    def taken(self) -> None:
         self.torn = False
 
     def complete(self, replica: Replica, target: int) -> None:

@@ -184,8 +184,11 @@ def _steps(replica: Replica, group: Group, segment: Segment, peers: Link, here: 
         for hook in peers.step_hooks:
             hook(replica, update)
         began = time.perf_counter()
+        shard = replica.shard_optimizer
         if replica.rounds is not None:
             out = replica.rounds.run(segment.epoch, step)
+        elif shard is not None:  # the last step's weights taken in the same call
+            out = shard.take_then_gradient(replica, segment.epoch, step)
         elif pending is not None:
             out = replica.apply_then_gradient(pending, segment.epoch, step)
         else:
@@ -215,6 +218,8 @@ def _steps(replica: Replica, group: Group, segment: Segment, peers: Link, here: 
                    and not math.isfinite(summed.loss_sum) else None)
         if sharded:
             _check_fence(replica, update)
+            if stopped is not None or step == segment.last:
+                replica.shard_optimizer.settle(replica)
         elif replica.rounds is None and stopped is None and step < segment.last:
             pending = summed
         else:

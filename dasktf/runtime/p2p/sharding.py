@@ -161,8 +161,16 @@ class ShardOptimizer:
         self._apply = SignatureFunction(self._apply_body, [
             tf.TensorSpec((hi - lo,), tf.float32), tf.TensorSpec((), tf.float32),
             tf.TensorSpec((len(self.parts),), tf.float32)])
-        self._take = SignatureFunction(self._take_body, [
-            tf.TensorSpec((int(sum(self.sizes)),), tf.float32)])
+        flat_spec = tf.TensorSpec((int(sum(self.sizes)),), tf.float32)
+        self._take = SignatureFunction(self._take_body, [flat_spec])
+        # A step's gathered weights are taken by the next step's gradient call
+        # (:meth:`take_then_gradient`): one TensorFlow call fewer a step, as the
+        # unsharded step fuses its apply into the next gradient
+        self._take_gradient = SignatureFunction(
+            functools.partial(self._take_gradient_body, replica),
+            [flat_spec, *replica.batch_spec])
+        #: the gathered weights of the update applied here, not taken yet
+        self.untaken: np.ndarray | None = None
 
     def _continue(self, whole: Any) -> None:
         """Start from ``whole``'s state: its scalars (iterations), its slots' parts
@@ -204,6 +212,55 @@ class ShardOptimizer:
                                   self.shapes, strict=True):
             v.assign(tf.reshape(part, shape))
 
+    def _take_gradient_body(self, replica: Replica, flat: Any, *batch: Any) -> Any:
+        """:meth:`_take_body`, then the replica's gradient at those weights (a TF
+        body: automatic control dependencies keep the reads after the writes)."""
+        self._take_body(flat)
+        return replica.batch_gradient(*batch)
+
+    def take_later(self, flat: np.ndarray) -> None:
+        """Keep ``flat`` (the update applied here) for the next step's gradient call
+        to take, or :meth:`settle` (a large model's take goes variable by variable)."""
+        self.untaken = flat
+
+    def settle(self, replica: Replica) -> None:
+        """Take the weights kept by :meth:`take_later`, if any: before anything
+        reads the model (the segment's end, a stop)."""
+        flat, self.untaken = self.untaken, None
+        if flat is not None:
+            with replica.apply_lock:
+                if self._current(replica):
+                    self.take(flat)
+
+    def _current(self, replica: Replica) -> bool:
+        """Whether the weights kept here may still be taken: not once a recovery
+        fenced the replica or loaded a state (which dropped this slice)."""
+        return not replica.fenced and replica.shard_optimizer is self
+
+    def take_then_gradient(self, replica: Replica, epoch: int, step: int) -> GradientSum:
+        """The kept weights taken and the gradient of ``(epoch, step)`` at them: in
+        one TensorFlow call when the batch has rows and the model is small."""
+        from dasktf.runtime.keras_step import batch_args
+
+        flat = self.untaken
+        batch = replica.batch(epoch, step)
+        if flat is None or not len(batch) or 4 * len(flat) > TAKE_IN_ONE_CALL:
+            self.settle(replica)
+            return replica.gradient(epoch, step)
+        self.untaken = None
+        with replica.apply_lock:
+            if not self._current(replica):
+                return replica.gradient(epoch, step)
+            import tensorflow as tf
+
+            with tf.device(replica.device):
+                grad, loss_sum = self._take_gradient(flat, *batch_args(batch))
+            self.taken()
+        return GradientSum(np.asarray(grad), len(batch), float(loss_sum))
+
+    def taken(self) -> None:
+        """The model holds the slices' values again (see the redundant slices)."""
+
     def take(self, flat: np.ndarray) -> None:
         """The model's weights from the all-gather's flat buffer: in one TensorFlow
         call for a small model (a call's fixed cost dominates), else variable by
@@ -211,11 +268,12 @@ class ShardOptimizer:
         two more whole copies of the weights: the sharded step's memory peak)."""
         if 4 * len(flat) <= TAKE_IN_ONE_CALL:
             self._take(flat)
-            return
-        at = 0
-        for v, size, shape in zip(self.variables, self.sizes, self.shapes, strict=True):
-            v.assign(flat[at:at + size].reshape(shape))
-            at += size
+        else:
+            at = 0
+            for v, size, shape in zip(self.variables, self.sizes, self.shapes, strict=True):
+                v.assign(flat[at:at + size].reshape(shape))
+                at += size
+        self.taken()
 
     def apply(self, chunk: np.ndarray, count: float,
               exchange: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
@@ -270,6 +328,8 @@ class ShardOptimizer:
 
     def own_values(self) -> np.ndarray:
         """The slice's current weights, read from the model (nothing to apply)."""
+        if self.untaken is not None:
+            return self.untaken[self.edges[self.rank]:self.edges[self.rank + 1]]
         return np.concatenate([np.asarray(v.numpy(), np.float32).ravel()[a:b]
                                for v, (a, b) in zip(self.variables, self.parts,
                                                     strict=True)])
@@ -457,9 +517,8 @@ def sharded_step(replica: Replica, group: Group, grad: GradientSum, update: int,
                                  runner=functools.partial(collective, apply))
     assert sums is not None
     shard.held = max(group.mailbox.peak.get(p, 0) for p in ("zs", "zb"))
-    if claimed:
-        with replica.apply_lock:
-            shard.take(flat)
+    if claimed:  # the next step's gradient call, or the segment's end, takes it
+        shard.take_later(flat)
     summed = GradientSum(None, round(float(sums[0])), float(sums[1]),
                          grad.compute_seconds, grad.update, float(sums[2]))
     return summed, sums[3:]
