@@ -1,7 +1,7 @@
 """Redundant optimizer slices (``redundancy=1``) against one copy (``redundancy=0``)
 and unsharded p2p, side by side.
 
-On real MNIST (``mnist-mlp``, Adam), N workers (default 3), global batch 256, one
+On real MNIST (``--model``: ``mnist-mlp`` or ``cnn``, Adam), N workers (default 3), global batch 256, one
 cluster: the three runs alternate (``--repeats`` rounds, unsharded first), each for
 ``--epochs`` epochs; a step's time is an epoch's wall time over its steps, the
 epochs after the first (which traces) only. Printed: the median step time of each
@@ -11,7 +11,7 @@ workers during the run, what TensorFlow holds), the bytes a worker moves a step,
 and the load average before and after (on a shared 2-core machine the workers
 share the cores).
 
-Usage: ``python benchmarks/shard_redundancy.py [--workers 3] [--rows 15360]
+Usage: ``python benchmarks/shard_redundancy.py [--model mnist-mlp|cnn] [--workers 3] [--rows 15360]
 [--epochs 3] [--repeats 2] [--data /work/shared/data/mnist.npz]``.
 """
 
@@ -48,7 +48,7 @@ def _held_bytes(dask_worker: Any = None) -> list[int]:
     return out
 
 
-def run(client: Any, x: np.ndarray, y: np.ndarray, n: int, epochs: int,
+def run(model: str, client: Any, x: np.ndarray, y: np.ndarray, n: int, epochs: int,
         options: dict[str, Any]) -> tuple[list[float], list[int], float]:
     """Seconds per step of each epoch after the first; each replica's optimizer
     bytes; the bytes a worker moved a step (the last epoch's)."""
@@ -67,7 +67,7 @@ def run(client: Any, x: np.ndarray, y: np.ndarray, n: int, epochs: int,
             seen.setdefault("epochs", []).append(time.perf_counter() - seen["begin"])
             seen["bytes"] = [b for v in client.run(_held_bytes).values() for b in v]
 
-    history = dasktf.fit("mnist-mlp", x, y, client=client, n_workers=n, epochs=epochs,
+    history = dasktf.fit(model, x, y, client=client, n_workers=n, epochs=epochs,
                          batch_size=256, optimizer="adam", learning_rate=1e-3,
                          loss="sparse_categorical_crossentropy", shuffle=False, seed=0,
                          verbose=0, engine="p2p", callbacks=[Clock()], **options)
@@ -77,6 +77,7 @@ def run(client: Any, x: np.ndarray, y: np.ndarray, n: int, epochs: int,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="mnist-mlp", choices=["mnist-mlp", "cnn"])
     parser.add_argument("--workers", type=int, default=3)
     parser.add_argument("--rows", type=int, default=15360)
     parser.add_argument("--epochs", type=int, default=3)
@@ -88,8 +89,10 @@ def main() -> None:
     import dasktf
 
     with np.load(args.data) as f:
-        x = (f["x_train"][:args.rows].reshape(-1, 784) / 255.0).astype(np.float32)
+        x = (f["x_train"][:args.rows] / 255.0).astype(np.float32)
         y = f["y_train"][:args.rows].astype(np.int64)
+    if args.model == "mnist-mlp":
+        x = x.reshape(-1, 784)
     n = args.workers
     load_before = open("/proc/loadavg").read().split()[:3]
     times: dict[str, list[float]] = {name: [] for name in RUNS}
@@ -99,12 +102,12 @@ def main() -> None:
         client.wait_for_workers(n, timeout=120)
         for _ in range(args.repeats):
             for name, options in RUNS.items():
-                seconds, held[name], moved[name] = run(client, x, y, n, args.epochs,
-                                                       options)
+                seconds, held[name], moved[name] = run(args.model, client, x, y, n,
+                                                       args.epochs, options)
                 times[name] += seconds
     load_after = open("/proc/loadavg").read().split()[:3]
     base = statistics.median(times["unsharded"])
-    print(f"mnist-mlp, Adam, {n} workers, batch 256, {args.rows} rows, {args.epochs} "
+    print(f"{args.model}, Adam, {n} workers, batch 256, {args.rows} rows, {args.epochs} "
           f"epochs x {args.repeats} repeats (medians of the epochs after the first)")
     for name in RUNS:
         step = statistics.median(times[name])
