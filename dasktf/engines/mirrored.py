@@ -7,7 +7,10 @@ every update and apply each once; so they answer much of the engine contract ali
 worker is the same walk once the survivors have stopped (each engine stops its own
 steps): fence and reconcile them (:func:`dasktf.runtime.reconcile.reconcile`), give
 the lost shards to the survivors carrying the fewest, publish what happened; a
-worker lost during that walk starts it again from both losses. Neither engine
+worker lost during that walk starts it again from both losses. Where a lost worker
+took state no survivor holds a copy of (sharded parameter servers, a sharded
+optimizer with ``redundancy=0``), the survivors rewind to a *restore point* kept in
+the epoch instead and compute the updates since again (:meth:`Mirrored.rewinds`). Neither engine
 family imports the other; both import this.
 """
 

@@ -27,7 +27,10 @@ The recovery (:func:`recovered_state` over every survivor's
 from one copy of each slice (the owner's, or the backup's where the owner was
 lost); :func:`reshard_task` loads them into every survivor, which builds the whole
 optimizer again, and the next step cuts it over the N - 1 survivors. A checkpoint's
-state (the slices gathered), a resume and a re-form load the same way.
+state (the slices gathered), a resume and a re-form load the same way, and so does
+the rewind of a run with ``redundancy=0`` (a lost slice had no copy): the survivors
+go back to the run's newest checkpoint in the epoch (``rewind``; see
+:mod:`dasktf.engines.p2p.engine`).
 
 Per worker this holds (1 + redundancy)/N of the unsharded optimizer's slots.
 """
