@@ -238,8 +238,11 @@ class Trainer:
     redundancy
         With ``shard_state``: ``1`` (default) keeps each slice of the optimizer
         on a second worker as well ((1 + 1)/N of it a worker), so a lost worker
-        costs no update and the run goes on exactly; ``0`` keeps one copy (1/N),
-        and a lost worker stops the run (resume from a checkpoint).
+        costs no update and the run goes on exactly; ``0`` keeps one copy (1/N):
+        a lost worker sends the run back to its newest checkpoint in the epoch
+        (``checkpoint_dir``; ``checkpoint_every`` for some within an epoch), whose
+        later steps it trains again, and stops it with a ``ShardingError`` when
+        there is none.
 
     Examples
     --------

@@ -10,7 +10,10 @@ completes it in the recovery), and in the all-gather (every member applied its
 slice; with 4 workers one survivor lacks the lost one's new slice). A loss in an
 earlier epoch (the run then re-forms) and a worker joining equal unsharded p2p
 doing the same; each worker holds 2/3 of the slots with 3 workers and a step moves
-no more bytes than with ``redundancy=0``; ``redundancy=0`` stops with the reason.
+no more bytes than with ``redundancy=0``. With ``redundancy=0`` a lost worker sends
+the run back to its newest checkpoint in the epoch (mid-epoch or at the epoch's
+start), which then ends as the uninterrupted run does; with none, it stops with the
+reason.
 """
 
 from __future__ import annotations
@@ -141,16 +144,56 @@ def test_a_reform_after_a_loss_equals_unsharded_p2p(digits):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_redundancy_0_stops_with_the_reason_and_names_the_checkpoint(digits, tmp_path):
-    """One copy of each slice: a lost worker stops the run with a ShardingError that
-    names the last checkpoint to resume from and ``redundancy=1``."""
+def test_redundancy_0_without_a_checkpoint_stops_with_the_reason(digits):
+    """One copy of each slice and no checkpoint to go back to: a lost worker stops
+    the run with a ShardingError that says to keep checkpoints or use
+    ``redundancy=1``."""
     with own_cluster(3) as (_, client):
         workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
         kill_worker_at_update(client, workers[2], STEPS + 5, "step")
         with pytest.raises(ShardingError, match="no other copy") as info:
-            _fit(client, digits, epochs=2, redundancy=0, checkpoint_dir=str(tmp_path))
-    assert str(list_checkpoints(tmp_path)[0]) in str(info.value)
-    assert "redundancy=1" in str(info.value)
+            _fit(client, digits, epochs=2, redundancy=0)
+    assert "checkpoint_dir=" in str(info.value) and "redundancy=1" in str(info.value)
+
+
+# (update killed at, checkpoint_every, the restore point): the checkpoint after step
+# 7 of the last epoch (a segment a grid point), or the one at the previous epoch's
+# end (the segment spans epochs: a new one starts at step 1 after the rewind)
+REWINDS = {
+    "to-a-checkpoint-mid-epoch": (2 * STEPS + 12, 7, 2 * STEPS + 6),
+    "to-the-epoch-end-checkpoint": (2 * STEPS + 12, None, 2 * STEPS - 1),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(REWINDS.values()), ids=list(REWINDS))
+@pytest.mark.timeout(300)
+def test_redundancy_0_goes_back_to_the_last_checkpoint(digits, uninterrupted, tmp_path,
+                                                       caplog, case):
+    """One copy of each slice: a SIGKILLed worker sends the survivors back to the
+    newest checkpoint of the epoch, whose later steps they train again over the
+    same global batches; the run says so and ends with the weights and every
+    optimizer variable of the uninterrupted run."""
+    update, every, restore = case
+    with own_cluster(3) as (_, client):
+        workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        kill_worker_at_update(client, workers[2], update, "step")
+        history = _halved(client, digits, redundancy=0, checkpoint_dir=str(tmp_path),
+                          checkpoint_every=every)
+    (recovery,) = history.recoveries
+    assert recovery["lost"] == [workers[2]] and recovery["steps_lost"] == 0
+    assert recovery["rewound_to_update"] == restore, recovery
+    assert recovery["resumed_at_update"] == restore + 1
+    # the survivors had applied the update before the one killed as it began
+    assert recovery["steps_recomputed"] == update - 1 - restore > 0
+    # the line names the checkpoint (named after the update it goes on from; the
+    # newest three are kept: it may be gone since)
+    checkpoint = tmp_path / f"ckpt-{restore + 1:09d}.json"
+    assert any(f"rewound to the restore point {checkpoint} (update {restore})"
+               in r.getMessage() for r in caplog.records), caplog.text
+    for log in history.applied_updates.values():  # each update once in the end
+        assert log == list(range(EPOCHS * STEPS)), log
+    _assert_same_state(_state(history.model), uninterrupted, 1e-5)
 
 
 @pytest.mark.timeout(300)

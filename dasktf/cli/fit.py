@@ -89,7 +89,8 @@ from dasktf.models import BUILTIN_MODELS
               "the reduce-scatter in buckets too).")
 @click.option("--redundancy", type=click.IntRange(0, 1), default=1, show_default=True,
               help="with --shard-state: copies of each optimizer slice besides its "
-              "owner's (1: a lost worker costs nothing; 0: it stops the run).")
+              "owner's (1: a lost worker costs nothing; 0: it sends the run back to its "
+              "last checkpoint in the epoch, or stops it).")
 @click.option("--epochs", "-e", type=click.IntRange(min=1), default=None,
               help="Passes over the data. Default: the data set's own (digits: 5).")
 @click.option("--batch-size", "-b", type=click.IntRange(min=1), default=None,

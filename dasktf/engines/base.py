@@ -269,8 +269,11 @@ class Engine:
         """The global update number of the epoch's first step (after a resume)."""
         self.update_base = update
 
-    def keep_restore_point(self, state: dict[str, Any] | None = None) -> None:
-        """Keep ``state`` (read now if not given) to rewind to after a loss."""
+    def keep_restore_point(self, state: dict[str, Any] | None = None,
+                           source: str | None = None) -> None:
+        """Keep ``state`` (an engine that reads its own when not given may) to rewind
+        to after a loss; ``source``: where it comes from (a checkpoint's path), for
+        the messages of a rewind."""
 
     def prepare(self) -> None:
         """The last of the run's set-up, after a resume loaded its state: what must
@@ -301,7 +304,7 @@ class Engine:
             # a step means a round of these: a resume must train in the same rounds
             "local_steps": self.local.steps if self.local is not None else 1,
         }
-        return Checkpoint(state, fields, kept=lambda _where: self.keep_restore_point(state))
+        return Checkpoint(state, fields, kept=lambda where: self.keep_restore_point(state, where))
 
     def resume(self, saved: Saved) -> Resumed:
         """Check that ``saved`` is a checkpoint this engine goes on from and load it
@@ -327,7 +330,7 @@ class Engine:
         self.load_state(state)
         epoch, step = int(manifest["next_epoch"]), int(manifest["next_step"])
         self.start_at(int(manifest["epoch_base"]) if step else state["applied"] + 1)
-        self.keep_restore_point(state)
+        self.keep_restore_point(state, path)
         return Resumed(epoch, step, f"resumed from {path} at epoch {epoch + 1}, step "
                                     f"{step + 1} (update {state['applied'] + 1})")
 

@@ -7,7 +7,10 @@ every update and apply each once; so they answer much of the engine contract ali
 worker is the same walk once the survivors have stopped (each engine stops its own
 steps): fence and reconcile them (:func:`dasktf.runtime.reconcile.reconcile`), give
 the lost shards to the survivors carrying the fewest, publish what happened; a
-worker lost during that walk starts it again from both losses. Neither engine
+worker lost during that walk starts it again from both losses. Where a lost worker
+took state no survivor holds a copy of (sharded parameter servers, a sharded
+optimizer with ``redundancy=0``), the survivors rewind to a *restore point* kept in
+the epoch instead and compute the updates since again (:meth:`Mirrored.rewinds`). Neither engine
 family imports the other; both import this.
 """
 
@@ -59,6 +62,10 @@ class Mirrored:
         def units(self, steps_per_epoch: int) -> int: ...
 
     attempt = 0
+    #: the newest state a loss rewinds the survivors to (:meth:`keep_restore_point`),
+    #: and where it came from (a checkpoint's path; ``None``: a re-form's state)
+    restore_point: dict[str, Any] | None = None
+    restore_source: str | None = None
 
     @property
     def units_per_epoch(self) -> int:
@@ -212,6 +219,40 @@ class Mirrored:
                 moved.append((index, adopter))
             carried.pop(w, None)
         return moved
+
+    # -- rewinding to a restore point ----------------------------------------------
+    def rewinds(self) -> bool:
+        """Whether a lost worker takes state that no survivor holds a copy of (a
+        slice of a sharded optimizer), so that the survivors go back to a restore
+        point instead of being reconciled: the default, no."""
+        return False
+
+    def keep_restore_point(self, state: dict[str, Any] | None = None,
+                           source: str | None = None) -> None:
+        """Keep ``state`` (a checkpoint's, a resume's, a re-form's: read already)
+        to rewind to, in a run that rewinds and recovers from a loss: a run that
+        raises never rewinds, and a copy of the state costs the client memory."""
+        if state is not None and self.policy == "recover" and self.rewinds():
+            self.restore_point, self.restore_source = state, source
+
+    def rewind_point(self) -> dict[str, Any] | None:
+        """The restore point if the survivors can go back to it: kept in the current
+        epoch (at its start or later), whose batches they redo from there
+        alike (an older one would need an older epoch's placement); else ``None``."""
+        restore = self.restore_point
+        if restore is None or int(restore["applied"]) + 1 < self.update_base:
+            return None
+        return restore
+
+    def rewound(self, reached: int, what: str) -> tuple[int, int, str]:
+        """:meth:`catch_up`'s answer once ``what`` went back to the restore point:
+        its update, the updates after it up to ``reached`` (the newest a survivor
+        had applied) to compute again, and what was rewound to where."""
+        assert self.restore_point is not None
+        target = int(self.restore_point["applied"])
+        source = f" {self.restore_source}" if self.restore_source else ""
+        return (target, max(0, reached - target),
+                f"{what} rewound to the restore point{source} (update {target})")
 
     def stop_steps(self, lost: list[str], survivors: list[str]) -> None:
         """Make sure nothing in flight applies from here on."""

@@ -40,16 +40,21 @@ def set_state_task(
     """Load a state from :func:`replica_state_task` (or a checkpoint) into the
     replica. ``rewind``: an older state than the replica's (a sharded run's restore
     point): the updates after it are forgotten, to be applied again, and the
-    epoch's metric totals start over."""
+    epoch's metric totals start over; the learning rate stays the replica's (the
+    epoch's, which a callback may have set after an epoch-end restore point was
+    kept: the updates are trained again at the rate they were first trained at)."""
     replica = get_replica(run_id)
     with replica.apply_lock:
         replica.model.set_weights(state["weights"])
         if replica.rounds is not None:  # inner optimizer states are each worker's own
             replica.rounds.load(state)
         else:
-            for v, value in zip(replica.model.optimizer.variables, state["optimizer"],
-                                strict=False):
+            optimizer = replica.model.optimizer
+            rate = learning_rate_of(optimizer) if rewind else None
+            for v, value in zip(optimizer.variables, state["optimizer"], strict=False):
                 v.assign(value)
+            if rate is not None:
+                optimizer.learning_rate = rate
         applied = int(state["applied"])
         if rewind:
             replica.applied_log = [u for u in replica.applied_log if u <= applied]
@@ -61,6 +66,15 @@ def set_state_task(
         if unfence:
             replica.fenced = False
         return replica.applied
+
+
+def learning_rate_of(optimizer: Any) -> float | None:
+    """``optimizer``'s learning rate when it is a variable (a callback's to set);
+    ``None`` when a schedule computes it."""
+    import keras
+
+    rate = optimizer.learning_rate
+    return float(rate.numpy()) if isinstance(rate, keras.Variable) else None
 
 
 def fence_task(run_id: str) -> int:

@@ -102,8 +102,6 @@ class ElasticSyncEngine(SyncEngine):
         self.average_stats = average_stats
         self.reform_needed = False
         self.ps_layout = ps_layout
-        #: The newest state sharded servers rewind to after a loss.
-        self.restore_point: dict[str, Any] | None = None
 
     def run_epoch(
         self, epoch: int, on_step: Callable[[int], None] | None = None, start: int = 0
@@ -136,7 +134,7 @@ class ElasticSyncEngine(SyncEngine):
         complete but that no survivor had applied are computed again (never
         skipped: numbering goes on from the survivors' last update). Sharded
         servers rewind instead (:meth:`_rewind`)."""
-        if self.spec.placement == "ps":
+        if self.rewinds():
             return self._rewind(lost, max(applied))
         target = reconcile.reconcile(self.ctx, survivors, applied)
         last_finished = (self.update_base + self._finished if self._finished is not None
@@ -147,8 +145,8 @@ class ElasticSyncEngine(SyncEngine):
         """Sharded servers: every survivor and a new set of servers on them go back
         to the restore point (see the module)."""
         client, ctx = self.ctx.client, self.ctx
-        restore = self.restore_point
-        if restore is None or restore["applied"] + 1 < self.update_base:
+        restore = self.rewind_point()
+        if restore is None:
             raise WorkerLostError(
                 f"Lost {', '.join(lost)}, and this sharded-server run has no restore "
                 "point in the current epoch; this is a dasktf bug.", lost,
@@ -158,9 +156,7 @@ class ElasticSyncEngine(SyncEngine):
         state = client.scatter(restore, broadcast=True, hash=False)
         reconcile.on_every_worker(ctx, "rewinding the surviving replicas to the restore "
                                   "point", set_state_task, ctx.run_id, state, True, True)
-        target = int(restore["applied"])
-        return (target, max(0, reached - target),
-                f"servers on {', '.join(self.servers)} rewound to the restore point")
+        return self.rewound(reached, f"servers on {', '.join(self.servers)}")
 
     def state(self) -> dict[str, Any]:
         """The run's training state: the replicas' (identical) state, read from the
@@ -206,11 +202,18 @@ class ElasticSyncEngine(SyncEngine):
                  for w, slices in mine.items()]
         wait_for(ctx, loads, "loading the parameter servers' slices")
 
-    def keep_restore_point(self, state: dict[str, Any] | None = None) -> None:
-        """Sharded servers: keep ``state`` (read now if not given) to rewind to;
-        a run that raises on a loss never rewinds and keeps none."""
-        if self.spec.placement == "ps" and self.policy == "recover":
-            self.restore_point = state if state is not None else self.state()
+    def rewinds(self) -> bool:
+        """Sharded servers hold the only copy of their slice of the optimizer."""
+        return self.spec.placement == "ps"
+
+    def keep_restore_point(self, state: dict[str, Any] | None = None,
+                           source: str | None = None) -> None:
+        """Sharded servers: keep ``state`` to rewind to, read now if not given (the
+        start and every epoch end, checkpointed or not: a run keeps no other copy
+        of their slices)."""
+        if state is None and self.policy == "recover" and self.rewinds():
+            state = self.state()
+        super().keep_restore_point(state, source)
 
     def load_state(self, state: dict[str, Any]) -> None:
         """Load ``state`` into every replica and the sharded servers, if any."""

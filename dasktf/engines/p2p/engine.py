@@ -39,6 +39,15 @@ at most: the collective whose last messages reached some and not others), the lo
 shards are reloaded on survivors (:mod:`dasktf.engines.mirrored`) and the epoch goes
 on from the next update over a new group: the same global batches, every update
 applied once. The run re-forms at the epoch's end (a new group again).
+
+A sharded run with ``redundancy=0`` holds the only copy of each slice of the
+optimizer on its owner, so a lost worker's slice is gone: the survivors go back to
+the newest checkpoint this run kept in the current epoch (its state, the whole
+optimizer, is the restore point, :meth:`~dasktf.engines.mirrored.Mirrored.keep_restore_point`;
+a resume's and a re-form's state are too), the lost shards are reloaded as above,
+and the updates after it are trained again (``steps_recomputed``,
+``rewound_to_update``): the same global batches, so the same final state. With
+no such checkpoint the run stops with a :class:`~dasktf.exceptions.ShardingError`.
 """
 
 from __future__ import annotations
@@ -97,8 +106,10 @@ class P2PEngine(Mirrored, Engine):
         (:mod:`dasktf.runtime.p2p.sharding`); ``None``: every replica all of it.
     redundancy
         With ``shard_state``: ``1`` keeps each slice on a second worker too, so a
-        lost worker costs nothing (:mod:`dasktf.runtime.p2p.redundancy`); ``0``
-        stops the run with a :class:`~dasktf.exceptions.ShardingError`.
+        lost worker costs nothing (:mod:`dasktf.runtime.p2p.redundancy`); ``0``: a
+        lost worker sends the survivors back to the run's newest checkpoint in the
+        epoch, or stops the run with a :class:`~dasktf.exceptions.ShardingError`
+        when there is none (see the module).
     """
 
     mode = "sync"
@@ -294,7 +305,8 @@ class P2PEngine(Mirrored, Engine):
         module). None are left to stop when a first try of this recovery did."""
         ended = self.flight.stop(survivors, f"worker(s) {', '.join(lost)} lost")
         self._ended = ended if ended is not None else self._ended
-        if self.shard_state is not None and not self.redundancy:
+        if self.rewinds() and self.rewind_point() is None:
+            assert self.shard_state is not None
             raise shards.lost_slices(lost, self.shard_state, self.hooks.last_checkpoint())
 
     def reform(self, schedule: np.ndarray) -> None:
@@ -309,9 +321,26 @@ class P2PEngine(Mirrored, Engine):
         step (:mod:`dasktf.runtime.p2p.redundancy`)."""
         if self.shard_state is None:
             return super().catch_up(lost, survivors, applied)
+        if self.rewinds():
+            return self._rewind(survivors, max(applied))
         target = max(applied)
         shards.recover(self.ctx, survivors, target, self.shapes)
         return target, 0, None
+
+    def rewinds(self) -> bool:
+        """``redundancy=0``: a lost worker's slice of the optimizer had no copy."""
+        return self.shard_state is not None and not self.redundancy
+
+    def _rewind(self, survivors: list[str], reached: int) -> tuple[int, int, str]:
+        """Every survivor back to the restore point (:meth:`stop_steps` saw there is
+        one), the optimizer whole, to be cut again over them by their next step;
+        the epoch's results they may have filed are dropped: the epoch is trained
+        again from there."""
+        restore = self.rewind_point()
+        assert restore is not None
+        self._ended = None
+        shards.load_whole(self.ctx, survivors, restore, rewind=True)
+        return self.rewound(reached, "the replicas")
 
     def regroup(self) -> None:
         self.generation += 1

@@ -48,24 +48,33 @@ def recover(ctx: RunContext, survivors: list[str], target: int,
 
 
 def load_whole(ctx: RunContext, workers: list[str], state: dict[str, Any],
-               flat: np.ndarray | None = None) -> None:
+               flat: np.ndarray | None = None, rewind: bool = False) -> None:
     """Load ``state`` into the replicas on ``workers``, the optimizer whole: the next
-    step cuts it over them (:func:`~dasktf.runtime.p2p.redundancy.reshard_task`)."""
+    step cuts it over them (:func:`~dasktf.runtime.p2p.redundancy.reshard_task`);
+    ``rewind``: an older state than theirs (a restore point), the updates after it
+    forgotten."""
     client = ctx.client
     big = client.scatter(state, broadcast=True, hash=False)
     flat_f = None if flat is None else client.scatter(flat, broadcast=True, hash=False)
-    _on_each(ctx, workers, reshard_task, "loading the state into the replicas",
-             ctx.run_id, big, flat_f)
+    _on_each(ctx, workers, reshard_task,
+             "rewinding the replicas to the restore point" if rewind
+             else "loading the state into the replicas", ctx.run_id, big, flat_f, True,
+             rewind)
 
 
 def lost_slices(lost: list[str], shard_state: str, checkpoint: str | None
                 ) -> ShardingError:
-    """Why a run with ``redundancy=0`` cannot go on from a lost worker, and what to do."""
+    """Why a run with ``redundancy=0`` and no checkpoint in its current epoch to go
+    back to cannot go on from a lost worker, and what to do."""
     return ShardingError(
         f"worker(s) {', '.join(lost)} lost with shard_state={shard_state!r} and "
-        "redundancy=0: their slice of the optimizer state had no other copy, "
-        "so the run cannot go on exactly. "
+        "redundancy=0: their slice of the optimizer state had no other copy, and "
+        "the run kept no checkpoint in this epoch to go back to, so it cannot go on "
+        "exactly. "
         + (f"Resume from the last checkpoint, {checkpoint}, with resume=True; "
-           if checkpoint else "Keep checkpoints (checkpoint_dir=) to resume from, ")
+           if checkpoint else
+           "Keep checkpoints (checkpoint_dir=, and checkpoint_every= for some within "
+           "an epoch): a lost worker then sends the run back to the newest one, "
+           "whose later steps it trains again; ")
         + "or train with redundancy=1 (each slice on two workers) to go on "
-        "from a lost worker.")
+        "from a lost worker with nothing to train again.")

@@ -27,7 +27,10 @@ The recovery (:func:`recovered_state` over every survivor's
 from one copy of each slice (the owner's, or the backup's where the owner was
 lost); :func:`reshard_task` loads them into every survivor, which builds the whole
 optimizer again, and the next step cuts it over the N - 1 survivors. A checkpoint's
-state (the slices gathered), a resume and a re-form load the same way.
+state (the slices gathered), a resume and a re-form load the same way, and so does
+the rewind of a run with ``redundancy=0`` (a lost slice had no copy): the survivors
+go back to the run's newest checkpoint in the epoch (``rewind``; see
+:mod:`dasktf.engines.p2p.engine`).
 
 Per worker this holds (1 + redundancy)/N of the unsharded optimizer's slots.
 """
@@ -58,8 +61,8 @@ def check_redundancy(value: Any) -> None:
         return
     raise ValueError(
         f"redundancy must be 0 (each optimizer slice on one worker: a lost worker "
-        f"stops the run) or 1 (each slice on a second worker too: a lost worker costs "
-        f"nothing); got {value!r}.")
+        f"sends the run back to its last checkpoint, or stops it) or 1 (each slice "
+        f"on a second worker too: a lost worker costs nothing); got {value!r}.")
 
 
 @dataclass
@@ -206,14 +209,16 @@ def slices_task(run_id: str, target: int) -> dict[str, Any]:
 
 
 def reshard_task(run_id: str, state: dict[str, Any], flat: np.ndarray | None = None,
-                 unfence: bool = True) -> int:
+                 unfence: bool = True, rewind: bool = False) -> int:
     """Load ``state`` (its ``optimizer`` whole) into the replica, its slices (if
     any) dropped for the whole optimizer again: the next step cuts it over the
     group it runs in. ``state["weights"]`` ``None``: the model's own are kept, the
-    trainable ones then set from ``flat``. Returns the update it holds."""
+    trainable ones then set from ``flat``. ``rewind``: an older state than the
+    replica's (a restore point: see
+    :func:`~dasktf.runtime.reconcile.set_state_task`). Returns the update it holds."""
     import tensorflow as tf
 
-    from dasktf.runtime.reconcile import set_state_task
+    from dasktf.runtime.reconcile import learning_rate_of, set_state_task
     from dasktf.runtime.replica import get_replica
 
     replica = get_replica(run_id)
@@ -223,11 +228,18 @@ def reshard_task(run_id: str, state: dict[str, Any], flat: np.ndarray | None = N
             whole = type(shard.optimizer).from_config(shard.config)
             with tf.device(replica.device):
                 whole.build(replica.variables)
+            rate = learning_rate_of(replica.model.optimizer)  # the slice's, live
+            if rate is not None:  # (the config's is the one the slices were cut at)
+                whole.learning_rate = rate
             replica.model.optimizer = whole
             replica.shard_optimizer = None
         if state.get("weights") is None:
             state = {**state, "weights": replica.model.get_weights()}
-    applied = set_state_task(run_id, state, unfence)
+    if rewind:
+        from dasktf.runtime.p2p.links import link
+
+        link(run_id).gate.drop_results()
+    applied = set_state_task(run_id, state, unfence, rewind)
     if flat is not None:
         with replica.apply_lock:
             at = np.cumsum([0, *replica.sizes])

@@ -48,6 +48,14 @@ class Gate:
                 word.set_result(False)
             return word
 
+    def drop_results(self) -> None:
+        """Forget the results filed and not read: the replica went back to a restore
+        point (:func:`~dasktf.runtime.p2p.redundancy.reshard_task`), and the epoch
+        they end is trained again, by a new segment whose results the client must
+        not take for those."""
+        with self._lock:
+            self._results.clear()
+
     # -- the training thread ------------------------------------------------------
     def put(self, epoch: int, result: SegmentResult) -> None:
         """File epoch ``epoch``'s result for the client."""
