@@ -67,6 +67,38 @@ def test_take_writes_the_gathered_weights(monkeypatch, in_one_call):
     np.testing.assert_array_equal(flat, kept)
 
 
+@pytest.mark.parametrize("in_one_call", [True, False])
+def test_the_next_gradient_call_takes_the_kept_weights(monkeypatch, in_one_call):
+    """A step's gathered weights kept for the next step's gradient call (a small
+    model: one TensorFlow call does both) are what that gradient is computed at,
+    as if taken first; a large model's are taken at once. A replica a recovery
+    fenced takes none."""
+    if not in_one_call:
+        monkeypatch.setattr(sharding, "TAKE_IN_ONE_CALL", 0)
+    replica = _replica()
+    shard = replica.shard_optimizer = ShardOptimizer(replica, 1, 3)
+    before = replica.flat_weights()
+    flat = np.random.default_rng(1).standard_normal(sum(replica.sizes)).astype(np.float32)
+    shard.take_later(flat, replica)
+    if in_one_call:  # kept: the model still holds the old weights, the slice the new
+        np.testing.assert_array_equal(replica.flat_weights(), before)
+        lo, hi = shard.edges[1], shard.edges[2]
+        np.testing.assert_array_equal(shard.own_values(), flat[lo:hi])
+    else:
+        np.testing.assert_array_equal(replica.flat_weights(), flat)
+    fused = shard.take_then_gradient(replica, 0, 0)
+    np.testing.assert_array_equal(replica.flat_weights(), flat)
+    assert shard.untaken is None
+    plain = replica.gradient(0, 0)
+    np.testing.assert_allclose(fused.total, plain.total, rtol=1e-6, atol=1e-7)
+    assert (fused.count, fused.loss_sum) == (plain.count, pytest.approx(plain.loss_sum))
+
+    replica.fenced = True
+    shard.take_later(flat + 1, replica)
+    shard.take_then_gradient(replica, 0, 0)
+    np.testing.assert_array_equal(replica.flat_weights(), flat)
+
+
 #: no spilling or pausing (they act on Dask's data, not TensorFlow's); the nanny
 #: checks often enough to see a step's short peak
 _MEMORY = {"distributed.worker.memory.target": False,

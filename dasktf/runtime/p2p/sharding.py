@@ -218,10 +218,14 @@ class ShardOptimizer:
         self._take_body(flat)
         return replica.batch_gradient(*batch)
 
-    def take_later(self, flat: np.ndarray) -> None:
+    def take_later(self, flat: np.ndarray, replica: Replica) -> None:
         """Keep ``flat`` (the update applied here) for the next step's gradient call
-        to take, or :meth:`settle` (a large model's take goes variable by variable)."""
+        to take, or :meth:`settle`; a large model's is taken now, variable by
+        variable (kept, it would be one more whole copy of the weights for a
+        while, and one call's fixed cost is nothing beside its size)."""
         self.untaken = flat
+        if 4 * len(flat) > TAKE_IN_ONE_CALL:
+            self.settle(replica)
 
     def settle(self, replica: Replica) -> None:
         """Take the weights kept by :meth:`take_later`, if any: before anything
@@ -244,7 +248,7 @@ class ShardOptimizer:
 
         flat = self.untaken
         batch = replica.batch(epoch, step)
-        if flat is None or not len(batch) or 4 * len(flat) > TAKE_IN_ONE_CALL:
+        if flat is None or not len(batch):
             self.settle(replica)
             return replica.gradient(epoch, step)
         self.untaken = None
@@ -518,7 +522,7 @@ def sharded_step(replica: Replica, group: Group, grad: GradientSum, update: int,
     assert sums is not None
     shard.held = max(group.mailbox.peak.get(p, 0) for p in ("zs", "zb"))
     if claimed:  # the next step's gradient call, or the segment's end, takes it
-        shard.take_later(flat)
+        shard.take_later(flat, replica)
     summed = GradientSum(None, round(float(sums[0])), float(sums[1]),
                          grad.compute_seconds, grad.update, float(sums[2]))
     return summed, sums[3:]
