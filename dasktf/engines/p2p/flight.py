@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 from distributed import wait
 
 from dasktf import config
+from dasktf.cluster.batch import TaskBatch
 from dasktf.cluster.waits import RunContext, call_watched, wait_for
-from dasktf.engines.batch import TaskBatch
 from dasktf.exceptions import CollectiveAbortedError, ReplicaError, WorkerLostError
 from dasktf.runtime.p2p.links import request_stop
 from dasktf.runtime.p2p.plugin import abort_group
