@@ -20,7 +20,7 @@ from dasktf.callbacks import (
 from dasktf.cluster.batch import TaskBatch
 from dasktf.cluster.liveness import LivenessWatch
 from dasktf.cluster.local import (
-    alive_workers,
+    listed_workers,
 )
 from dasktf.cluster.membership import MembershipWatcher
 from dasktf.cluster.waits import RunContext, WatchedClient, wait_for
@@ -527,8 +527,9 @@ class Run:
         still get the message: one busy with a set-up, importing TensorFlow, frees
         them when it gets to it)."""
         try:
-            # Only the live ones: a dead worker's address costs a 30 s connect timeout.
-            alive = set(alive_workers(self.client))
+            # Only the live ones: a dead worker's address costs a 30 s connect timeout
+            # (those the scheduler lists: not its identity, O(cluster) to describe).
+            alive = listed_workers(self.client, self.ctx.workers)
             workers = [w for w in self.ctx.workers if w in alive]
             if workers:
                 key = self.shared.ref.key if model and self.shared is not None else None
