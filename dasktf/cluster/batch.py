@@ -55,6 +55,10 @@ class TaskBatch:
         self._where: dict[str, list[str]] = {}
         self._keys: list[str] = []
         self._wanted: list[str] = []
+        #: the futures the queued tasks' arguments hold: alive until the graph is
+        #: sent (a task refers to a future by key only, and a future the caller let go
+        #: of meanwhile would be released: its task cancelled, "lost dependencies")
+        self._held: list[Future] = []
 
     def want(self, obj: Any) -> None:
         """The client will read these tasks (a :class:`Pending`, or a list of them):
@@ -79,9 +83,11 @@ class TaskBatch:
         given; returns what later tasks pass to depend on it. Arguments may hold
         futures and :class:`Pending` tasks, in lists too: dependencies."""
         from dask.utils import funcname
+        from distributed import futures_of
 
         if key is None:
             key = f"{funcname(func)}-{uuid.uuid4()}"
+        self._held.extend(futures_of([args, kwargs]))
         task = compat.graph_task(key, func, tuple(_ref(a) for a in args),
                                  {k: _ref(v) for k, v in kwargs.items()})
         group = (workers is not None, tuple(sorted((resources or {}).items())))
@@ -112,6 +118,7 @@ class TaskBatch:
         futures = self.client.get(graph, wanted, sync=False)
         out = dict(zip(wanted, futures, strict=True))
         self._groups, self._where, self._keys, self._wanted = {}, {}, [], []
+        self._held = []  # the scheduler holds them for their dependents now
         return out
 
     def send(self, tasks: list[Pending]) -> list[Future]:
