@@ -9,8 +9,9 @@ replica, a shard and its stats per worker). A :class:`TaskBatch` collects tasks
 with their restrictions and sends them with one ``Client.get(..., sync=False)`` of
 a ``HighLevelGraph`` whose layers carry the restrictions as annotations: keys,
 arguments and placement are exactly those ``submit`` would have made (each task is
-the ``Task`` ``submit`` builds, :func:`dasktf.compat.graph_task`; a task without a ``key`` gets ``submit``'s
-``pure=False`` one; pinned tasks never move, as with ``allow_other_workers=False``).
+the ``Task`` ``submit`` builds: :func:`dasktf.compat.graph_task`; a task without a
+``key`` gets ``submit``'s ``pure=False`` one; pinned tasks never move, as with
+``allow_other_workers=False``).
 
 Only the tasks the caller will read get a future (:meth:`TaskBatch.want`): every
 future is a ``key-in-memory`` report to the client and a ``client-releases-keys``

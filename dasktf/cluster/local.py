@@ -251,7 +251,8 @@ def described_workers(client: Client) -> dict[str, Any]:
     """``{address: the scheduler's description}`` of every worker it knows now
     (their resources among it): the scheduler's identity, asked for once (see
     :func:`alive_workers`)."""
-    return client.sync(client.scheduler.identity, n_workers=-1)["workers"]  # type: ignore[no-any-return]
+    info = client.sync(client.scheduler.identity, n_workers=-1)
+    return info["workers"]  # type: ignore[no-any-return]
 
 
 def listed_workers(client: Client, workers: list[str]) -> set[str]:

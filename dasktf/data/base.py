@@ -145,7 +145,8 @@ class WorkerSideSource(Source):
         # messages, most of what placing the data cost the scheduler.
         batch = TaskBatch(client)
         built = self._build(batch, workers, batch_size)
-        read = [batch.add(stats_of, s, workers=[w]) for s, w in zip(built, workers, strict=True)]
+        read = [batch.add(stats_of, s, workers=[w])
+                for s, w in zip(built, workers, strict=True)]
         batch.want([*built, *read])
         futures = batch.flush()
         shards, stats = resolve(built, futures), client.gather(resolve(read, futures))
