@@ -217,10 +217,11 @@ def _load(index, n):
 
 def test_a_fit_s_set_up_sends_each_per_worker_phase_as_one_graph(client):
     """The set-up's tasks, one per worker each (the shards a loader builds and their
-    stats, the replicas), and the end's reads of the applied updates reach the
-    scheduler as one update-graph message each, not N (the scheduler's fixed cost
-    per message was most of a short fit's: benchmarks/scale.py --whole-fit); every
-    one of them still pinned to its own worker, never moved."""
+    stats, the replicas), reach the scheduler as one update-graph message each, not
+    N (the scheduler's fixed cost per message was most of a short fit's:
+    benchmarks/scale.py --whole-fit), every one of them still pinned to its own
+    worker, never moved; and the end reads the updates each replica applied from
+    the spanning segment's results, with no task of its own."""
     from distributed.utils import key_split
 
     client.register_plugin(SetUpGraphs())
@@ -230,16 +231,19 @@ def test_a_fit_s_set_up_sends_each_per_worker_phase_as_one_graph(client):
                          optimizer="sgd", verbose=0, engine="p2p",
                          loss="sparse_categorical_crossentropy")
     assert len(history.history["loss"]) == 2
+    steps = 3 * 64 // 24
+    assert history.applied_updates == {i: list(range(2 * steps)) for i in range(3)}
     sent_in, where = client.run_on_scheduler(_set_up_graphs)
     graphs: dict[str, list[int]] = {}
     for key, graph in sent_in.items():
         graphs.setdefault(key_split(key), []).append(graph)
     # one graph for the shards and their stats, one for the replicas, one for the
-    # segments, one for the applied updates: each of 3 tasks
+    # segments: each of 3 tasks; none to read the applied updates
     assert graphs["load_shard"] == graphs["stats_of"] == [graphs["load_shard"][0]] * 3
-    for prefix in ("dasktf-replica", "dasktf-segment", "applied_log_task"):
+    for prefix in ("dasktf-replica", "dasktf-segment"):
         assert graphs[prefix] == [graphs[prefix][0]] * 3, (prefix, graphs)
+    assert "applied_log_task" not in graphs, graphs
     workers = sorted(client.scheduler_info()["workers"])
-    for prefix in ("load_shard", "stats_of", "dasktf-replica", "applied_log_task"):
+    for prefix in ("load_shard", "stats_of", "dasktf-replica"):
         placed = [v for k, v in where.items() if key_split(k) == prefix]
         assert sorted(w for (w,), loose in placed if not loose) == workers, (prefix, placed)

@@ -52,6 +52,9 @@ class Flight:
         self.spanning: int | None = None
         #: that epoch's results read so far, by member
         self._got: dict[str, SegmentResult] = {}
+        #: ``{replica index: updates applied}`` from the results of the spanning
+        #: segment the client's word ended (every member's), else empty
+        self.applied_logs: dict[int, list[int]] = {}
 
     def run(self, segment: Segment, key: str, tick: Callable[[], None]
             ) -> list[SegmentResult]:
@@ -74,6 +77,7 @@ class Flight:
         """Submit ``segment``'s tasks (task ``key-i`` on worker ``i``, pinned)."""
         ctx = self.ctx
         self.members, self.gid = list(ctx.workers), segment.group.gid
+        self.applied_logs = {}  # a segment's updates follow: those are old now
         # One update-graph message for the N tasks (N submits were N messages, the
         # scheduler's largest cost per epoch: benchmarks/scale.py); each pinned
         # where its replica and shard live.
@@ -135,8 +139,16 @@ class Flight:
         # (a member the run went on without since, at its end, is not waited for)
         mine = [f for f, w in zip(self.futures, self.members, strict=True)
                 if w in self.ctx.workers]
+        self.applied_logs = {}
         try:
-            wait_for(self.ctx, mine, f"the end of epoch {self.spanning + 1}")
+            what = f"the end of epoch {self.spanning + 1}"
+            wait_for(self.ctx, mine, what)
+            if len(mine) == len(self.futures):  # each one's applied updates
+                results = call_watched(
+                    self.ctx, lambda: self.ctx.client.gather(mine, asynchronous=True), what)
+                logs = [r.applied_log for r in results]
+                if all(log is not None for log in logs):
+                    self.applied_logs = dict(logs)
         except (WorkerLostError, CollectiveAbortedError, ReplicaError) as exc:
             # Once the client read the last epoch, a task only waits for its word,
             # and fails only with its group (a member lost since, which took nothing
