@@ -139,16 +139,9 @@ class Flight:
         # (a member the run went on without since, at its end, is not waited for)
         mine = [f for f, w in zip(self.futures, self.members, strict=True)
                 if w in self.ctx.workers]
-        self.applied_logs = {}
+        what = f"the end of epoch {self.spanning + 1}"
         try:
-            what = f"the end of epoch {self.spanning + 1}"
             wait_for(self.ctx, mine, what)
-            if len(mine) == len(self.futures):  # each one's applied updates
-                results = call_watched(
-                    self.ctx, lambda: self.ctx.client.gather(mine, asynchronous=True), what)
-                logs = [r.applied_log for r in results]
-                if all(log is not None for log in logs):
-                    self.applied_logs = dict(logs)
         except (WorkerLostError, CollectiveAbortedError, ReplicaError) as exc:
             # Once the client read the last epoch, a task only waits for its word,
             # and fails only with its group (a member lost since, which took nothing
@@ -157,8 +150,25 @@ class Flight:
             logger.debug("run %s: the span's end: %s", self.ctx.run_id, exc)
             tell_workers(self.ctx, abort_group, [self.gid, "the span ended"],
                          self.members)
+        else:
+            self.applied_logs = self._applied_logs(mine, what)
         finally:
             self.release()
+
+    def _applied_logs(self, mine: list[Future], what: str) -> dict[int, list[int]]:
+        """``{replica index: updates applied}`` from the ended span's results, if
+        every member's task handed them back; else empty (the run's end reads them
+        from the replicas, and names a worker lost meanwhile there)."""
+        if len(mine) != len(self.futures):
+            return {}
+        try:
+            results: list[SegmentResult] = call_watched(
+                self.ctx, lambda: self.ctx.client.gather(mine, asynchronous=True), what)
+        except Exception:  # read from the replicas instead
+            logger.debug("run %s: the span's results", self.ctx.run_id, exc_info=True)
+            return {}
+        logs = [r.applied_log for r in results]
+        return dict(log for log in logs if log is not None) if all(logs) else {}
 
     def _ask(self, workers: list[str], op: str, timeout: float, **kwargs: Any
              ) -> dict[str, Any]:
