@@ -389,7 +389,7 @@ def measure_fit(client: Any, n: int, mode: str, sched_pid: int, rows: int,
 def time_submits(total: list[float]) -> Any:
     """Count the client's CPU in building and sending task graphs (the submit):
     wraps the engines' submit methods for the benchmark; returns the undo."""
-    from dasktf.engines.batch import TaskBatch
+    from dasktf.cluster.batch import TaskBatch
     from dasktf.engines.graph.steps import SyncEngine
     from dasktf.engines.holder.engine import AsyncEngine
 

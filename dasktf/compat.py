@@ -108,6 +108,36 @@ def meta(collection: Any) -> Any:
                        "it") from None
 
 
+def graph_task(key: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The task ``func(*args, **kwargs)`` of key ``key`` exactly as
+    ``Client.submit`` builds it: dask's ``Task`` with every argument through
+    ``parse_input`` (``dask._task_spec``), where futures and :func:`task_ref`
+    references, in lists and dicts too, are dependencies, and tuples and strings
+    stay values (a legacy tuple task would run a tuple that starts with a callable,
+    and read a string equal to a key as that task). :class:`dasktf.cluster.batch.
+    TaskBatch` sends many in one graph. Without it: a ``RuntimeError`` naming the
+    installed dask."""
+    try:
+        from dask._task_spec import Task, parse_input
+    except ImportError:
+        raise _missing("dask", "dask._task_spec.Task and parse_input",
+                       "sending many tasks as one graph") from None
+    return Task(key, func, *(parse_input(a) for a in args),
+                **{k: parse_input(v) for k, v in kwargs.items()})
+
+
+def task_ref(key: str) -> Any:
+    """A reference to task ``key`` (of the same graph or one sent before) as an
+    argument of a :func:`graph_task`: dask's ``TaskRef``, as a future is. Without
+    it: a ``RuntimeError`` naming the installed dask."""
+    try:
+        from dask._task_spec import TaskRef
+    except ImportError:
+        raise _missing("dask", "dask._task_spec.TaskRef",
+                       "sending many tasks as one graph") from None
+    return TaskRef(key)
+
+
 # -- Keras --------------------------------------------------------------------------
 def flatten_layers(model: Any) -> list[Any]:
     """``model`` and all its layers, nested ones included: Keras'

@@ -115,6 +115,20 @@ def test_dask_collection_meta():
     assert compat.meta(array).dtype == np.float32 and compat.meta(array).size == 0
 
 
+def _echo(*args, **kwargs):
+    return args, kwargs
+
+
+def test_dask_task_spec():
+    """A batch's task is the one submit builds: references (in lists too) are
+    dependencies; tuples, and strings equal to a key, stay values."""
+    ref = compat.task_ref("a-1")
+    task = compat.graph_task("b-1", _echo, (ref, [ref, 1], ("a-1", 2), "a-1"), {"k": ref})
+    assert task.key == "b-1" and set(task.dependencies) == {"a-1"}, gone(
+        "dask", "dask._task_spec.Task, TaskRef and parse_input")
+    assert task({"a-1": 3}) == ((3, [3, 1], ("a-1", 2), "a-1"), {"k": 3})
+
+
 # -- Keras --------------------------------------------------------------------------
 def test_layer_flatten_layers(keras, nested):
     model = nested

@@ -180,3 +180,70 @@ def test_a_waiting_client_checks_its_workers_without_the_schedulers_identity(cli
     # the set-up's and the epoch ends' (9 here); one a poll would be hundreds (326
     # before the liveness check asked for the listed workers only)
     assert client.run_on_scheduler(_identity_calls) - before <= 15
+
+
+class SetUpGraphs(SchedulerPlugin):
+    """Which update-graph message first carried each task of a run (a later one
+    names it too where it is a dependency), and where each pinned task may run
+    (its workers, whether it may go elsewhere)."""
+
+    name = "dasktf-test-set-up-graphs"
+
+    def __init__(self) -> None:
+        self.graphs = 0
+        self.sent_in: dict[str, int] = {}
+        self.where: dict[str, tuple[list[str], bool]] = {}
+
+    def update_graph(self, scheduler, *, tasks=(), **kwargs) -> None:
+        self.graphs += 1
+        for k in tasks:
+            self.sent_in.setdefault(k, self.graphs)
+            ts = scheduler.tasks.get(k)
+            if ts is not None and ts.worker_restrictions and k not in self.where:
+                self.where[k] = (sorted(ts.worker_restrictions), bool(ts.loose_restrictions))
+
+
+def _set_up_graphs(dask_scheduler=None):
+    plugin = dask_scheduler.plugins[SetUpGraphs.name]
+    out = plugin.sent_in, plugin.where
+    plugin.graphs, plugin.sent_in, plugin.where = 0, {}, {}
+    return out
+
+
+def _load(index, n):
+    x, y = np.random.default_rng(index).normal(size=(64, 8)), np.arange(64) % 4
+    return x.astype("float32"), y
+
+
+def test_a_fit_s_set_up_sends_each_per_worker_phase_as_one_graph(client):
+    """The set-up's tasks, one per worker each (the shards a loader builds and their
+    stats, the replicas), reach the scheduler as one update-graph message each, not
+    N (the scheduler's fixed cost per message was most of a short fit's:
+    benchmarks/scale.py --whole-fit), every one of them still pinned to its own
+    worker, never moved; and the end reads the updates each replica applied from
+    the spanning segment's results, with no task of its own."""
+    from distributed.utils import key_split
+
+    client.register_plugin(SetUpGraphs())
+    client.run_on_scheduler(_set_up_graphs)  # forget earlier runs'
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4, activation="softmax")])
+    history = dasktf.fit(model, _load, client=client, n_workers=3, epochs=2, batch_size=24,
+                         optimizer="sgd", verbose=0, engine="p2p",
+                         loss="sparse_categorical_crossentropy")
+    assert len(history.history["loss"]) == 2
+    steps = 3 * 64 // 24
+    assert history.applied_updates == {i: list(range(2 * steps)) for i in range(3)}
+    sent_in, where = client.run_on_scheduler(_set_up_graphs)
+    graphs: dict[str, list[int]] = {}
+    for key, graph in sent_in.items():
+        graphs.setdefault(key_split(key), []).append(graph)
+    # one graph for the shards and their stats, one for the replicas, one for the
+    # segments: each of 3 tasks; none to read the applied updates
+    assert graphs["load_shard"] == graphs["stats_of"] == [graphs["load_shard"][0]] * 3
+    for prefix in ("dasktf-replica", "dasktf-segment"):
+        assert graphs[prefix] == [graphs[prefix][0]] * 3, (prefix, graphs)
+    assert "applied_log_task" not in graphs, graphs
+    workers = sorted(client.scheduler_info()["workers"])
+    for prefix in ("load_shard", "stats_of", "dasktf-replica"):
+        placed = [v for k, v in where.items() if key_split(k) == prefix]
+        assert sorted(w for (w,), loose in placed if not loose) == workers, (prefix, placed)

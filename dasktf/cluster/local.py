@@ -244,8 +244,15 @@ def alive_workers(client: Client) -> list[str]:
     # Not client.scheduler_info(): it returns the client's cached identity, which
     # the client's periodic refresh (n_workers=0: no workers listed) can overwrite
     # between the fetch and the return; under load every worker then looks lost.
+    return sorted(described_workers(client))
+
+
+def described_workers(client: Client) -> dict[str, Any]:
+    """``{address: the scheduler's description}`` of every worker it knows now
+    (their resources among it): the scheduler's identity, asked for once (see
+    :func:`alive_workers`)."""
     info = client.sync(client.scheduler.identity, n_workers=-1)
-    return sorted(info["workers"])
+    return info["workers"]  # type: ignore[no-any-return]
 
 
 def listed_workers(client: Client, workers: list[str]) -> set[str]:
@@ -267,15 +274,24 @@ def _all_requested_up(client: Client, workers: list[str]) -> bool:
 def choose_workers(client: Client, n_workers: int | None, timeout: float = 30.0) -> list[str]:
     """The workers a run uses: the first ``n_workers`` (all if None), waiting briefly
     for a cluster that is still starting."""
+    return _choose(client, n_workers, timeout)[0]
+
+
+def _choose(client: Client, n_workers: int | None, timeout: float
+            ) -> tuple[list[str], dict[str, Any]]:
+    """:func:`choose_workers`, and the scheduler's last description of every worker
+    (:func:`described_workers`), which the caller may read instead of asking again."""
     from dasktf.cluster.deadline import Deadline
 
     deadline = Deadline(timeout)
-    workers = alive_workers(client)
+    info = described_workers(client)
+    workers = sorted(info)
     while not workers or (n_workers and len(workers) < n_workers):
         if deadline.passed() or _all_requested_up(client, workers):
             break
         time.sleep(0.2)
-        workers = alive_workers(client)
+        info = described_workers(client)
+        workers = sorted(info)
     if not workers:
         raise WorkerLostError(
             f"The cluster at {client.scheduler.address} has no workers; start some "
@@ -286,7 +302,7 @@ def choose_workers(client: Client, n_workers: int | None, timeout: float = 30.0)
             f"Asked for {n_workers} workers but the cluster has {len(workers)}; "
             "lower n_workers or add workers to the cluster."
         )
-    return workers[: n_workers or len(workers)]
+    return workers[: n_workers or len(workers)], info
 
 
 def choose_run_workers(
@@ -320,8 +336,9 @@ def choose_run_workers(
         count = gpus
     elif count is None and isinstance(gpus, (list, tuple)):
         count = len(gpus)
-    alive = choose_workers(client, None, timeout)
-    info = client.scheduler_info(n_workers=-1)["workers"]
+    # One description of the workers for their addresses and their resources (each
+    # is the scheduler describing every worker: O(cluster) of its CPU a fit).
+    alive, info = _choose(client, None, timeout)
     with_gpu, without = split_gpu_workers({a: info[a] for a in alive if a in info})
     if not with_gpu:
         if gpus is not None:
@@ -332,6 +349,8 @@ def choose_run_workers(
                 "--nworkers 1 --resources GPU=1`, or leave gpus out to train on the "
                 "CPU workers."
             )
+        if n_workers is None or n_workers <= len(alive):  # no need to wait for more
+            return alive[: n_workers or len(alive)], None
         return choose_workers(client, n_workers, timeout), None
     if count is not None and count > len(with_gpu):
         raise ValueError(

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from dasktf.cluster.batch import TaskBatch, resolve
 from dasktf.data.shards import Shard, ShardStats, check_stats
 
 if TYPE_CHECKING:
@@ -125,10 +126,12 @@ class WorkerSideSource(Source):
         and :meth:`reload`)."""
         raise NotImplementedError
 
-    def _build(self, client: Client, workers: list[str], batch_size: int) -> list[Future]:
-        """One shard future per worker, built there."""
-        # pure=False: a loader may read files that change between runs.
-        return [client.submit(*self.task(i, len(workers), w), workers=[w], pure=False)
+    def _build(self, batch: TaskBatch, workers: list[str], batch_size: int) -> list[Any]:
+        """One shard task per worker, built there, queued in ``batch`` (whose
+        ``client`` a source may ask first); :meth:`place` sends them."""
+        # pure=False (TaskBatch's keys): a loader may read files that change between
+        # runs.
+        return [batch.add(*self.task(i, len(workers), w), workers=[w])
                 for i, w in enumerate(workers)]
 
     def reload(self, client: Client, index: int, worker: str, schedule: np.ndarray,
@@ -137,14 +140,16 @@ class WorkerSideSource(Source):
                              pure=False)
 
     def place(self, client: Client, workers: list[str], batch_size: int) -> PlacedData:
-        shards = self._build(client, workers, batch_size)
-        stats = client.gather(
-            [
-                # pure=False: the stats of a shard are cheap, never worth caching.
-                client.submit(stats_of, s, workers=[w], pure=False)
-                for s, w in zip(shards, workers, strict=True)
-            ]
-        )
+        # The shards and their stats (cheap, never worth caching: pure=False) as one
+        # update-graph message, each pinned to its worker: 2N submits were 2N
+        # messages, most of what placing the data cost the scheduler.
+        batch = TaskBatch(client)
+        built = self._build(batch, workers, batch_size)
+        read = [batch.add(stats_of, s, workers=[w])
+                for s, w in zip(built, workers, strict=True)]
+        batch.want([*built, *read])
+        futures = batch.flush()
+        shards, stats = resolve(built, futures), client.gather(resolve(read, futures))
         check_stats(stats)
         check_worker_count(sum(s.n for s in stats), len(workers), batch_size)
         empty = [w for w, s in zip(workers, stats, strict=True) if s.n == 0]

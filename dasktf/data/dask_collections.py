@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from dasktf.cluster.batch import TaskBatch
 from dasktf.data.base import WorkerSideSource
 from dasktf.data.partitions import convert, partition_leaves
 from dasktf.data.shards import Shard, with_weights
@@ -58,16 +59,21 @@ class DaskArraySource(WorkerSideSource):
         return client.submit(shard_from_parts, parts, self.class_weight, workers=[worker],
                              pure=False)
 
-    def _build(self, client: Client, workers: list[str], batch_size: int) -> list[Future]:
+    def _build(self, batch: TaskBatch, workers: list[str], batch_size: int) -> list[Any]:
+        client = batch.client
         parts = self._parts(client, range(len(self.chunks)))
         lead = [first_leaf(p[0]) for p in parts]
-        sizes = self.row_chunks or client.gather([client.submit(len, f, pure=False)
-                                                  for f in lead])
+        if self.row_chunks:
+            sizes = self.row_chunks
+        else:  # one message for the lengths (pure=False: TaskBatch's keys)
+            counts = TaskBatch(client)
+            sizes = client.gather(counts.send([counts.add(len, f) for f in lead]))
         holders = client.who_has(lead)
         self.assignment = assignment = assign_chunks(
             sizes, [holders.get(f.key, ()) for f in lead], workers
         )
-        return [self._submit(client, [parts[j] for j in chunks], w)
+        return [batch.add(shard_from_parts, [parts[j] for j in chunks], self.class_weight,
+                          workers=[w])
                 for w, chunks in zip(workers, assignment, strict=True)]
 
     def reload(self, client: Client, index: int, worker: str, schedule: np.ndarray,

@@ -21,7 +21,7 @@ from dasktf.data.streams import (
 )
 
 if TYPE_CHECKING:
-    from distributed import Client, Future
+    from dasktf.cluster.batch import TaskBatch
 
 ShardLoader = Callable[[int, int], tuple[Any, Any]]
 
@@ -82,9 +82,9 @@ class DatasetFnSource(StreamSource):
         context = DatasetContext(index, n, local, self.batch_size, 0, self.seed)
         return DatasetParts(self.dataset_fn, context, self.class_weight)
 
-    def _build(self, client: Client, workers: list[str], batch_size: int) -> list[Future]:
+    def _build(self, batch: TaskBatch, workers: list[str], batch_size: int) -> list[Any]:
         self.batch_size = batch_size  # the contexts' global batch
-        return super()._build(client, workers, batch_size)
+        return super()._build(batch, workers, batch_size)
 
 
 class DatasetParts:

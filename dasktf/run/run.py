@@ -17,9 +17,10 @@ from dasktf.callbacks import (
     adopt_learning_rate,
     saves_optimizer,
 )
+from dasktf.cluster.batch import TaskBatch
 from dasktf.cluster.liveness import LivenessWatch
 from dasktf.cluster.local import (
-    alive_workers,
+    listed_workers,
 )
 from dasktf.cluster.membership import MembershipWatcher
 from dasktf.cluster.waits import RunContext, WatchedClient, wait_for
@@ -219,8 +220,13 @@ class Run:
             if validation_data is not None
             else [None] * len(self.ctx.workers)
         )
-        futures = [
-            self.client.submit(
+        # One update-graph message for the N builds (N submits were N messages: the
+        # largest part of a short fit's set-up for the scheduler, benchmarks/scale.py).
+        # Each pinned where its shard lives, never moved; the keys are the ones the
+        # engines and the release read.
+        batch = TaskBatch(self.client)
+        futures = batch.send([
+            batch.add(
                 create_replica_task,
                 self.run_id,
                 w,
@@ -234,11 +240,10 @@ class Run:
                 key=f"dasktf-replica-{self.run_id}-{i}"
                 + (f"-g{self._generation}" if self._generation else ""),
                 workers=[w],
-                allow_other_workers=False,
                 resources=self.ctx.resources,
             )
             for i, w in enumerate(self.ctx.workers)
-        ]
+        ])
         self._futures = futures
         self._validation_shards = val
         wait_for(self.ctx, futures, "building the replicas", timeout_key="replica-timeout")
@@ -522,8 +527,9 @@ class Run:
         still get the message: one busy with a set-up, importing TensorFlow, frees
         them when it gets to it)."""
         try:
-            # Only the live ones: a dead worker's address costs a 30 s connect timeout.
-            alive = set(alive_workers(self.client))
+            # Only the live ones: a dead worker's address costs a 30 s connect timeout
+            # (those the scheduler lists: not its identity, O(cluster) to describe).
+            alive = listed_workers(self.client, self.ctx.workers)
             workers = [w for w in self.ctx.workers if w in alive]
             if workers:
                 key = self.shared.ref.key if model and self.shared is not None else None

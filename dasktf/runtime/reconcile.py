@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from dasktf.cluster.batch import TaskBatch
 from dasktf.cluster.waits import RunContext, wait_for
 from dasktf.data.shards import Shard
 from dasktf.runtime.replica import get_replica, take_kept
@@ -149,17 +150,28 @@ def _pinned(ctx: RunContext, func: Any, *args: Any, worker: str, key: str | None
 def on_every_worker(ctx: RunContext, what: str, func: Any, *args: Any) -> list[Any]:
     """``func(*args)`` pinned to each of the run's workers, waited for (``what``:
     named if a worker is lost meanwhile); the futures, in the workers' order."""
-    futures = [_pinned(ctx, func, *args, worker=w) for w in ctx.workers]
+    futures = pinned_each(ctx, func, *args, workers=ctx.workers)
     wait_for(ctx, futures, what)
     return futures
+
+
+def pinned_each(ctx: RunContext, func: Any, *args: Any, workers: list[str],
+                keys: list[str] | None = None) -> list[Any]:
+    """``func(*args)`` pinned to each of ``workers`` (task ``keys[i]`` on worker
+    ``i`` if given), sent as one ``update-graph`` message: N submits were N
+    messages to the scheduler (:mod:`dasktf.cluster.batch`)."""
+    batch = TaskBatch(ctx.client)
+    return batch.send([batch.add(func, *args, workers=[w],
+                                 key=None if keys is None else keys[i])
+                       for i, w in enumerate(workers)])
 
 
 def fence(ctx: RunContext, survivors: list[str], attempt: int) -> list[int]:
     """Stop ``survivors`` applying anything (what still runs of the steps in flight
     then changes nothing); the update each had applied, in their order."""
-    fences = [_pinned(ctx, fence_task, ctx.run_id, worker=w,
-                      key=f"dasktf-fence-{ctx.run_id}-{attempt}-{i}")
-              for i, w in enumerate(survivors)]
+    fences = pinned_each(ctx, fence_task, ctx.run_id, workers=survivors,
+                         keys=[f"dasktf-fence-{ctx.run_id}-{attempt}-{i}"
+                               for i in range(len(survivors))])
     wait_for(ctx, fences, "fencing the surviving replicas")
     return ctx.client.gather(fences)  # type: ignore[no-any-return]
 
@@ -207,9 +219,10 @@ def round_state(ctx: RunContext, update: int | None, kept_by: list[Any]) -> dict
     with every replica's inner optimizer state, ``{index: variables}``, all at the
     same round start (``update``: the one each kept, ``kept_by`` its step tasks)."""
     client = ctx.client
-    futures = [client.submit(replica_state_task, ctx.run_id, update, after,
-                             workers=[w], allow_other_workers=False, pure=False)
-               for w, after in zip(ctx.workers, kept_by, strict=True)]
+    batch = TaskBatch(client)  # one message (see pinned_each)
+    futures = batch.send([batch.add(replica_state_task, ctx.run_id, update, after,
+                                    workers=[w])
+                          for w, after in zip(ctx.workers, kept_by, strict=True)])
     wait_for(ctx, futures, "reading the replicas' training states")
     states = client.gather(futures)
     applied = {s["applied"] for s in states}

@@ -14,7 +14,7 @@ with one worker the sum is skipped and a step is one hop, and so it is with two
 (lossless): each step sums the pair itself (a direct exchange, below).
 Gradients go worker to worker, never through the client, and the client keeps
 ``dasktf.submit-ahead`` steps in flight, sending ``dasktf.submit-window`` of them to
-the scheduler as one graph (:mod:`dasktf.engines.batch`).
+the scheduler as one graph (:mod:`dasktf.cluster.batch`).
 
 Every gradient is encoded by the run's codec (:mod:`dasktf.wire.codecs`) and counted
 at the codec (:mod:`dasktf.wire.packets`). The step graph is one of:
@@ -54,9 +54,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from dasktf import config
+from dasktf.cluster.batch import Pending, TaskBatch, resolve
 from dasktf.cluster.waits import RunContext, wait_for
 from dasktf.engines.base import Capabilities, Engine
-from dasktf.engines.batch import Pending, TaskBatch, resolve
 from dasktf.engines.mirrored import Mirrored
 from dasktf.runtime.replica import EpochReport
 from dasktf.runtime.servers import ps_apply_task, server_workers

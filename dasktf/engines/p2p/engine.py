@@ -369,6 +369,16 @@ class P2PEngine(Mirrored, Engine):
         """End a segment spanning epochs, waiting after the fit's last one."""
         self.flight.end_span()
 
+    def applied_logs(self) -> dict[int, list[int]]:
+        """The updates each replica applied: from the ended span's results when
+        every worker of the run handed them back (no task per worker to read them:
+        N tasks were about 30 of a short fit's 190 messages to the scheduler at
+        N=8), else read from the replicas."""
+        logs = self.flight.applied_logs
+        if len(logs) == len(self.ctx.workers):
+            return dict(logs)
+        return super().applied_logs()
+
     def close(self) -> None:
         """A segment still running (the run failed): abort its group, release it."""
         self.flight.abort("the run ended")

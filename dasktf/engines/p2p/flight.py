@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 from distributed import wait
 
 from dasktf import config
+from dasktf.cluster.batch import TaskBatch
 from dasktf.cluster.waits import RunContext, call_watched, wait_for
-from dasktf.engines.batch import TaskBatch
 from dasktf.exceptions import CollectiveAbortedError, ReplicaError, WorkerLostError
 from dasktf.runtime.p2p.links import request_stop
 from dasktf.runtime.p2p.plugin import abort_group
@@ -52,6 +52,9 @@ class Flight:
         self.spanning: int | None = None
         #: that epoch's results read so far, by member
         self._got: dict[str, SegmentResult] = {}
+        #: ``{replica index: updates applied}`` from the results of the spanning
+        #: segment the client's word ended (every member's), else empty
+        self.applied_logs: dict[int, list[int]] = {}
 
     def run(self, segment: Segment, key: str, tick: Callable[[], None]
             ) -> list[SegmentResult]:
@@ -74,6 +77,7 @@ class Flight:
         """Submit ``segment``'s tasks (task ``key-i`` on worker ``i``, pinned)."""
         ctx = self.ctx
         self.members, self.gid = list(ctx.workers), segment.group.gid
+        self.applied_logs = {}  # a segment's updates follow: those are old now
         # One update-graph message for the N tasks (N submits were N messages, the
         # scheduler's largest cost per epoch: benchmarks/scale.py); each pinned
         # where its replica and shard live.
@@ -135,8 +139,9 @@ class Flight:
         # (a member the run went on without since, at its end, is not waited for)
         mine = [f for f, w in zip(self.futures, self.members, strict=True)
                 if w in self.ctx.workers]
+        what = f"the end of epoch {self.spanning + 1}"
         try:
-            wait_for(self.ctx, mine, f"the end of epoch {self.spanning + 1}")
+            wait_for(self.ctx, mine, what)
         except (WorkerLostError, CollectiveAbortedError, ReplicaError) as exc:
             # Once the client read the last epoch, a task only waits for its word,
             # and fails only with its group (a member lost since, which took nothing
@@ -145,8 +150,25 @@ class Flight:
             logger.debug("run %s: the span's end: %s", self.ctx.run_id, exc)
             tell_workers(self.ctx, abort_group, [self.gid, "the span ended"],
                          self.members)
+        else:
+            self.applied_logs = self._applied_logs(mine, what)
         finally:
             self.release()
+
+    def _applied_logs(self, mine: list[Future], what: str) -> dict[int, list[int]]:
+        """``{replica index: updates applied}`` from the ended span's results, if
+        every member's task handed them back; else empty (the run's end reads them
+        from the replicas, and names a worker lost meanwhile there)."""
+        if len(mine) != len(self.futures):
+            return {}
+        try:
+            results: list[SegmentResult] = call_watched(
+                self.ctx, lambda: self.ctx.client.gather(mine, asynchronous=True), what)
+        except Exception:  # read from the replicas instead
+            logger.debug("run %s: the span's results", self.ctx.run_id, exc_info=True)
+            return {}
+        logs = [r.applied_log for r in results]
+        return dict(log for log in logs if log is not None) if all(logs) else {}
 
     def _ask(self, workers: list[str], op: str, timeout: float, **kwargs: Any
              ) -> dict[str, Any]:

@@ -17,15 +17,14 @@ from dasktf.cluster.waits import RunContext, wait_for
 from dasktf.exceptions import ShardingError
 from dasktf.runtime.p2p.redundancy import recovered_state, reshard_task, slices_task
 from dasktf.runtime.p2p.sharding import assemble_optimizer, shard_state_task
+from dasktf.runtime.reconcile import pinned_each
 
 
 def _on_each(ctx: RunContext, workers: list[str], task: Callable[..., Any], what: str,
              *args: Any) -> list[Any]:
-    client = ctx.client
-    futures = [client.submit(task, *args, workers=[w], allow_other_workers=False,
-                             pure=False) for w in workers]
+    futures = pinned_each(ctx, task, *args, workers=workers)
     wait_for(ctx, futures, what)
-    return client.gather(futures)  # type: ignore[no-any-return]
+    return ctx.client.gather(futures)  # type: ignore[no-any-return]
 
 
 def gathered_state(ctx: RunContext, shapes: list[tuple[int, ...]]) -> dict[str, Any]:

@@ -97,6 +97,11 @@ class SegmentResult:
     report: EpochReport | None
     #: the last update this replica had applied when the client's stop arrived
     stop_heard_after: int | None = None
+    #: a segment spanning epochs that the client's word ended: ``(replica index,
+    #: every update it applied, in order)``, what the run's end reads (one message
+    #: with the tasks' results, not a task per worker), the report left out (the
+    #: client read it from the gate)
+    applied_log: tuple[int, list[int]] | None = None
 
 
 def segment_task(run_id: str, segment: Segment) -> SegmentResult:
@@ -154,15 +159,18 @@ def _span(replica: Replica, group: Group, segment: Segment, peers: Link, here: s
     """Epoch after epoch from ``segment`` (each one ended as :func:`_segment` ends
     it), each epoch's result filed in the gate, until a vote stops them or the
     client's word ends them; the last epoch's result (the client read it from the
-    gate)."""
+    gate), or after the word that ended them, the replica's applied updates
+    (:attr:`SegmentResult.applied_log`) in place of the report."""
     units = segment.last + 1
     timeout = config.get_seconds("step-timeout")
     while True:
         result = _segment(replica, group, segment, peers, here)
         peers.gate.put(segment.epoch, result)
-        if result.stopped is not None or not peers.gate.wait_word(
-                segment.epoch, group, timeout):
+        if result.stopped is not None:
             return result
+        if not peers.gate.wait_word(segment.epoch, group, timeout):
+            return dataclasses.replace(result, report=None, applied_log=(
+                replica.index, list(replica.applied_log)))
         segment = dataclasses.replace(segment, epoch=segment.epoch + 1, first=0,
                                       update_base=segment.update_base + units)
 
