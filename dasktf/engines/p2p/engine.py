@@ -318,11 +318,18 @@ class P2PEngine(Mirrored, Engine):
         """Sharded: the whole optimizer put together from one copy of each slice
         at the newest update a survivor applied (those one behind complete it
         first), loaded into every survivor, to be cut again over them by their next
-        step (:mod:`dasktf.runtime.p2p.redundancy`)."""
+        step (:mod:`dasktf.runtime.p2p.redundancy`). ``redundancy=0``: every
+        survivor goes back to the restore point instead (:meth:`stop_steps` saw
+        there is one), and the epoch's results they may have filed are dropped:
+        the epoch is trained again from there."""
         if self.shard_state is None:
             return super().catch_up(lost, survivors, applied)
         if self.rewinds():
-            return self._rewind(survivors, max(applied))
+            restore = self.rewind_point()
+            assert restore is not None
+            self._ended = None
+            shards.load_whole(self.ctx, survivors, restore, rewind=True)
+            return self.rewound(max(applied), "the replicas")
         target = max(applied)
         shards.recover(self.ctx, survivors, target, self.shapes)
         return target, 0, None
@@ -330,17 +337,6 @@ class P2PEngine(Mirrored, Engine):
     def rewinds(self) -> bool:
         """``redundancy=0``: a lost worker's slice of the optimizer had no copy."""
         return self.shard_state is not None and not self.redundancy
-
-    def _rewind(self, survivors: list[str], reached: int) -> tuple[int, int, str]:
-        """Every survivor back to the restore point (:meth:`stop_steps` saw there is
-        one), the optimizer whole, to be cut again over them by their next step;
-        the epoch's results they may have filed are dropped: the epoch is trained
-        again from there."""
-        restore = self.rewind_point()
-        assert restore is not None
-        self._ended = None
-        shards.load_whole(self.ctx, survivors, restore, rewind=True)
-        return self.rewound(reached, "the replicas")
 
     def regroup(self) -> None:
         self.generation += 1
