@@ -14,7 +14,8 @@ if TYPE_CHECKING:
 
 
 def epoch_report(replica: Replica, with_weights: bool,
-                 statistics: list[np.ndarray] | None = None) -> EpochReport:
+                 statistics: list[np.ndarray] | None = None, flush: bool = True
+                 ) -> EpochReport:
     """The epoch's report of ``replica``, whose last update is applied.
 
     ``statistics``: the replicas' averaged moving statistics (BatchNormalization's),
@@ -29,7 +30,8 @@ def epoch_report(replica: Replica, with_weights: bool,
 
     if statistics is not None:
         replica.set_non_trainable(statistics)
-    replica.events.flush()
+    if flush:  # (``False``: the caller's next steps or its end send them)
+        replica.events.flush()
     train = replica.metric_states()
     replica.model.reset_metrics()
     val = replica.evaluate()

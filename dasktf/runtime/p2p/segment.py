@@ -148,7 +148,13 @@ def _segment(replica: Replica, group: Group, segment: Segment, peers: Link, here
             # (none follows in this epoch)
             statistics = _average_statistics(
                 replica, group, segment.update_base + last + 1)
-        report = epoch_report(replica, group.rank == 0, statistics)
+        # Inside a span only the replica whose records carry the global loss sends
+        # its buffered records at each epoch end (the client hears the epoch's last
+        # losses before its results); the others' go by ``metrics-interval`` or at
+        # the span's end: N messages an epoch were most of a short fit's metrics
+        # messages to the scheduler.
+        report = epoch_report(replica, group.rank == 0, statistics,
+                              flush=not segment.spans or replica.events.reports_loss)
     else:  # the client hears the segment's last losses before its results
         replica.events.flush()
     return SegmentResult(here, last, stopped, report, peers.stop_heard_after)
@@ -167,8 +173,10 @@ def _span(replica: Replica, group: Group, segment: Segment, peers: Link, here: s
         result = _segment(replica, group, segment, peers, here)
         peers.gate.put(segment.epoch, result)
         if result.stopped is not None:
+            replica.events.flush()
             return result
         if not peers.gate.wait_word(segment.epoch, group, timeout):
+            replica.events.flush()
             return dataclasses.replace(result, report=None, applied_log=(
                 replica.index, list(replica.applied_log)))
         segment = dataclasses.replace(segment, epoch=segment.epoch + 1, first=0,
