@@ -196,6 +196,28 @@ def test_redundancy_0_goes_back_to_the_last_checkpoint(digits, uninterrupted, tm
     _assert_same_state(_state(history.model), uninterrupted, 1e-5)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_neighbours_lost_go_back_to_the_last_checkpoint(digits, tmp_path):
+    """``redundancy=1`` keeps each slice on two neighbouring ranks: both killed at
+    once (ranks 1 and 2 of 4) leave slice 1 with no copy; the survivors go back to
+    the epoch's checkpoint and end as the uninterrupted run (of 4) does."""
+    update = 2 * STEPS + 12
+    with own_cluster(4) as (_, client):
+        uninterrupted = _state(_halved(client, digits, n_workers=4).model)
+        workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        for rank in (1, 2):
+            kill_worker_at_update(client, workers[rank], update, "step")
+        history = _halved(client, digits, n_workers=4, checkpoint_dir=str(tmp_path))
+    assert {w for r in history.recoveries for w in r["lost"]} == {workers[1], workers[2]}
+    assert len(history.workers) == 2
+    rewound = [r for r in history.recoveries if r.get("rewound_to_update") is not None]
+    assert rewound and rewound[-1]["rewound_to_update"] == 2 * STEPS - 1, history.recoveries
+    for log in history.applied_updates.values():
+        assert log == list(range(EPOCHS * STEPS)), log
+    _assert_same_state(_state(history.model), uninterrupted, 1e-5)
+
+
 @pytest.mark.timeout(300)
 def test_checkpoints_hold_the_whole_optimizer_and_resume_cuts_it_again(client, digits,
                                                                        tmp_path):

@@ -305,7 +305,7 @@ class P2PEngine(Mirrored, Engine):
         module). None are left to stop when a first try of this recovery did."""
         ended = self.flight.stop(survivors, f"worker(s) {', '.join(lost)} lost")
         self._ended = ended if ended is not None else self._ended
-        if self.rewinds() and self.rewind_point() is None:
+        if self.rewinds() and not self.redundancy and self.rewind_point() is None:
             assert self.shard_state is not None
             raise shards.lost_slices(lost, self.shard_state, self.hooks.last_checkpoint())
 
@@ -318,25 +318,26 @@ class P2PEngine(Mirrored, Engine):
         """Sharded: the whole optimizer put together from one copy of each slice
         at the newest update a survivor applied (those one behind complete it
         first), loaded into every survivor, to be cut again over them by their next
-        step (:mod:`dasktf.runtime.p2p.redundancy`). ``redundancy=0``: every
-        survivor goes back to the restore point instead (:meth:`stop_steps` saw
-        there is one), and the epoch's results they may have filed are dropped:
-        the epoch is trained again from there."""
+        step (:mod:`dasktf.runtime.p2p.redundancy`). Where a slice has no copy
+        left (``redundancy=0``, or both of its workers lost), every survivor goes
+        back to the restore point instead (:meth:`stop_steps` saw there is one),
+        and the epoch's results they may have filed are dropped: the epoch is
+        trained again from there."""
         if self.shard_state is None:
             return super().catch_up(lost, survivors, applied)
-        if self.rewinds():
-            restore = self.rewind_point()
-            assert restore is not None
-            self._ended = None
-            shards.load_whole(self.ctx, survivors, restore, rewind=True)
-            return self.rewound(max(applied), "the replicas")
-        target = max(applied)
-        shards.recover(self.ctx, survivors, target, self.shapes)
-        return target, 0, None
+        if self.redundancy and shards.recover(self.ctx, survivors, max(applied), self.shapes,
+                                              self.rewind_point() is not None):
+            return max(applied), 0, None
+        restore = self.rewind_point()
+        assert restore is not None
+        self._ended = None
+        shards.load_whole(self.ctx, survivors, restore, rewind=True)
+        return self.rewound(max(applied), "the replicas")
 
     def rewinds(self) -> bool:
-        """``redundancy=0``: a lost worker's slice of the optimizer had no copy."""
-        return self.shard_state is not None and not self.redundancy
+        """Sharded: a lost worker may take a slice of the optimizer that no
+        survivor holds (its only copy, or with its neighbour both)."""
+        return self.shard_state is not None
 
     def regroup(self) -> None:
         self.generation += 1

@@ -37,13 +37,22 @@ def gathered_state(ctx: RunContext, shapes: list[tuple[int, ...]]) -> dict[str, 
 
 
 def recover(ctx: RunContext, survivors: list[str], target: int,
-            shapes: list[tuple[int, ...]]) -> None:
+            shapes: list[tuple[int, ...]], can_rewind: bool = False) -> bool:
     """The whole optimizer put together from one copy of each slice at update
-    ``target`` (survivors one behind complete it first), loaded into every survivor."""
+    ``target`` (survivors one behind complete it first), loaded into every survivor.
+    ``False`` when a slice has no copy left (two neighbouring ranks lost) and the
+    run ``can_rewind`` to a restore point instead; else that raises
+    :class:`ShardingError`."""
     slices = _on_each(ctx, survivors, slices_task, "reading the optimizer's slices",
                       ctx.run_id, target)
-    state, flat = recovered_state(slices, target, shapes)
+    try:
+        state, flat = recovered_state(slices, target, shapes)
+    except ShardingError:
+        if can_rewind:
+            return False
+        raise
     load_whole(ctx, survivors, state, flat)
+    return True
 
 
 def load_whole(ctx: RunContext, workers: list[str], state: dict[str, Any],

@@ -269,8 +269,10 @@ def recovered_state(reads: list[dict[str, Any]], target: int,
         raise ShardingError(
             f"slice(s) {missing} of the optimizer have no copy left on the surviving "
             f"workers at update {target} (with redundancy=1 each slice lives on two "
-            "neighbouring workers: both were lost). Resume from the last checkpoint "
-            "(checkpoint_dir=, resume=True).")
+            "neighbouring workers: both were lost), and the run kept no checkpoint "
+            "in this epoch to go back to. Keep checkpoints (checkpoint_dir=; "
+            "checkpoint_every= for points inside epochs): the run then goes back to "
+            "the last one by itself; or resume from an earlier one (resume=True).")
     states = [{"rank": s, "layout": found[s]["layout"], "optimizer": found[s]["optimizer"]}
               for s in range(n)]
     flat = np.concatenate([np.asarray(found[s]["values"], np.float32) for s in range(n)])
