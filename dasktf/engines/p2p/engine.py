@@ -46,8 +46,10 @@ the newest checkpoint this run kept in the current epoch (its state, the whole
 optimizer, is the restore point, :meth:`~dasktf.engines.mirrored.Mirrored.keep_restore_point`;
 a resume's and a re-form's state are too), the lost shards are reloaded as above,
 and the updates after it are trained again (``steps_recomputed``,
-``rewound_to_update``): the same global batches, so the same final state. With
-no such checkpoint the run stops with a :class:`~dasktf.exceptions.ShardingError`.
+``rewound_to_update``): the same global batches, so the same final state. So does
+a ``redundancy=1`` run that loses both copies of a slice (two neighbouring ranks at
+once). With no such checkpoint the run stops with a
+:class:`~dasktf.exceptions.ShardingError`.
 """
 
 from __future__ import annotations
