@@ -148,7 +148,7 @@ class ModelPackage:
         return len(self.archive)
 
     def build(self, recipe: CompileRecipe | None = None, *, stream: int = 0,
-              policy: str | None = None) -> Any:
+              policy: str | None = None, sliced: bool = False) -> Any:
         """A fresh model, in the state it was packed in.
 
         Parameters
@@ -163,6 +163,13 @@ class ModelPackage:
         policy
             A Keras mixed precision policy (``"mixed_float16"``): given to every
             layer of a model packed in float32 before it is compiled.
+        sliced
+            The optimizer is cut into slices at the first step (``shard_state``):
+            the whole one is not built (its slots would be the replica's largest
+            transient, 8 bytes a parameter with Adam) unless it continues a packed
+            state (its slices are cut from it) or scales the loss (the gradient
+            function reads its scale). A state loaded into it builds it
+            (:func:`built_optimizer`).
         """
         import keras
 
@@ -180,7 +187,8 @@ class ModelPackage:
         if recipe is not None:
             continued = _same_optimizer(self.optimizer, recipe.optimizer)
             recipe.compile(model)
-            model.optimizer.build(model.trainable_variables)
+            if continued or not sliced or hasattr(model.optimizer, "inner_optimizer"):
+                model.optimizer.build(model.trainable_variables)
             if continued:
                 self._restore_optimizer(model.optimizer)
         return model
@@ -206,6 +214,15 @@ class ModelPackage:
         if key is not None:
             return ModelRef(key, self.description)
         return ModelRef(self.key, self.description, self)
+
+
+def built_optimizer(model: Any) -> Any:
+    """``model``'s optimizer, built over its trainable variables if it was not (a
+    sliced replica's, before its first step: see :meth:`ModelPackage.build`)."""
+    optimizer = model.optimizer
+    if not optimizer.built:
+        optimizer.build(model.trainable_variables)
+    return optimizer
 
 
 def _same_optimizer(packed: dict[str, Any] | None, compiled: dict[str, Any]) -> bool:
@@ -273,9 +290,9 @@ class ModelRef:
         return self if self.inline is not None else replace(self, inline=self.package())
 
     def build(self, recipe: CompileRecipe | None = None, *, stream: int = 0,
-              policy: str | None = None) -> Any:
+              policy: str | None = None, sliced: bool = False) -> Any:
         """A fresh model (:meth:`ModelPackage.build`): a replica's own."""
-        return self.package().build(recipe, stream=stream, policy=policy)
+        return self.package().build(recipe, stream=stream, policy=policy, sliced=sliced)
 
     def model(self) -> Any:
         """This process's model of this package, built on first use and cached

@@ -23,7 +23,7 @@ from dasktf.runtime.replica import Replica, ReplicaConfig
 from dasktf.transport import ModelPackage
 
 
-def _replica() -> Replica:
+def _replica(sliced: bool = False) -> Replica:
     keras.utils.set_random_seed(3)
     model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(24, activation="relu"),
                               keras.layers.Dense(5, activation="softmax")])
@@ -32,7 +32,8 @@ def _replica() -> Replica:
     rng = np.random.default_rng(0)
     x = rng.standard_normal((32, 16)).astype(np.float32)
     y = rng.integers(0, 5, 32).astype(np.int64)
-    config = ReplicaConfig(ModelPackage.pack(model).ref(), recipe, 0, publish_metrics=False)
+    config = ReplicaConfig(ModelPackage.pack(model).ref(), recipe, 0, publish_metrics=False,
+                           sliced=sliced)
     return Replica(config, 0, Shard(x, y), np.array([32]))
 
 
@@ -49,6 +50,29 @@ def test_the_slice_frees_the_whole_optimizer():
     # Keras' compile config held the whole one (and all its slots) for the model's life
     assert gone() is None
     assert all(s() is None for s in slots)
+
+
+def test_a_sliced_replica_builds_no_whole_optimizer_until_a_state_is_read():
+    """A sharded run's replica never holds the whole optimizer's slots unless a
+    state is read or loaded before its first step; its slice starts as the one cut
+    from a built whole optimizer does, and applies the same update."""
+    sliced, plain = _replica(sliced=True), _replica()
+    assert not sliced.model.optimizer.built and plain.model.optimizer.built
+    size = sharding.chunk_edges(sum(plain.sizes), 2)[1]
+    chunk = np.random.default_rng(1).standard_normal(size).astype(np.float32)
+    news = []
+    for replica in (sliced, plain):
+        shard = ShardOptimizer(replica, 0, 2)
+        news.append((shard.apply(chunk, 8.0, lambda v: v),
+                     [np.asarray(v.numpy()) for v in shard.optimizer.variables]))
+    np.testing.assert_array_equal(news[0][0], news[1][0])
+    for a, b in zip(news[0][1], news[1][1], strict=True):
+        np.testing.assert_array_equal(a, b)
+    # a state read before any step (a checkpoint, a recovery) is the whole one's
+    late = _replica(sliced=True)
+    names = [v.path for v in plain.model.optimizer.variables]
+    assert len(late.training_state()["optimizer"]) == len(names) > 2
+    assert late.model.optimizer.built
 
 
 @pytest.mark.parametrize("in_one_call", [True, False])

@@ -208,7 +208,7 @@ class Run:
             mixed_precision=o.mixed_precision,
             publish_metrics=bool(config.get("metrics")),
             comm=dataclasses.replace(o.comm, n_workers=len(self.ctx.workers)),
-            local=o.local,
+            local=o.local, sliced=o.shard_state is not None,
         )
 
     def _create_replicas(self) -> None:

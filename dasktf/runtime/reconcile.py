@@ -22,6 +22,7 @@ from dasktf.cluster.waits import RunContext, wait_for
 from dasktf.data.shards import Shard
 from dasktf.runtime.replica import get_replica, take_kept
 from dasktf.runtime.tasks import set_learning_rate_task
+from dasktf.transport import built_optimizer
 
 
 # -- the worker side ---------------------------------------------------------------
@@ -50,7 +51,7 @@ def set_state_task(
         if replica.rounds is not None:  # inner optimizer states are each worker's own
             replica.rounds.load(state)
         else:
-            optimizer = replica.model.optimizer
+            optimizer = built_optimizer(replica.model)
             rate = learning_rate_of(optimizer) if rewind else None
             for v, value in zip(optimizer.variables, state["optimizer"], strict=False):
                 v.assign(value)

@@ -46,7 +46,7 @@ from dasktf.runtime.keras_step import (
 from dasktf.runtime.manager import RunManager, run_manager
 from dasktf.runtime.rounds import LocalSpec, Rounds
 from dasktf.runtime.timing import StepTimer, StepTiming
-from dasktf.transport import ModelRef, seed_states
+from dasktf.transport import ModelRef, built_optimizer, seed_states
 from dasktf.wire.messages import GradientSum
 
 logger = logging.getLogger(__name__)
@@ -70,6 +70,8 @@ class ReplicaConfig:
     comm: Any = None
     #: rounds of local steps (:class:`dasktf.runtime.rounds.LocalSpec`); None: sync steps
     local: LocalSpec | None = None
+    #: the optimizer is cut into slices at the first step (``shard_state``)
+    sliced: bool = False
 
 
 @dataclass
@@ -129,7 +131,7 @@ class Replica:
         probe = shard.take(slice(0, 1))
         with tf.device(self.device), precision_policy(config.mixed_precision) as policy:
             # compiled, its optimizer built (and continued where the run continues it)
-            model = config.model.build(config.recipe, stream=index,
+            model = config.model.build(config.recipe, stream=index, sliced=config.sliced,
                                        policy=policy if config.mixed_precision else None)
         if weights is not None:
             model.set_weights(weights)
@@ -317,7 +319,7 @@ class Replica:
         with self.apply_lock:
             state = {
                 "weights": [np.asarray(w) for w in self.model.get_weights()],
-                "optimizer": [np.asarray(v.numpy()) for v in self.model.optimizer.variables],
+                "optimizer": [np.asarray(v.numpy()) for v in built_optimizer(self.model).variables],
                 "applied": self.applied,
                 "index": self.index,
             }
