@@ -10,8 +10,9 @@ allocations):
 ``receive``: the model package unpickled from the bytes a worker is sent (the
 bytes freed after, as Dask frees a message's frames);
 ``read``: the ``.keras`` archive read into a model (:func:`dasktf.transport._read`);
-``compile``: the recipe compiled; ``optimizer``: the optimizer built over the
-trainable variables (all its slots);
+``compile``: the recipe compiled; ``optimizer``: (unsharded) the optimizer built
+over the trainable variables (all its slots; a sharded replica builds only its
+slice's);
 ``replica``: the rest of the replica (its metrics, its compiled functions' setup);
 ``gradient``: the first step's gradient (traced, then run);
 ``slice``: (sharded) the slice's optimizer made (:class:`ShardOptimizer`), taking
@@ -139,7 +140,9 @@ def child(path: str, mode: str, n: int) -> None:
         return out
 
     opt_cls.build = opt_build
-    cfg = rep.ReplicaConfig(package.ref(), recipe, 0, publish_metrics=False)
+    # sharded, the whole optimizer is not built (no ``optimizer`` phase)
+    cfg = rep.ReplicaConfig(package.ref(), recipe, 0, publish_metrics=False,
+                            sliced=mode != "none")
     r = rep.Replica(cfg, 0, rep.Shard(x, y), np.array([len(x)]))
     opt_cls.build = build
     sampler.phase("replica", _live(r.model))
