@@ -185,6 +185,28 @@ def replace_optimizer(model: Any, optimizer: Any) -> None:
         config["optimizer"] = optimizer
 
 
+def weight_decay_excluded(optimizer: Any, variables: list[Any]) -> tuple[int, ...]:
+    """The positions in ``variables`` of those ``optimizer`` leaves out of its
+    weight decay (``exclude_from_weight_decay``: by variable or by name). Keras
+    keeps that choice out of ``get_config()``, so every optimizer dasktf makes
+    from a config must be told again (:func:`exclude_from_weight_decay`). Uses
+    Keras' ``Optimizer._use_weight_decay``; without it: none."""
+    inner = getattr(optimizer, "inner_optimizer", optimizer)  # a LossScaleOptimizer's
+    use = getattr(inner, "_use_weight_decay", None)
+    if not getattr(inner, "weight_decay", None) or use is None:
+        return ()
+    return tuple(i for i, v in enumerate(variables) if not use(v))
+
+
+def exclude_from_weight_decay(optimizer: Any, variables: list[Any],
+                              excluded: tuple[int, ...]) -> None:
+    """Leave ``variables[i]`` for each ``i`` of ``excluded`` out of ``optimizer``'s
+    weight decay (before it is built), as :func:`weight_decay_excluded` read them."""
+    if excluded:
+        inner = getattr(optimizer, "inner_optimizer", optimizer)
+        inner.exclude_from_weight_decay(var_list=[variables[i] for i in excluded])
+
+
 def output_loss_metrics(model: Any) -> list[Any]:
     """The per-output loss trackers of a compiled model: Keras'
     ``_compile_loss.metrics`` (each output's loss in the logs, as ``fit`` gives

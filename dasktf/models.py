@@ -193,6 +193,10 @@ class CompileRecipe:
     #: The optimizer is the model's own compiled one (no ``optimizer=`` in the
     #: call): it goes on with its state, as a second ``model.fit`` would.
     continues: bool = False
+    #: The positions, in ``model.trainable_variables``, of the variables the
+    #: optimizer leaves out of its weight decay (``exclude_from_weight_decay``,
+    #: which :attr:`optimizer`'s config does not carry)
+    decay_excluded: tuple[int, ...] = ()
 
     def compile(self, model: Any, optimizer: Any = None) -> None:
         """Compile ``model``; ``optimizer``: this instance (the model's own, with
@@ -208,6 +212,9 @@ class CompileRecipe:
             metrics=live_metrics(self.metrics),
             weighted_metrics=live_metrics(self.weighted_metrics),
         )
+        if optimizer is None:  # a fresh one, not built yet
+            compat.exclude_from_weight_decay(model.optimizer, model.trainable_variables,
+                                             self.decay_excluded)
 
 
 def compiled_args(model: Any) -> dict[str, Any] | None:

@@ -217,6 +217,7 @@ def test_the_fallbacks_where_a_name_is_gone():
     assert compat.compile_arguments(bare) == {}
     assert compat.output_loss_metrics(bare) == []
     assert not compat.holds_learning_rate(bare)
+    assert compat.weight_decay_excluded(bare, [1, 2]) == ()
     with pytest.raises(RuntimeError, match=rf"distributed {version('distributed')}"):
         compat.register_worker_plugin(bare, None, "p", True)
     with pytest.raises(RuntimeError, match=rf"dask {version('dask')}"):
@@ -230,3 +231,28 @@ def test_the_fallbacks_where_a_name_is_gone():
     top = Layer(Layer(leaf), leaf)
     assert [id(x) for x in compat.flatten_layers(top)] == [
         id(top), id(top.layers[0]), id(leaf)]
+
+
+def test_exclusions_from_weight_decay_are_read_and_given_to_a_fresh_optimizer():
+    """Keras' ``Optimizer._use_weight_decay``: the variables an optimizer leaves out
+    of its weight decay, by variable and by name; a compile recipe gives them to
+    the fresh optimizer every replica compiles (the config does not carry them)."""
+    import keras
+
+    from dasktf.models import CompileRecipe
+
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="a"),
+                              keras.layers.Dense(2, name="b")])
+    adamw = keras.optimizers.AdamW(0.01, weight_decay=0.1)
+    adamw.exclude_from_weight_decay(var_list=[model.layers[0].kernel], var_names=["bias"])
+    excluded = compat.weight_decay_excluded(adamw, model.trainable_variables)
+    assert excluded == (0, 1, 3), gone("keras", "Optimizer._use_weight_decay")
+    assert compat.weight_decay_excluded(keras.optimizers.AdamW(0.01, weight_decay=0.1),
+                                        model.trainable_variables) == ()
+    assert compat.weight_decay_excluded(keras.optimizers.Adam(0.01),
+                                        model.trainable_variables) == ()
+    replica = keras.models.clone_model(model)
+    CompileRecipe(keras.optimizers.serialize(adamw), "mse",
+                  decay_excluded=excluded).compile(replica)
+    assert compat.weight_decay_excluded(replica.optimizer,
+                                        replica.trainable_variables) == excluded

@@ -132,3 +132,15 @@ def test_an_optimizer_without_a_slot_layout_is_refused_before_any_work(client, s
     with pytest.raises(ValueError, match="parameter servers"):
         dasktf.fit("mnist-mlp", x, y, client=client, n_workers=2, epochs=1, num_ps=2,
                    optimizer=keras.optimizers.Adafactor(), verbose=0)
+
+
+def test_an_optimizer_excluding_variables_from_weight_decay_is_refused_on_servers(
+        client, small_digits):
+    """A server's slice is one flat variable, decayed alike: it cannot leave the
+    biases out of AdamW's decay, so the run is refused before any work."""
+    x, y = small_digits
+    adamw = keras.optimizers.AdamW(0.01, weight_decay=0.05)
+    adamw.exclude_from_weight_decay(var_names=["bias"])
+    with pytest.raises(ValueError, match="exclude_from_weight_decay"):
+        dasktf.fit("mnist-mlp", x, y, client=client, n_workers=2, epochs=1, num_ps=2,
+                   optimizer=adamw, verbose=0)

@@ -3,7 +3,8 @@ applies 1/N of the optimizer, and training stays exact.
 
 On real worker processes: the weights and the optimizer's variables (the slots put
 back together at the end) equal single-process Keras ``fit`` and unsharded p2p on
-the same global batches, for Adam, SGD with momentum (one layer frozen), AdamW,
+the same global batches, for Adam, SGD with momentum (one layer frozen), AdamW
+(with the biases left out of its weight decay too),
 a learning-rate schedule, a rate a callback sets, ``clipnorm`` and
 ``global_clipnorm`` (norms summed across the slices), sample and class weights
 and ``ReduceLROnPlateau``,
@@ -50,6 +51,8 @@ OPTIMIZERS = {
     "adam": (lambda: keras.optimizers.Adam(0.01), False, list),
     "sgd-momentum-frozen": (lambda: keras.optimizers.SGD(0.1, momentum=0.9), True, list),
     "adamw": (lambda: keras.optimizers.AdamW(0.01, weight_decay=0.05), False, list),
+    # the biases left out of the decay: a choice Keras keeps out of the config
+    "adamw-biases-not-decayed": (lambda: _adamw_without_bias_decay(), False, list),
     # a schedule (counted by the slice's iterations), and a rate a callback sets
     # (the set_learning_rate path) at each epoch's start
     "adam-decay-schedule": (lambda: keras.optimizers.Adam(
@@ -62,6 +65,12 @@ OPTIMIZERS = {
     "adam-global-clipnorm": (lambda: keras.optimizers.Adam(0.01, global_clipnorm=0.05),
                              False, list),
 }
+
+
+def _adamw_without_bias_decay() -> keras.optimizers.AdamW:
+    adamw = keras.optimizers.AdamW(0.05, weight_decay=0.5)
+    adamw.exclude_from_weight_decay(var_names=["bias"])
+    return adamw
 
 
 def _twin(model: keras.Model) -> keras.Model:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from dasktf import compat
 from dasktf.data.shards import ShardStats, check_labels
 from dasktf.data.structure import is_nested, leaves, map_nest
 from dasktf.models import (
@@ -137,7 +138,12 @@ def compile_recipe(options: TrainOptions, model: Any, stats: ShardStats | None,
     weighted = (resolve_metrics(o.weighted_metrics) if o.weighted_metrics is not None
                 else portable_metrics(compiled.get("weighted_metrics")))
     check_staleness_lr(o.staleness_lr, optimizer)
-    return CompileRecipe(optimizer, loss, loss_weights, metrics, weighted, continues)
+    # the instance that trains: its exclusions from weight decay are not in its config
+    source = o.optimizer if o.optimizer is not None else compiled.get("optimizer")
+    excluded = (compat.weight_decay_excluded(source, model.trainable_variables)
+                if not isinstance(source, str) and source is not None else ())
+    return CompileRecipe(optimizer, loss, loss_weights, metrics, weighted, continues,
+                         excluded)
 
 
 def model_optimizer(model: Any) -> Any:

@@ -115,6 +115,10 @@ def plan_engine(options: Options, model: Any, recipe: CompileRecipe) -> EnginePl
         why = optimizer_refusal(recipe.optimizer)
         if why is not None:
             raise ValueError(why)
+    if recipe.decay_excluded and (options.comm.placement == "ps" or options.comm.num_ps > 1):
+        from dasktf.runtime.servers import DECAY_REFUSAL
+
+        raise ValueError(DECAY_REFUSAL)
     ps_layout = None
     if (options.comm.placement == "ps" and options.mode == "sync"
             and options.sync_quorum is None):

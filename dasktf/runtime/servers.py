@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from dasktf import compat
 from dasktf.runtime.manager import run_manager
 from dasktf.wire.codecs import get_codec
 from dasktf.wire.packets import (
@@ -59,6 +60,14 @@ def server_workers(workers: list[str], num_ps: int) -> list[str]:
 SLICE_NAME = "ps_shard"
 
 
+#: Why parameter servers' slices refuse ``exclude_from_weight_decay``.
+DECAY_REFUSAL = (
+    "The optimizer leaves some variables out of its weight decay "
+    "(exclude_from_weight_decay), which a parameter server's slice cannot keep: it "
+    "holds its part of every variable as one flat variable, decayed alike. Use the "
+    "p2p engine (the default) or placement='mirrored', and num_ps=1, for this optimizer.")
+
+
 class PSShard:
     """One server's slice: the float32 master copy and its optimizer state."""
 
@@ -71,6 +80,8 @@ class PSShard:
         initial = gather_ranges(replica.flat_weights(), ranges).copy()
         self.variable = keras.Variable(initial, dtype="float32", name=SLICE_NAME)
         opt = replica.model.optimizer
+        if compat.weight_decay_excluded(opt, replica.variables):
+            raise ValueError(DECAY_REFUSAL)
         self.optimizer = opt.__class__.from_config(opt.get_config())
         self.optimizer.build([self.variable])
         if int(opt.iterations.numpy()) and not hasattr(opt, "inner_optimizer"):

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from dasktf import compat
 from dasktf.exceptions import ShardingError
 from dasktf.runtime.p2p.sharding import ShardOptimizer, assemble_optimizer
 
@@ -226,6 +227,8 @@ def reshard_task(run_id: str, state: dict[str, Any], flat: np.ndarray | None = N
         shard = replica.shard_optimizer
         if shard is not None:
             whole = type(shard.optimizer).from_config(shard.config)
+            compat.exclude_from_weight_decay(whole, replica.variables, compat.weight_decay_excluded(
+                shard.optimizer, shard.pieces))
             with tf.device(replica.device):
                 whole.build(replica.variables)
             rate = learning_rate_of(replica.model.optimizer)  # the slice's, live

@@ -146,6 +146,8 @@ class ShardOptimizer:
         with tf.device(replica.device):
             self.pieces = [keras.Variable(np.zeros(b - a, np.float32), name=f"dasktfpiece{j}x")
                            for j, (a, b) in enumerate(self.parts)]
+            compat.exclude_from_weight_decay(  # piece j: variable j's part
+                opt, self.pieces, compat.weight_decay_excluded(whole, replica.variables))
             opt.build(self.pieces)
         #: per optimizer variable: the trainable variable it is a slot of, or -1
         self.layout = [_piece_of(v) for v in opt.variables]
