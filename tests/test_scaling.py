@@ -247,3 +247,66 @@ def test_a_fit_s_set_up_sends_each_per_worker_phase_as_one_graph(client):
     for prefix in ("load_shard", "stats_of", "dasktf-replica"):
         placed = [v for k, v in where.items() if key_split(k) == prefix]
         assert sorted(w for (w,), loose in placed if not loose) == workers, (prefix, placed)
+
+
+def _count_handlers(dask_scheduler=None) -> None:
+    """Wrap every RPC and stream handler of the scheduler with a call counter by op
+    (once; as benchmarks/handler_cpu.py does for their CPU)."""
+    import functools
+    import inspect
+    from collections import Counter
+
+    s = dask_scheduler
+    if hasattr(s, "dasktf_test_calls"):
+        return
+    calls = s.dasktf_test_calls = Counter()
+
+    def wrap(op, fn):
+        if inspect.iscoroutinefunction(fn):
+            @functools.wraps(fn)
+            async def counted_async(*args, **kwargs):
+                calls[op] += 1
+                return await fn(*args, **kwargs)
+            return counted_async
+
+        @functools.wraps(fn)
+        def counted(*args, **kwargs):
+            calls[op] += 1
+            return fn(*args, **kwargs)
+        return counted
+
+    for table in (s.stream_handlers, s.handlers):
+        for op, fn in list(table.items()):
+            if op != "run_function":  # the test's own reads
+                table[op] = wrap(op, fn)
+
+
+def _handler_calls(dask_scheduler=None) -> dict[str, int]:
+    out = dict(dask_scheduler.dasktf_test_calls)
+    dask_scheduler.dasktf_test_calls.clear()
+    return out
+
+
+def test_a_waiting_client_hears_of_its_workers_from_the_watcher_not_a_poll(client,
+                                                                          digits):
+    """A p2p fit's waits (the set-up's, the epochs', the end's) read the membership
+    watcher's events every poll and ask the scheduler which workers it lists at
+    most every ``dasktf.membership-backstop``: with a poll every 20 ms, a handful of
+    ``ncores`` questions a fit, not one a poll (issue 39: ~11 of a short 8-worker
+    fit's ~210 messages to the scheduler)."""
+    client.run_on_scheduler(_count_handlers)
+    x, y = digits.x_train[:960], digits.y_train[:960]
+    val = digits.x_train[960:1200], digits.y_train[960:1200]
+    client.run_on_scheduler(_handler_calls)  # forget earlier calls
+    # many polls; the backstop's question once (a loaded machine's fit of several
+    # times 10 s would ask a few times more)
+    with dask.config.set({"dasktf.poll-interval": "20ms",
+                          "dasktf.membership-backstop": "1h"}):
+        history = dasktf.fit("mnist-mlp", x, y, client=client, n_workers=3, epochs=3,
+                             batch_size=48, seed=0, verbose=0, engine="p2p",
+                             validation_data=val)
+    calls = client.run_on_scheduler(_handler_calls)
+    assert len(history.history["val_loss"]) == 3
+    # the run's first check (the backstop's) and the end's release; one a poll would
+    # be dozens (the fit takes seconds at 20 ms a poll)
+    assert calls.get("ncores", 0) <= 2, calls

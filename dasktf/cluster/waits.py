@@ -127,13 +127,22 @@ def _await_removal(ctx: RunContext, seconds: float) -> None:
 def lost_workers(ctx: RunContext, wait: float = 0.0) -> list[str]:
     """The run's workers that left the cluster: those the membership watcher heard
     of, else those the scheduler no longer lists. ``wait``: first give the
-    scheduler's notice that long to arrive (a failed call is often the first sign)."""
+    scheduler's notice that long to arrive (a failed call is often the first sign).
+
+    With a watcher, and no ``wait``, the scheduler is asked at most every
+    ``dasktf.membership-backstop`` (:meth:`~dasktf.cluster.membership.MembershipWatcher.backstop_due`):
+    a waiting client checks every ``poll-interval``, and a question each time was
+    most of the messages a short fit sent the scheduler besides its heartbeats
+    (issue 39)."""
     if wait > 0:
         _await_removal(ctx, wait)
     if ctx.watcher is not None:
         lost = sorted({c.worker for c in ctx.watcher.removed(ctx.workers)})
         if lost:
             return lost
+        if wait <= 0 and not ctx.watcher.backstop_due(
+                config.get_seconds("membership-backstop")):
+            return []  # (after a failed call: the scheduler's word, always)
     alive = listed_workers(ctx.client, ctx.workers)
     return [w for w in ctx.workers if w not in alive]
 
