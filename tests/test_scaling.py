@@ -293,7 +293,9 @@ def test_a_waiting_client_hears_of_its_workers_from_the_watcher_not_a_poll(clien
     watcher's events every poll and ask the scheduler which workers it lists at
     most every ``dasktf.membership-backstop``: with a poll every 20 ms, a handful of
     ``ncores`` questions a fit, not one a poll (issue 39: ~11 of a short 8-worker
-    fit's ~210 messages to the scheduler)."""
+    fit's ~210 messages to the scheduler); and the shards and the validation pieces
+    reach the workers with one ``update_data`` message each, where a scatter per
+    worker was two messages per worker (``ncores_running``, ``update_data``)."""
     client.run_on_scheduler(_count_handlers)
     x, y = digits.x_train[:960], digits.y_train[:960]
     val = digits.x_train[960:1200], digits.y_train[960:1200]
@@ -310,3 +312,5 @@ def test_a_waiting_client_hears_of_its_workers_from_the_watcher_not_a_poll(clien
     # the run's first check (the backstop's) and the end's release; one a poll would
     # be dozens (the fit takes seconds at 20 ms a poll)
     assert calls.get("ncores", 0) <= 2, calls
+    assert calls.get("update_data", 0) == 2, calls  # the shards, the validation pieces
+    assert calls.get("ncores_running", 0) == 0, calls

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from distributed import wait
 
-from dasktf import config
+from dasktf import compat, config
 from dasktf.cluster.deadline import Deadline, poll_until
 from dasktf.cluster.local import listed_workers
 from dasktf.exceptions import (
@@ -215,6 +215,13 @@ class WatchedClient:
         client = self.ctx.client
         return call_watched(
             self.ctx, lambda: client.scatter(data, asynchronous=True, **kwargs), self.what)
+
+    def scatter_each(self, values: list[Any], workers: list[str]) -> list[Future]:
+        """``values[i]`` scattered to ``workers[i]``: one message to the scheduler
+        for them all (:func:`dasktf.compat.scatter_each`), watched as ``scatter``."""
+        client = self.ctx.client
+        return call_watched(
+            self.ctx, lambda: compat.scatter_each(client, values, workers), self.what)
 
     def gather(self, futures: Any, **kwargs: Any) -> Any:
         try:
