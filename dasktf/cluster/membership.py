@@ -81,15 +81,16 @@ class MembershipWatcher:
         with self._lock:
             return [c for c in self.changes if c.action == "removed" and c.worker in workers]
 
-    def backstop_due(self, every: float) -> bool:
+    def backstop_due(self, every: float, asking: bool = False) -> bool:
         """Whether a check of the membership should also ask the scheduler which
-        workers it lists: the first time, then at most every ``every`` seconds.
+        workers it lists: the first time, then at most every ``every`` seconds
+        (``asking``: the caller asks anyway; the next is due ``every`` from now).
         Between two, the events alone answer (a removal reaches the watcher as it
         happens); the question covers one that never arrived (a subscription made
         after the removal, a connection to the scheduler that dropped meanwhile)."""
         now = time.monotonic()
         with self._lock:
-            if self._asked is not None and now - self._asked < every:
+            if not asking and self._asked is not None and now - self._asked < every:
                 return False
             self._asked = now
             return True

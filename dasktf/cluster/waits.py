@@ -124,7 +124,7 @@ def _await_removal(ctx: RunContext, seconds: float) -> None:
         poll_until(lambda: bool(watcher.removed(ctx.workers)), seconds, 0.02)
 
 
-def lost_workers(ctx: RunContext, wait: float = 0.0) -> list[str]:
+def lost_workers(ctx: RunContext, wait: float = 0.0, *, ask: bool = False) -> list[str]:
     """The run's workers that left the cluster: those the membership watcher heard
     of, else those the scheduler no longer lists. ``wait``: first give the
     scheduler's notice that long to arrive (a failed call is often the first sign).
@@ -133,16 +133,18 @@ def lost_workers(ctx: RunContext, wait: float = 0.0) -> list[str]:
     ``dasktf.membership-backstop`` (:meth:`~dasktf.cluster.membership.MembershipWatcher.backstop_due`):
     a waiting client checks every ``poll-interval``, and a question each time was
     most of the messages a short fit sent the scheduler besides its heartbeats
-    (issue 39)."""
+    (issue 39). After a ``wait`` (a failed call), and with ``ask`` (the end of a
+    set-up or end phase, which names a worker the scheduler dropped in it with it,
+    not with the next one: the removal's event may still be on its way), always."""
     if wait > 0:
         _await_removal(ctx, wait)
     if ctx.watcher is not None:
         lost = sorted({c.worker for c in ctx.watcher.removed(ctx.workers)})
         if lost:
             return lost
-        if wait <= 0 and not ctx.watcher.backstop_due(
-                config.get_seconds("membership-backstop")):
-            return []  # (after a failed call: the scheduler's word, always)
+        if not ctx.watcher.backstop_due(config.get_seconds("membership-backstop"),
+                                        asking=ask or wait > 0):
+            return []
     alive = listed_workers(ctx.client, ctx.workers)
     return [w for w in ctx.workers if w not in alive]
 

@@ -106,7 +106,8 @@ class SetupGuard:
             raise WorkerLostError(
                 f"Worker(s) {lost} left the cluster during {name} "
                 f"({type(exc).__name__}: {exc}).", lost, phase=name) from exc
-        lost = lost_workers(self.ctx)  # gone without any call of the phase noticing
+        # gone without any call of the phase noticing
+        lost = lost_workers(self.ctx, ask=True)
         if lost:
             raise WorkerLostError(f"Worker(s) {lost} left the cluster during {name}.",
                                   lost, phase=name)
@@ -118,7 +119,7 @@ class SetupGuard:
         detected = time.time()
         self._detected = self._detected or detected
         phase = loss.phase or "the set-up"
-        lost = sorted(set(loss.workers) | set(lost_workers(ctx)))
+        lost = sorted(set(loss.workers) | set(lost_workers(ctx, ask=True)))
         survivors = [w for w in ctx.workers if w not in lost]
         why = ("on_worker_loss='raise' stops the run. Restart the worker(s), or "
                "pass on_worker_loss='recover' to go on with the others"
