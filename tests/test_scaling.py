@@ -295,7 +295,8 @@ def test_a_waiting_client_hears_of_its_workers_from_the_watcher_not_a_poll(clien
     ``ncores`` questions a fit, not one a poll (issue 39: ~11 of a short 8-worker
     fit's ~210 messages to the scheduler); and the shards and the validation pieces
     reach the workers with one ``update_data`` message each, where a scatter per
-    worker was two messages per worker (``ncores_running``, ``update_data``)."""
+    worker was two messages per worker (``ncores_running``, ``update_data``); and
+    the plugins are registered by the client's first fit only."""
     client.run_on_scheduler(_count_handlers)
     x, y = digits.x_train[:960], digits.y_train[:960]
     val = digits.x_train[960:1200], digits.y_train[960:1200]
@@ -315,3 +316,15 @@ def test_a_waiting_client_hears_of_its_workers_from_the_watcher_not_a_poll(clien
     assert calls.get("ncores", 0) <= 10, calls
     assert calls.get("update_data", 0) == 2, calls  # the shards, the validation pieces
     assert calls.get("ncores_running", 0) == 0, calls
+    assert calls.get("register_worker_plugin", 0) >= 1, calls  # TensorFlow's, p2p's
+    assert calls.get("register_scheduler_plugin", 0) >= 1, calls
+
+    # a second fit on this client registers no plugin again: the scheduler keeps
+    # them (dasktf.cluster.plugins; every fit registered 2 worker plugins, one of
+    # them sent to every worker again, and 3 scheduler plugins)
+    again = dasktf.fit("mnist-mlp", x, y, client=client, n_workers=3, epochs=1,
+                       batch_size=48, seed=0, verbose=0, engine="p2p")
+    calls = client.run_on_scheduler(_handler_calls)
+    assert len(again.history["loss"]) == 1
+    for op in ("register_worker_plugin", "register_scheduler_plugin"):
+        assert calls.get(op, 0) == 0, (op, calls)

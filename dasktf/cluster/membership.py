@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from distributed.diagnostics.plugin import SchedulerPlugin
 
+from dasktf.cluster.plugins import register_once
+
 if TYPE_CHECKING:
     from distributed import Client, Scheduler
 
@@ -64,7 +66,8 @@ class MembershipWatcher:
         self.changed = threading.Event()
         #: when :meth:`backstop_due` last said yes (``None``: never)
         self._asked: float | None = None
-        client.register_plugin(MembershipPlugin(), name=PLUGIN_NAME)
+        register_once(client, PLUGIN_NAME, lambda: client.register_plugin(
+            MembershipPlugin(), name=PLUGIN_NAME))
         client.subscribe_topic(TOPIC, self._on_event)
 
     def _on_event(self, event: Any) -> None:
