@@ -142,6 +142,16 @@ def test_many_workers_send_the_scheduler_fewer_metric_messages_each():
         MetricsBuffer(n_workers=3)
 
 
+def test_by_default_a_run_s_workers_send_their_records_4_times_a_second_in_all():
+    """``dasktf.metrics-rate`` 4 (16 before issue 39): at 8 workers each sends every
+    2 s, not every 0.5 s (the step records were a short 8-worker fit's largest count
+    of messages to the scheduler after Dask's heartbeats); 2 workers keep
+    ``metrics-interval``, and so does the replica whose records carry the loss."""
+    assert MetricsBuffer(n_workers=2).interval == 0.5
+    assert MetricsBuffer(n_workers=8).interval == 2.0
+    assert MetricsBuffer(n_workers=8, reports_loss=True).interval == 0.5
+
+
 def _count_identity(dask_scheduler=None) -> None:
     """Wrap the scheduler's ``identity`` handler with a counter (once)."""
     handler = dask_scheduler.handlers["identity"]
