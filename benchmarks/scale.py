@@ -122,7 +122,7 @@ def install_probe(dask_scheduler: Any = None) -> int:
         @functools.wraps(fn)
         def counted(*args: Any, **kwargs: Any) -> Any:
             probe["in"][op] += 1
-            if op == "log-event":
+            if op in ("log-event", "log_event"):  # a worker's, the client's (issue 39)
                 msg = kwargs.get("msg")
                 if isinstance(msg, dict):
                     probe["records"] += len(msg.get("records", ()))

@@ -95,6 +95,22 @@ def test_client_register_worker_plugin():
     assert inspect.iscoroutinefunction(register)
 
 
+def test_client_scatter_names():
+    """What :func:`dasktf.compat.scatter_each` does as ``Client._scatter`` does: the
+    client's ``rpc`` pool and ``futures`` states, ``FutureState.finish(type=)``."""
+    import inspect
+
+    from distributed import Client
+    from distributed.client import FutureState
+
+    source = inspect.getsource(Client._scatter)
+    for name in ("self.rpc", "self.futures[key].finish(type=typ)",
+                 "self.scheduler.update_data("):
+        assert name in source, gone("distributed", f"{name} in Client._scatter")
+    assert "type" in inspect.signature(FutureState.finish).parameters, gone(
+        "distributed", "FutureState.finish(type=)")
+
+
 def test_spec_cluster_correct_state():
     from distributed import SpecCluster
 

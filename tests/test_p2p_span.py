@@ -159,8 +159,10 @@ def test_a_worker_killed_between_epochs_of_a_span_costs_no_update(digits, uninte
 def test_inside_a_span_only_the_loss_replica_sends_its_records_at_each_epoch_end(digits):
     """Replica 0, whose records carry the global loss the client relays, sends its
     buffered step records at every epoch end; the others by the interval (longer
-    than the fit here) or at the span's end: one message each for four epochs,
-    and every step's record arrives."""
+    than the fit here) or, at each epoch end, with their reports to the client,
+    which publishes them all in the epoch record's message (issue 39: before, each
+    sent its own at the span's end): no message of their own for four epochs, and
+    every step's record arrives."""
     from dasktf.diagnostics.events import TOPIC, unpack
 
     x, y = digits.x_train[:384].reshape(-1, 64), digits.y_train[:384]
@@ -170,9 +172,16 @@ def test_inside_a_span_only_the_loss_replica_sends_its_records_at_each_epoch_end
     with dask.config.set({"dasktf.metrics-interval": "300s"}), own_cluster(3) as (_, client):
         dasktf.fit(model, x, y, client=client, n_workers=3, epochs=4, batch_size=96,
                    loss="sparse_categorical_crossentropy", verbose=0, seed=0)
-        events = [[r for r in unpack(e) if r.get("kind") == "step"]
-                  for e in client.get_events(TOPIC)]
-    messages = {w: sum(any(r["worker"] == w for r in e) for e in events) for w in range(3)}
-    assert messages == {0: 4, 1: 1, 2: 1}, messages
+        published = [unpack(e) for e in client.get_events(TOPIC)]
+    events = [[r for r in e if r.get("kind") == "step"] for e in published]
+    epochs = [any(r.get("kind") == "epoch" for r in e) for e in published]
+    # the messages holding each worker's records, by who sent them
+    own = {w: sum(any(r["worker"] == w for r in e) and not epoch
+                  for e, epoch in zip(events, epochs, strict=True)) for w in range(3)}
+    with_epochs = {w: sum(any(r["worker"] == w for r in e) and epoch
+                          for e, epoch in zip(events, epochs, strict=True))
+                   for w in range(3)}
+    assert own == {0: 4, 1: 0, 2: 0}, own
+    assert with_epochs == {0: 0, 1: 4, 2: 4}, with_epochs
     steps = sorted((r["worker"], r["update"]) for e in events for r in e)
     assert steps == [(w, u) for w in range(3) for u in range(16)]

@@ -142,6 +142,16 @@ def test_many_workers_send_the_scheduler_fewer_metric_messages_each():
         MetricsBuffer(n_workers=3)
 
 
+def test_by_default_a_run_s_workers_send_their_records_4_times_a_second_in_all():
+    """``dasktf.metrics-rate`` 4 (16 before issue 39): at 8 workers each sends every
+    2 s, not every 0.5 s (the step records were a short 8-worker fit's largest count
+    of messages to the scheduler after Dask's heartbeats); 2 workers keep
+    ``metrics-interval``, and so does the replica whose records carry the loss."""
+    assert MetricsBuffer(n_workers=2).interval == 0.5
+    assert MetricsBuffer(n_workers=8).interval == 2.0
+    assert MetricsBuffer(n_workers=8, reports_loss=True).interval == 0.5
+
+
 def _count_identity(dask_scheduler=None) -> None:
     """Wrap the scheduler's ``identity`` handler with a counter (once)."""
     handler = dask_scheduler.handlers["identity"]
@@ -247,3 +257,84 @@ def test_a_fit_s_set_up_sends_each_per_worker_phase_as_one_graph(client):
     for prefix in ("load_shard", "stats_of", "dasktf-replica"):
         placed = [v for k, v in where.items() if key_split(k) == prefix]
         assert sorted(w for (w,), loose in placed if not loose) == workers, (prefix, placed)
+
+
+def _count_handlers(dask_scheduler=None) -> None:
+    """Wrap every RPC and stream handler of the scheduler with a call counter by op
+    (once; as benchmarks/handler_cpu.py does for their CPU)."""
+    import functools
+    import inspect
+    from collections import Counter
+
+    s = dask_scheduler
+    if hasattr(s, "dasktf_test_calls"):
+        return
+    calls = s.dasktf_test_calls = Counter()
+
+    def wrap(op, fn):
+        if inspect.iscoroutinefunction(fn):
+            @functools.wraps(fn)
+            async def counted_async(*args, **kwargs):
+                calls[op] += 1
+                return await fn(*args, **kwargs)
+            return counted_async
+
+        @functools.wraps(fn)
+        def counted(*args, **kwargs):
+            calls[op] += 1
+            return fn(*args, **kwargs)
+        return counted
+
+    for table in (s.stream_handlers, s.handlers):
+        for op, fn in list(table.items()):
+            if op != "run_function":  # the test's own reads
+                table[op] = wrap(op, fn)
+
+
+def _handler_calls(dask_scheduler=None) -> dict[str, int]:
+    out = dict(dask_scheduler.dasktf_test_calls)
+    dask_scheduler.dasktf_test_calls.clear()
+    return out
+
+
+def test_a_waiting_client_hears_of_its_workers_from_the_watcher_not_a_poll(client,
+                                                                          digits):
+    """A p2p fit's waits (the set-up's, the epochs', the end's) read the membership
+    watcher's events every poll and ask the scheduler which workers it lists at
+    most every ``dasktf.membership-backstop``: with a poll every 20 ms, a handful of
+    ``ncores`` questions a fit, not one a poll (issue 39: ~11 of a short 8-worker
+    fit's ~210 messages to the scheduler); and the shards and the validation pieces
+    reach the workers with one ``update_data`` message each, where a scatter per
+    worker was two messages per worker (``ncores_running``, ``update_data``); and
+    the plugins are registered by the client's first fit only."""
+    client.run_on_scheduler(_count_handlers)
+    x, y = digits.x_train[:960], digits.y_train[:960]
+    val = digits.x_train[960:1200], digits.y_train[960:1200]
+    client.run_on_scheduler(_handler_calls)  # forget earlier calls
+    # many polls; the backstop's question once (a loaded machine's fit of several
+    # times 10 s would ask a few times more)
+    with dask.config.set({"dasktf.poll-interval": "20ms",
+                          "dasktf.membership-backstop": "1h"}):
+        history = dasktf.fit("mnist-mlp", x, y, client=client, n_workers=3, epochs=3,
+                             batch_size=48, seed=0, verbose=0, engine="p2p",
+                             validation_data=val)
+    calls = client.run_on_scheduler(_handler_calls)
+    assert len(history.history["val_loss"]) == 3
+    # the end of each set-up phase (5) and end phase (4), which ask always (a worker
+    # dropped in one is named with it: dasktf.run.setup), and the end's release; one
+    # a poll would be hundreds (the fit takes seconds at 20 ms a poll: 630 before)
+    assert calls.get("ncores", 0) <= 10, calls
+    assert calls.get("update_data", 0) == 2, calls  # the shards, the validation pieces
+    assert calls.get("ncores_running", 0) == 0, calls
+    assert calls.get("register_worker_plugin", 0) >= 1, calls  # TensorFlow's, p2p's
+    assert calls.get("register_scheduler_plugin", 0) >= 1, calls
+
+    # a second fit on this client registers no plugin again: the scheduler keeps
+    # them (dasktf.cluster.plugins; every fit registered 2 worker plugins, one of
+    # them sent to every worker again, and 3 scheduler plugins)
+    again = dasktf.fit("mnist-mlp", x, y, client=client, n_workers=3, epochs=1,
+                       batch_size=48, seed=0, verbose=0, engine="p2p")
+    calls = client.run_on_scheduler(_handler_calls)
+    assert len(again.history["loss"]) == 1
+    for op in ("register_worker_plugin", "register_scheduler_plugin"):
+        assert calls.get(op, 0) == 0, (op, calls)

@@ -60,6 +60,7 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 
 from dasktf import config
 from dasktf.cluster.membership import TOPIC
+from dasktf.cluster.plugins import register_once
 
 if TYPE_CHECKING:
     from distributed import Client, Scheduler
@@ -373,7 +374,8 @@ class LivenessWatch:
         if on_client_lost is not None:
             function, args = on_client_lost
             self._lease.update(cleanup=pickle.dumps(function), cleanup_args=pickle.dumps(args))
-        client.register_plugin(LivenessPlugin(), name=PLUGIN_NAME)
+        register_once(client, PLUGIN_NAME, lambda: client.register_plugin(
+            LivenessPlugin(), name=PLUGIN_NAME))
 
     def watch(self, workers: list[str]) -> None:
         """Watch ``workers`` (the run's, now); a no-op when they did not change."""

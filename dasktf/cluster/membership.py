@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from distributed.diagnostics.plugin import SchedulerPlugin
 
+from dasktf.cluster.plugins import register_once
+
 if TYPE_CHECKING:
     from distributed import Client, Scheduler
 
@@ -62,7 +64,10 @@ class MembershipWatcher:
         self._lock = threading.Lock()
         self.changes: list[Change] = []
         self.changed = threading.Event()
-        client.register_plugin(MembershipPlugin(), name=PLUGIN_NAME)
+        #: when :meth:`backstop_due` last said yes (``None``: never)
+        self._asked: float | None = None
+        register_once(client, PLUGIN_NAME, lambda: client.register_plugin(
+            MembershipPlugin(), name=PLUGIN_NAME))
         client.subscribe_topic(TOPIC, self._on_event)
 
     def _on_event(self, event: Any) -> None:
@@ -78,6 +83,20 @@ class MembershipWatcher:
         """The removals of any of ``workers`` seen so far."""
         with self._lock:
             return [c for c in self.changes if c.action == "removed" and c.worker in workers]
+
+    def backstop_due(self, every: float, asking: bool = False) -> bool:
+        """Whether a check of the membership should also ask the scheduler which
+        workers it lists: the first time, then at most every ``every`` seconds
+        (``asking``: the caller asks anyway; the next is due ``every`` from now).
+        Between two, the events alone answer (a removal reaches the watcher as it
+        happens); the question covers one that never arrived (a subscription made
+        after the removal, a connection to the scheduler that dropped meanwhile)."""
+        now = time.monotonic()
+        with self._lock:
+            if not asking and self._asked is not None and now - self._asked < every:
+                return False
+            self._asked = now
+            return True
 
     def added_since(self, since: float, exclude: list[str]) -> list[str]:
         """Workers added after ``since`` (client time) that are not in ``exclude``

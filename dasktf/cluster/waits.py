@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from distributed import wait
 
-from dasktf import config
+from dasktf import compat, config
 from dasktf.cluster.deadline import Deadline, poll_until
 from dasktf.cluster.local import listed_workers
 from dasktf.exceptions import (
@@ -124,16 +124,27 @@ def _await_removal(ctx: RunContext, seconds: float) -> None:
         poll_until(lambda: bool(watcher.removed(ctx.workers)), seconds, 0.02)
 
 
-def lost_workers(ctx: RunContext, wait: float = 0.0) -> list[str]:
+def lost_workers(ctx: RunContext, wait: float = 0.0, *, ask: bool = False) -> list[str]:
     """The run's workers that left the cluster: those the membership watcher heard
     of, else those the scheduler no longer lists. ``wait``: first give the
-    scheduler's notice that long to arrive (a failed call is often the first sign)."""
+    scheduler's notice that long to arrive (a failed call is often the first sign).
+
+    With a watcher, and no ``wait``, the scheduler is asked at most every
+    ``dasktf.membership-backstop`` (:meth:`~dasktf.cluster.membership.MembershipWatcher.backstop_due`):
+    a waiting client checks every ``poll-interval``, and a question each time was
+    most of the messages a short fit sent the scheduler besides its heartbeats
+    (issue 39). After a ``wait`` (a failed call), and with ``ask`` (the end of a
+    set-up or end phase, which names a worker the scheduler dropped in it with it,
+    not with the next one: the removal's event may still be on its way), always."""
     if wait > 0:
         _await_removal(ctx, wait)
     if ctx.watcher is not None:
         lost = sorted({c.worker for c in ctx.watcher.removed(ctx.workers)})
         if lost:
             return lost
+        if not ctx.watcher.backstop_due(config.get_seconds("membership-backstop"),
+                                        asking=ask or wait > 0):
+            return []
     alive = listed_workers(ctx.client, ctx.workers)
     return [w for w in ctx.workers if w not in alive]
 
@@ -206,6 +217,13 @@ class WatchedClient:
         client = self.ctx.client
         return call_watched(
             self.ctx, lambda: client.scatter(data, asynchronous=True, **kwargs), self.what)
+
+    def scatter_each(self, values: list[Any], workers: list[str]) -> list[Future]:
+        """``values[i]`` scattered to ``workers[i]``: one message to the scheduler
+        for them all (:func:`dasktf.compat.scatter_each`), watched as ``scatter``."""
+        client = self.ctx.client
+        return call_watched(
+            self.ctx, lambda: compat.scatter_each(client, values, workers), self.what)
 
     def gather(self, futures: Any, **kwargs: Any) -> Any:
         try:

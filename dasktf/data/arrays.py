@@ -38,10 +38,9 @@ class ArraySource(Source):
         check_worker_count(self.stats.n, len(workers), batch_size)
         schedule = interleaved_schedule(self.stats.n, batch_size, len(workers))
         rows = interleaved_indices(schedule, batch_size)
-        shards = [
-            client.scatter(self.data.take(r), workers=[w], direct=True, hash=False)  # see Run.build
-            for r, w in zip(rows, workers, strict=True)
-        ]
+        # one message to the scheduler for every worker's shard (WatchedClient's)
+        shards = client.scatter_each(  # type: ignore[attr-defined]
+            [self.data.take(r) for r in rows], workers)
         stats = [dataclasses.replace(self.stats, n=len(r)) for r in rows]
         return PlacedData(shards, stats, schedule)
 

@@ -95,6 +95,6 @@ def place_validation(
 ) -> list[Future] | None:
     """Scatter validation data in contiguous pieces, one per worker, for evaluation."""
     data = validation_shard(validation_data)
-    return [client.scatter(validation_piece(data, i, len(workers)), workers=[w], direct=True,
-                           hash=False)  # see Run.build
-            for i, w in enumerate(workers)]
+    # one message to the scheduler for every worker's piece (WatchedClient's)
+    return client.scatter_each(  # type: ignore[attr-defined, no-any-return]
+        [validation_piece(data, i, len(workers)) for i in range(len(workers))], workers)

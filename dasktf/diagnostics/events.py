@@ -148,6 +148,11 @@ class MetricsBuffer:
         if flush or time.monotonic() - self._last_flush >= self.interval:
             self.flush()
 
+    def take(self) -> list[dict[str, Any]]:
+        """The buffered records, handed to the caller to send (the buffer empties)."""
+        records, self.records = self.records, []
+        return records
+
     def flush(self, worker: Any = None) -> None:
         """Send the buffered records (``worker``: the Worker, outside a task)."""
         if not self.records:

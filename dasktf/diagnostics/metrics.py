@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from dasktf import config
+from dasktf.cluster.plugins import register_once
 from dasktf.diagnostics.events import TOPIC
 
 if TYPE_CHECKING:
@@ -534,8 +535,10 @@ class MetricsStore(SchedulerPlugin):
 
 
 def ensure_store(client: Client) -> None:
-    """Register a :class:`MetricsStore` on ``client``'s scheduler unless one is there."""
-    client.register_plugin(MetricsStore(), name=PLUGIN_NAME)
+    """Register a :class:`MetricsStore` on ``client``'s scheduler unless one is there
+    (or this client registered it over its connection: :mod:`dasktf.cluster.plugins`)."""
+    register_once(client, PLUGIN_NAME, lambda: client.register_plugin(
+        MetricsStore(), name=PLUGIN_NAME))
 
 
 async def fetch_async(client: Client, run: str | None = None,

@@ -77,7 +77,8 @@ class EndGuard:
                     raise
                 self._recover(phase, lost, exc)
                 continue
-            lost = lost_workers(self.ctx)  # gone without the phase's calls noticing
+            # gone without the phase's calls noticing
+            lost = lost_workers(self.ctx, ask=True)
             if lost:
                 self._recover(phase, lost, None)
             return result
@@ -86,7 +87,7 @@ class EndGuard:
         """Take the lost workers out of the run, or raise (see the module)."""
         ctx = self.ctx
         detected = time.time()
-        lost = sorted((set(named) | set(lost_workers(ctx))) & set(ctx.workers))
+        lost = sorted((set(named) | set(lost_workers(ctx, ask=True))) & set(ctx.workers))
         if not lost:  # nothing of the run to go on without: not a loss this guard owns
             if cause is not None:
                 raise cause

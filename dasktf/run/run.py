@@ -416,7 +416,9 @@ class Run:
                 last_update = (epoch + 1) * engine.units(self.ctx.steps_per_epoch) - 1
                 history.rounds.extend({"epoch": epoch, **r}
                                       for r in engine.round_records())
-                self.publish(epoch_record(self.run_id, epoch, last_update, logs))
+                # with the step records the replicas handed over (EpochReport.records)
+                self.publish(epoch_record(self.run_id, epoch, last_update, logs),
+                             steps=[r for rep in reports for r in rep.records or ()])
                 # ReduceLROnPlateau: before the checkpoint; after the last epoch, a
                 # loss there is the run's end's (dasktf.run.ending)
                 end_epoch = functools.partial(_end_epoch, relay, guard, engine, epoch,
@@ -483,12 +485,14 @@ class Run:
             local_steps=local.steps if local is not None else 1,
         )
 
-    def publish(self, record: dict[str, Any]) -> None:
-        """Send a run record to the scheduler's MetricsStore; never fails the run."""
+    def publish(self, record: dict[str, Any], steps: list[dict[str, Any]] | None = None
+                ) -> None:
+        """Send a run record to the scheduler's MetricsStore (``steps``: step records
+        before it, in the same message); never fails the run."""
         try:
             if record["kind"] == "run_start":
                 ensure_store(self.client)
-            publish(self.client, record)
+            publish(self.client, *steps or (), record)
         except Exception:
             logger.warning("publishing the %s record of run %s failed",
                            record["kind"], self.run_id, exc_info=True)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import pickle
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -36,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 from dasktf import compat, config
 from dasktf.cluster.deadline import poll_until
 from dasktf.cluster.local import alive_workers
+from dasktf.cluster.plugins import register_once
 from dasktf.cluster.waits import call_watched, lost_workers
 from dasktf.diagnostics.events import recovered_record, worker_lost_records
 from dasktf.exceptions import AllWorkersLostError, DasktfError, WorkerLostError
@@ -106,7 +108,8 @@ class SetupGuard:
             raise WorkerLostError(
                 f"Worker(s) {lost} left the cluster during {name} "
                 f"({type(exc).__name__}: {exc}).", lost, phase=name) from exc
-        lost = lost_workers(self.ctx)  # gone without any call of the phase noticing
+        # gone without any call of the phase noticing
+        lost = lost_workers(self.ctx, ask=True)
         if lost:
             raise WorkerLostError(f"Worker(s) {lost} left the cluster during {name}.",
                                   lost, phase=name)
@@ -118,7 +121,7 @@ class SetupGuard:
         detected = time.time()
         self._detected = self._detected or detected
         phase = loss.phase or "the set-up"
-        lost = sorted(set(loss.workers) | set(lost_workers(ctx)))
+        lost = sorted(set(loss.workers) | set(lost_workers(ctx, ask=True)))
         survivors = [w for w in ctx.workers if w not in lost]
         why = ("on_worker_loss='raise' stops the run. Restart the worker(s), or "
                "pass on_worker_loss='recover' to go on with the others"
@@ -174,10 +177,17 @@ def register_worker_plugin(ctx: RunContext, plugin: Any, what: str) -> None:
     and fails the whole call (``CommClosedError``) if any of them dies meanwhile.
     A worker of the run: :class:`WorkerLostError` (:func:`call_watched`). A worker
     outside the run: the plugin is already stored for the others, so the call is
-    made again once the scheduler has dropped that worker.
+    made again once the scheduler has dropped that worker. Once per client and
+    scheduler connection for a plugin of the same settings (its pickle)
+    (:mod:`dasktf.cluster.plugins`): the scheduler keeps it for every worker.
     """
-    client = ctx.client
     name = getattr(plugin, "name", type(plugin).__name__)
+    register_once(ctx.client, (name, pickle.dumps(plugin)),
+                  lambda: _register_worker_plugin(ctx, plugin, name, what))
+
+
+def _register_worker_plugin(ctx: RunContext, plugin: Any, name: str, what: str) -> None:
+    client = ctx.client
     idempotent = bool(getattr(plugin, "idempotent", False))
     attempts = 3
     for attempt in range(attempts):

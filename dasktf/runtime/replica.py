@@ -94,6 +94,8 @@ class EpochReport:
     #: the seed generators' states, with the weights (the client's model goes on
     #: drawing where this replica stopped, as after a Keras ``fit``)
     seeds: list[np.ndarray] | None = None
+    #: step records it did not send: the client publishes them with the epoch's record
+    records: list[dict[str, Any]] | None = None
 
 
 class Replica:

@@ -21,17 +21,18 @@ def epoch_report(replica: Replica, with_weights: bool,
     ``statistics``: the replicas' averaged moving statistics (BatchNormalization's),
     which replace this replica's own first, so validation, the weights reported, the
     checkpoint and the next epoch all use statistics of the whole data and the
-    replicas agree again. Then the step records still buffered go out, and the
-    report takes the metric states (reset after), validation on this replica's
-    piece, the weights (and the seed streams) if asked, the byte ledger and the
-    rounds' log.
+    replicas agree again. Then the step records still buffered go out (``flush``;
+    else the report takes them, :attr:`EpochReport.records`), and the report takes
+    the metric states (reset after), validation on this replica's piece, the
+    weights (and the seed streams) if asked, the byte ledger and the rounds' log.
     """
     from distributed import get_worker
 
     if statistics is not None:
         replica.set_non_trainable(statistics)
-    if flush:  # (``False``: the caller's next steps or its end send them)
+    if flush:
         replica.events.flush()
+    records = None if flush else replica.events.take() or None
     train = replica.metric_states()
     replica.model.reset_metrics()
     val = replica.evaluate()
@@ -41,4 +42,5 @@ def epoch_report(replica: Replica, with_weights: bool,
     ledger = traffic(replica.run_id) if replica.comm is not None else None
     rounds = replica.rounds.take_log() if replica.rounds is not None else None
     return EpochReport(get_worker().address, train, val, weights, seconds, ledger,
-                       rounds=rounds, seeds=replica.seed_values() if with_weights else None)
+                       rounds=rounds, seeds=replica.seed_values() if with_weights else None,
+                       records=records)

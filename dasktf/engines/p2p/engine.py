@@ -63,6 +63,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dasktf import compat, config
+from dasktf.cluster.plugins import register_once
 from dasktf.cluster.waits import RunContext, call_watched
 from dasktf.engines.base import Capabilities, Engine, RunHooks
 from dasktf.engines.mirrored import Mirrored
@@ -157,10 +158,12 @@ class P2PEngine(Mirrored, Engine):
 
     def prepare(self) -> None:
         """Put the collective handlers on every worker (idempotent: the first one
-        registered stays; the scheduler gives it to workers that join)."""
+        registered stays; the scheduler gives it to workers that join), once per
+        client and scheduler connection (:mod:`dasktf.cluster.plugins`)."""
         client = self.ctx.client
-        call_watched(self.ctx, lambda: compat.register_worker_plugin(
-            client, P2PPlugin(), PLUGIN_NAME, True), "registering the p2p handlers")
+        register_once(client, PLUGIN_NAME, lambda: call_watched(
+            self.ctx, lambda: compat.register_worker_plugin(
+                client, P2PPlugin(), PLUGIN_NAME, True), "registering the p2p handlers"))
 
     def run_epoch(self, epoch: int, on_step: Callable[[int], None] | None = None,
                   start: int = 0) -> list[EpochReport]:

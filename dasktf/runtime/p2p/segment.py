@@ -150,9 +150,10 @@ def _segment(replica: Replica, group: Group, segment: Segment, peers: Link, here
                 replica, group, segment.update_base + last + 1)
         # Inside a span only the replica whose records carry the global loss sends
         # its buffered records at each epoch end (the client hears the epoch's last
-        # losses before its results); the others' go by ``metrics-interval`` or at
-        # the span's end: N messages an epoch were most of a short fit's metrics
-        # messages to the scheduler.
+        # losses before its results); the others hand theirs to the client with the
+        # epoch's report, which publishes them with the epoch's record in one
+        # message (N messages an epoch, or at the span's end, were most of a short
+        # fit's metrics messages to the scheduler: issue 39).
         report = epoch_report(replica, group.rank == 0, statistics,
                               flush=not segment.spans or replica.events.reports_loss)
     else:  # the client hears the segment's last losses before its results
