@@ -70,8 +70,7 @@ class ReplicaConfig:
     comm: Any = None
     #: rounds of local steps (:class:`dasktf.runtime.rounds.LocalSpec`); None: sync steps
     local: LocalSpec | None = None
-    #: the optimizer is cut into slices at the first step (``shard_state``)
-    sliced: bool = False
+    sliced: bool = False  #: the optimizer cut into slices at the first step (shard_state)
 
 
 @dataclass
@@ -94,8 +93,7 @@ class EpochReport:
     #: the seed generators' states, with the weights (the client's model goes on
     #: drawing where this replica stopped, as after a Keras ``fit``)
     seeds: list[np.ndarray] | None = None
-    #: step records it did not send: the client publishes them with the epoch's record
-    records: list[dict[str, Any]] | None = None
+    records: list[dict[str, Any]] | None = None  #: unsent step records (the client's to publish)
 
 
 class Replica:
