@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -13,10 +14,10 @@ from click.testing import CliRunner
 from dasktf.cli import main
 
 
-def _dasktf(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+def _dasktf(*args: str, timeout: float = 240, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "dasktf.cli", *args],
-        capture_output=True, text=True, timeout=timeout,
+        capture_output=True, text=True, timeout=timeout, env={**os.environ, **env},
     )
 
 
@@ -58,8 +59,12 @@ def test_bad_arguments_exit_2_with_a_reason(args, message):
 @pytest.mark.slow
 def test_unreachable_scheduler_exits_1_naming_it():
     start = time.monotonic()
-    proc = _dasktf("fit", "--scheduler", "tcp://127.0.0.1:1", "--epochs", "1", timeout=60)
+    # Nothing listens there: any connect timeout ends the same way; a short one
+    # spares the test the default's 10 s of retries (the message names the one used).
+    proc = _dasktf("fit", "--scheduler", "tcp://127.0.0.1:1", "--epochs", "1", timeout=60,
+                   DASK_DASKTF__CONNECT_TIMEOUT="1s")
     assert proc.returncode == 1
     errors = [line for line in proc.stderr.splitlines() if line.startswith("Error:")]
     assert len(errors) == 1 and "tcp://127.0.0.1:1" in errors[0], proc.stderr
+    assert "within 1s" in errors[0], proc.stderr  # the setting reached the command
     assert time.monotonic() - start < 30  # includes the interpreter and TF import

@@ -163,6 +163,18 @@ def test_spawned_processes_start_with_the_filter_and_keep_their_own_sitecustomiz
     assert output.split() == ["True", "ran", "False"], output
 
 
+def test_spawned_processes_skip_the_last_garbage_collection_at_exit():
+    """Their exit handlers end by freezing the heap, so the interpreter's shutdown
+    does not walk TensorFlow's millions of objects (a worker then exits within its
+    Nanny's wait instead of being SIGKILLed); a process started without the
+    variable is left as it was."""
+    code = "import atexit, gc; atexit._run_exitfuncs(); print(gc.get_freeze_count() > 0)"
+    spawned = _run([sys.executable, "-c", code], timeout=60, **quiet.spawn_env("1"))
+    assert spawned.split() == ["True"], spawned
+    env = {**quiet.spawn_env("1"), quiet.ENABLE_ENV: "0"}
+    assert _run([sys.executable, "-c", code], timeout=60, **env).split() == ["False"]
+
+
 def test_the_filter_is_not_installed_at_level_zero_or_twice(monkeypatch):
     # (in-process CLI tests may have left one, for a TensorFlow not imported yet)
     monkeypatch.setattr(sys, "meta_path", [f for f in sys.meta_path

@@ -15,10 +15,12 @@ import sys
 import time
 from collections.abc import Iterator
 
+import dask
 import keras
 import pytest
 
 import dasktf
+from dasktf.testing import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -27,6 +29,15 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _accepts(address: str) -> bool:
+    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=1).close()
+    except OSError:
+        return False
+    return True
 
 
 @pytest.fixture
@@ -42,6 +53,8 @@ def scheduler_and_workers() -> Iterator[tuple[str, subprocess.Popen]]:
         [dask, "worker", address, "--nthreads", "1", "--no-nanny", "--no-dashboard",
          "--host", "127.0.0.1"], **quiet) for _ in range(2)]
     try:
+        # listening before the run connects: its connect timeout is short (below)
+        wait_until(lambda: _accepts(address), 60, f"the scheduler at {address}")
         yield address, procs[0]
     finally:
         for p in procs:
@@ -68,7 +81,10 @@ def test_losing_the_scheduler_names_it_and_the_last_checkpoint(
     x, y = small_digits
     killer = _KillScheduler(scheduler, step=25)
     start = time.monotonic()
-    with pytest.raises(dasktf.SchedulerUnreachableError) as info:
+    # The client gives up reconnecting after dasktf.connect-timeout (10 s): the
+    # scheduler is gone for good, so 3 s ends the same way, sooner.
+    with dask.config.set({"dasktf.connect-timeout": "3s"}), \
+            pytest.raises(dasktf.SchedulerUnreachableError) as info:
         dasktf.fit("mnist-mlp", x, y, scheduler=address, n_workers=2, epochs=50,
                    batch_size=32, checkpoint_dir=str(tmp_path), checkpoint_every=10,
                    callbacks=[killer], verbose=0)

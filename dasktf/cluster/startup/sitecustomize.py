@@ -4,7 +4,8 @@
 Python's ``site`` imports this module before the process runs anything else: before
 ``multiprocessing`` re-imports a user script that imports keras at its top. It
 installs the filter of TensorFlow's start-up lines (loading ``quiet.py`` by path:
-no dasktf, no dask), then hands over to the ``sitecustomize`` it shadows, if any.
+no dasktf, no dask), spares it the last garbage collection at exit (below), then
+hands over to the ``sitecustomize`` it shadows, if any.
 Nothing here may fail a process: the variable may reach other Pythons.
 """
 
@@ -14,6 +15,18 @@ import sys
 _here = os.path.dirname(os.path.abspath(__file__))
 
 if os.environ.get("DASKTF_QUIET_TF_IMPORT") == "1":
+    # At exit, after every other exit handler (registered first, run last): keep
+    # the objects alive then out of the interpreter's last cyclic collection. With
+    # TensorFlow loaded it walks a heap of millions of objects for 3-4 s, past a
+    # Nanny's 4 s wait for its worker to exit (it then SIGKILLs it, which skips the
+    # rest of the shutdown anyway). Exit handlers run and the standard streams are
+    # flushed as before; only finalizers of objects in reference cycles, which
+    # Python never promises at exit, are skipped.
+    import atexit
+    import gc
+
+    atexit.register(gc.freeze)
+
     try:
         import importlib.util
 
