@@ -175,6 +175,14 @@ def test_spawned_processes_skip_the_last_garbage_collection_at_exit():
     assert _run([sys.executable, "-c", code], timeout=60, **env).split() == ["False"]
 
 
+def test_the_command_skips_the_last_garbage_collection_at_exit():
+    """``dasktf``'s own process too: its exit handlers end by freezing the heap."""
+    code = ("import atexit, gc; from dasktf.cli import main; "
+            "main(['info', '--help'], standalone_mode=False); "
+            "atexit._run_exitfuncs(); print(gc.get_freeze_count() > 0)")
+    assert _run([sys.executable, "-c", code], timeout=120).split()[-1] == "True"
+
+
 def test_the_filter_is_not_installed_at_level_zero_or_twice(monkeypatch):
     # (in-process CLI tests may have left one, for a TensorFlow not imported yet)
     monkeypatch.setattr(sys, "meta_path", [f for f in sys.meta_path
