@@ -59,7 +59,8 @@ if TYPE_CHECKING:
     from distributed.comm import Comm
 
 #: a message: its head's bytes and its out-of-band buffers' count, then each
-#: buffer's length, the head (the key and the payload, pickled), the buffers
+#: buffer's length, the head (the key and the payload, pickled; or with the
+#: ``_ARRAYS`` flag, the payload's dtypes and shapes), the buffers
 _FRAME = struct.Struct("!II")
 #: buffers handed to one ``sendmsg`` (below the kernel's IOV_MAX of 1024)
 _IOV = 64
@@ -191,7 +192,7 @@ def frames(key: Key, payload: Any) -> list[memoryview]:
     its head then holds each one's dtype and shape, and the arrays go as raw
     buffers. Pickling an array (its ``__reduce_ex__``, and its reconstruction at
     the other end) cost about 3x as much CPU, and a sharded step sends a few
-    small messages (docs/sharding.md)."""
+    small messages (docs/p2p.md)."""
     described = _described(payload)
     if described is not None:
         head = pickle.dumps((key.step, key.phase, key.round, key.chunk, described),
