@@ -49,6 +49,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from dasktf.compat import unread_bytes
 from dasktf.exceptions import PeerTimeoutError
 from dasktf.runtime.p2p.mailbox import Key
@@ -57,13 +59,17 @@ if TYPE_CHECKING:
     from distributed.comm import Comm
 
 #: a message: its head's bytes and its out-of-band buffers' count, then each
-#: buffer's length, the head (the key and the payload, pickled), the buffers
+#: buffer's length, the head (the key and the payload, pickled; or with the
+#: ``_ARRAYS`` flag, the payload's dtypes and shapes), the buffers
 _FRAME = struct.Struct("!II")
 #: buffers handed to one ``sendmsg`` (below the kernel's IOV_MAX of 1024)
 _IOV = 64
 #: the last frame a member sends a peer as it leaves the group (an empty head): a
 #: closed connection after it is a departure, without it a lost process
 _BYE = _FRAME.pack(0, 0)
+#: set in a frame's buffer count: the head carries each payload item's dtype and
+#: shape, not the arrays' pickles (see :func:`frames`)
+_ARRAYS = 1 << 31
 #: under TLS, consecutive buffers smaller than this are sent as one (each ``send``
 #: of an ``SSLSocket`` is at least one record: a record and a call per small part)
 _SMALL = 16384
@@ -180,14 +186,53 @@ def detachable(comm: Comm) -> bool:
 
 def frames(key: Key, payload: Any) -> list[memoryview]:
     """``payload`` under ``key`` as the buffers of one message (arrays not copied:
-    they must not change until :meth:`Links.flush` returned)."""
-    buffers: list[pickle.PickleBuffer] = []
-    head = pickle.dumps((key.step, key.phase, key.round, key.chunk, payload),
-                        protocol=5, buffer_callback=buffers.append)
-    raws = [b.raw() for b in buffers]
+    they must not change until :meth:`Links.flush` returned).
+
+    A collective's payload is almost always a tuple of plain arrays (or ``None``):
+    its head then holds each one's dtype and shape, and the arrays go as raw
+    buffers. Pickling an array (its ``__reduce_ex__``, and its reconstruction at
+    the other end) cost about 3x as much CPU, and a sharded step sends a few
+    small messages (docs/p2p.md)."""
+    described = _described(payload)
+    if described is not None:
+        head = pickle.dumps((key.step, key.phase, key.round, key.chunk, described),
+                            protocol=5)
+        raws = [pickle.PickleBuffer(a).raw() for a in payload if a is not None]
+        flag = _ARRAYS
+    else:
+        buffers: list[pickle.PickleBuffer] = []
+        head = pickle.dumps((key.step, key.phase, key.round, key.chunk, payload),
+                            protocol=5, buffer_callback=buffers.append)
+        raws = [b.raw() for b in buffers]
+        flag = 0
     lengths = struct.pack(f"!{len(raws)}Q", *(r.nbytes for r in raws))
-    return [memoryview(_FRAME.pack(len(head), len(raws))), memoryview(lengths),
+    return [memoryview(_FRAME.pack(len(head), len(raws) | flag)), memoryview(lengths),
             memoryview(head), *raws]
+
+
+def _described(payload: Any) -> tuple[tuple[str, tuple[int, ...]] | None, ...] | None:
+    """Each item's ``(dtype, shape)`` (``None`` for ``None``) when ``payload`` is a
+    tuple of plain C-contiguous numeric arrays and ``None``s; else ``None``."""
+    if type(payload) is not tuple:
+        return None
+    out: list[tuple[str, tuple[int, ...]] | None] = []
+    for a in payload:
+        if a is None:
+            out.append(None)
+        elif (type(a) is np.ndarray and a.dtype.kind in "biuf"
+              and a.flags.c_contiguous):
+            out.append((a.dtype.str, a.shape))
+        else:
+            return None
+    return tuple(out)
+
+
+def _arrays(described: tuple[tuple[str, tuple[int, ...]] | None, ...],
+            parts: list[bytearray]) -> tuple[np.ndarray | None, ...]:
+    """The payload :func:`frames` described, on the buffers read (writable)."""
+    it = iter(parts)
+    return tuple(None if d is None else np.frombuffer(next(it), d[0]).reshape(d[1])
+                 for d in described)
 
 
 class _Reader:
@@ -224,8 +269,9 @@ class _Reader:
                 self.departed = True
                 self._start(bytearray(_FRAME.size), "frame")
                 return
-            self._head_size, self._count = head, count
-            self._start(bytearray(8 * count), "lengths")
+            self._head_size, self._count = head, count & ~_ARRAYS
+            self._described = bool(count & _ARRAYS)
+            self._start(bytearray(8 * self._count), "lengths")
         elif self._stage == "lengths":
             self._lengths = list(struct.unpack(f"!{self._count}Q", self._buf))
             self._start(bytearray(self._head_size), "head")
@@ -237,8 +283,12 @@ class _Reader:
             if len(self._parts) < self._count:
                 self._start(bytearray(self._lengths[len(self._parts)]), "buffer")
                 return
-            step, phase, round_, chunk, payload = pickle.loads(self._head,
-                                                               buffers=self._parts)
+            if self._described:
+                step, phase, round_, chunk, described = pickle.loads(self._head)
+                payload = _arrays(described, self._parts)
+            else:
+                step, phase, round_, chunk, payload = pickle.loads(self._head,
+                                                                   buffers=self._parts)
             self._parts = []
             self._start(bytearray(_FRAME.size), "frame")
             deliver(Key(step, phase, round_, chunk), payload)

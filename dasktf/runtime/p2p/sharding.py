@@ -123,6 +123,10 @@ class ShardOptimizer:
         #: per trainable variable, the flat range of it this slice holds
         self.parts = [(max(lo, s) - s, max(min(hi, s + size), max(lo, s)) - s)
                       for s, size in zip(starts[:-1], self.sizes, strict=True)]
+        #: the variables the slice holds any of: the others' pieces are empty, and
+        #: an update of nothing still costs the apply call its ops (on a small model
+        #: most of a slice's pieces are empty, and ops are most of the call)
+        self.live = [j for j, (a, b) in enumerate(self.parts) if b > a]
         whole = replica.model.optimizer
         why = optimizer_refusal(whole)
         if why is not None:
@@ -196,14 +200,17 @@ class ShardOptimizer:
         examples; the slice's new values (a TF body)."""
         import tensorflow as tf
 
-        for piece, v, (a, b) in zip(self.pieces, self.variables, self.parts, strict=True):
+        live = [(self.pieces[j], self.variables[j], self.parts[j], j) for j in self.live]
+        for piece, v, (a, b), _ in live:
             piece.assign(tf.reshape(v, [-1])[a:b])  # the weights as the model has them
-        grads = tf.split(chunk / count, [b - a for a, b in self.parts])
-        grads = [g * scales[j] for j, g in enumerate(grads)]  # clipping; else ones
-        self.optimizer.apply(grads, self.pieces)
+        grads = tf.split(chunk / count, [b - a for _, _, (a, b), _ in live])
+        if self.clipnorm or self.global_clipnorm or self.loss_scaled:  # else ones
+            grads = [g * scales[j] for g, (_, _, _, j) in zip(grads, live, strict=True)]
+        # (the empty pieces' update is nothing: an iteration is counted per apply)
+        self.optimizer.apply(grads, [piece for piece, *_ in live])
         if self.traced_scale is not None:
             self.traced_scale.assign(self.optimizer.dynamic_scale)
-        return tf.concat([tf.identity(p) for p in self.pieces], 0)
+        return tf.concat([tf.identity(piece) for piece, *_ in live], 0)
 
     def _take_body(self, flat: Any) -> None:
         """Assign the trainable variables from the gathered flat weights, in one
