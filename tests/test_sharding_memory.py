@@ -191,3 +191,15 @@ def test_a_model_only_sharding_fits():
         run(None)
     history = run("gradients")
     assert len(history.history["loss"]) == 2
+
+
+def test_a_slice_of_nothing_applies_and_counts_its_iteration():
+    """More workers than values leaves some slices empty (533 values over 1,000):
+    an empty slice's apply gives nothing and counts the iteration, as a slice
+    with values does (the whole optimizer's iterations are read from any slice)."""
+    replica = _replica()
+    empty, full = ShardOptimizer(replica, 0, 1000), ShardOptimizer(_replica(), 1, 1000)
+    assert empty.edges[1] == empty.edges[0] and full.edges[2] > full.edges[1]
+    assert empty.apply(np.zeros(0, np.float32), 8.0, lambda v: v).shape == (0,)
+    full.apply(np.ones(full.edges[2] - full.edges[1], np.float32), 8.0, lambda v: v)
+    assert int(empty.optimizer.iterations.numpy()) == int(full.optimizer.iterations.numpy()) == 1

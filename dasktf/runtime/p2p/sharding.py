@@ -125,8 +125,11 @@ class ShardOptimizer:
                       for s, size in zip(starts[:-1], self.sizes, strict=True)]
         #: the variables the slice holds any of: the others' pieces are empty, and
         #: an update of nothing still costs the apply call its ops (on a small model
-        #: most of a slice's pieces are empty, and ops are most of the call)
-        self.live = [j for j, (a, b) in enumerate(self.parts) if b > a]
+        #: most of a slice's pieces are empty, and ops are most of the call); a
+        #: slice of nothing (more workers than values) keeps them all: its apply
+        #: still counts the iteration, as the other slices' do
+        self.live = [j for j, (a, b) in enumerate(self.parts) if b > a] or list(
+            range(len(self.parts)))
         whole = replica.model.optimizer
         why = optimizer_refusal(whole)
         if why is not None:
