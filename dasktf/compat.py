@@ -15,7 +15,10 @@ functions that need them (the scheduler imports dasktf without TensorFlow).
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
+import contextlib
+import random
+import threading
+from collections.abc import Awaitable, Iterator
 from importlib.metadata import version
 from typing import Any
 
@@ -244,6 +247,41 @@ def exclude_from_weight_decay(optimizer: Any, variables: list[Any],
     if excluded:
         inner = getattr(optimizer, "inner_optimizer", optimizer)
         inner.exclude_from_weight_decay(var_list=[variables[i] for i in excluded])
+
+
+#: held while a thread seeds Keras and builds from the seed (:func:`keras_seeded`)
+_SEEDING = threading.RLock()
+
+
+@contextlib.contextmanager
+def keras_seeded(seed: int) -> Iterator[None]:
+    """``keras.utils.set_random_seed(seed)`` for the block, with Keras' own draws
+    of Python seeds (an initializer's or a dropout layer's default seed) taken
+    from a private ``random.Random(seed)``: the weights a quiet process's
+    ``set_random_seed(seed)`` then build gives, whatever other threads draw from
+    Python's global ``random`` meanwhile. distributed's event loop does draw
+    from it (``dask.sizeof`` samples the messages it writes, the scheduler's
+    ``gather`` picks workers), so without this two runs of one seed could start
+    from different weights. One block at a time per process. Uses Keras'
+    ``keras.src.random.seed_generator.python_random``; without it: the global
+    seeding alone."""
+    import keras
+
+    with _SEEDING:
+        keras.utils.set_random_seed(seed)
+        try:
+            from keras.src.random import seed_generator
+        except ImportError:
+            seed_generator = None
+        shared = getattr(seed_generator, "python_random", None)
+        if shared is not random:
+            yield
+            return
+        seed_generator.python_random = random.Random(seed)
+        try:
+            yield
+        finally:
+            seed_generator.python_random = shared
 
 
 def output_loss_metrics(model: Any) -> list[Any]:

@@ -272,3 +272,33 @@ def test_exclusions_from_weight_decay_are_read_and_given_to_a_fresh_optimizer():
                   decay_excluded=excluded).compile(replica)
     assert compat.weight_decay_excluded(replica.optimizer,
                                         replica.trainable_variables) == excluded
+
+
+def test_seed_generator_python_random(keras):
+    """Keras' ``seed_generator.python_random``: a seeded build takes its default
+    seeds from a private generator, so another thread's draws from Python's global
+    ``random`` between the seeding and the build (the client's event loop does:
+    ``dask.sizeof`` samples the messages it writes) change no weight."""
+    import random
+
+    from keras.src.random import seed_generator
+
+    assert seed_generator.python_random is random, gone(
+        "keras", "keras.src.random.seed_generator.python_random")
+
+    def build():
+        return keras.Sequential([keras.Input((4,)), keras.layers.Dense(3),
+                                 keras.layers.Dropout(0.5), keras.layers.Dense(2)])
+
+    keras.utils.set_random_seed(3)
+    quiet = build().get_weights()
+    with compat.keras_seeded(3):
+        random.random()  # what the event loop may draw meanwhile
+        seeded = build().get_weights()
+    assert seed_generator.python_random is random  # given back
+    for a, b in zip(quiet, seeded, strict=True):
+        np.testing.assert_array_equal(a, b)
+    keras.utils.set_random_seed(3)
+    random.random()
+    disturbed = build().get_weights()  # the bare seeding is not immune: the test can fail
+    assert any(not np.array_equal(a, b) for a, b in zip(quiet, disturbed, strict=True))

@@ -5,6 +5,7 @@ forms, ``fit`` / ``partial_fit`` through :func:`dasktf.fit`, and the raw outputs
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from typing import Any
@@ -13,6 +14,7 @@ import numpy as np
 from sklearn.base import BaseEstimator
 from sklearn.utils.validation import check_is_fitted, validate_data
 
+from dasktf import compat
 from dasktf.data.structure import is_dask
 from dasktf.estimators.routing import (
     build_loss,
@@ -250,24 +252,25 @@ class KerasEstimator(BaseEstimator):
         parameters (each over the one before)."""
         import keras
 
-        if self.seed is not None:
-            keras.utils.set_random_seed(self.seed)
-        if factory is None:
-            if self.warm_start:
-                return self.model  # trained in place, as Keras' wrappers do
-            return clone_compiled(self.model)
-        kwargs = {**(self.model_kwargs or {}), **plain, **routed(self, "model")}
-        taken = inspect.signature(factory).parameters
-        meta = {**self._meta(), "X_shape_": (X.shape[0], *row_shape(X)),
-                "X_dtype_": getattr(X, "dtype", None),  # None: a DataFrame's columns
-                "input_shape": row_shape(X), "num_outputs": outputs}
-        data = {"X": X, "y": y, "meta": meta}
-        kwargs.update({k: v for k, v in data.items() if k in taken and k not in kwargs})
-        built = ModelSpec(factory=functools.partial(factory, **kwargs),
-                          input_shape=row_shape(X), num_outputs=outputs).build()
-        if not isinstance(built, keras.Model):
-            raise TypeError(f"model() returned a {type(built).__name__}, not a keras.Model.")
-        return built
+        # seeded as Keras' own would be, whatever the client's event loop draws
+        seeded = contextlib.nullcontext() if self.seed is None else compat.keras_seeded(self.seed)
+        with seeded:
+            if factory is None:
+                if self.warm_start:
+                    return self.model  # trained in place, as Keras' wrappers do
+                return clone_compiled(self.model)
+            kwargs = {**(self.model_kwargs or {}), **plain, **routed(self, "model")}
+            taken = inspect.signature(factory).parameters
+            meta = {**self._meta(), "X_shape_": (X.shape[0], *row_shape(X)),
+                    "X_dtype_": getattr(X, "dtype", None),  # None: a DataFrame's columns
+                    "input_shape": row_shape(X), "num_outputs": outputs}
+            data = {"X": X, "y": y, "meta": meta}
+            kwargs.update({k: v for k, v in data.items() if k in taken and k not in kwargs})
+            built = ModelSpec(factory=functools.partial(factory, **kwargs),
+                              input_shape=row_shape(X), num_outputs=outputs).build()
+            if not isinstance(built, keras.Model):
+                raise TypeError(f"model() returned a {type(built).__name__}, not a keras.Model.")
+            return built
 
     # -- predict ----------------------------------------------------------------------------
     def _outputs(self, X: Any) -> Any:

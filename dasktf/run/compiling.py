@@ -12,7 +12,6 @@ loss are checked against that output's units here, on the client.
 from __future__ import annotations
 
 import logging
-import threading
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -250,23 +249,18 @@ def num_outputs(stats: list[ShardStats]) -> int | None:
     return int(np.prod(y.shape or (1,)))
 
 
-#: held while a run seeds Keras and builds its model from the seed
-SEEDED_BUILD = threading.Lock()
-
-
 def reference_model(inputs: RunInputs, stats: list[ShardStats]) -> tuple[Any, Any, Any]:
     """The client-side model, built (or taken) and checked against the data: the
     model, its outputs on a probe batch, and what rebuilds a subclassed model it
     made (``None``: none)."""
-    import keras
 
     o, first, factory = inputs.options, stats[0], None
     model = given_model(inputs)  # a second fit() continues from its weights
     if model is None:
         # Keras' seeds are the process's: two fits in threads of one client must
-        # not draw one's initial weights from the other's seed.
-        with SEEDED_BUILD:
-            keras.utils.set_random_seed(o.seed)
+        # not draw one's initial weights from the other's seed (nor from the
+        # draws of the client's event loop).
+        with compat.keras_seeded(o.seed):
             spec = model_spec(o.model, factory_input_shape(first), num_outputs(stats))
             model = spec.build()
         factory = spec.build

@@ -111,7 +111,6 @@ class Replica:
     ) -> None:
         """``weights``: the model's weights to start from (a recovery's); ``None``:
         the packed model's own."""
-        import keras
         import tensorflow as tf
 
         self.index = index
@@ -123,13 +122,13 @@ class Replica:
         self.seed = config.seed
         self.eval_batch_size = config.eval_batch_size
         self.comm = config.comm
-        keras.utils.set_random_seed(config.seed + index)
 
         # The model and its step live on this worker's one GPU if it has one (it was
         # pinned at spawn); batches are numpy slices on the host.
         self.device = compute_device()
         probe = shard.take(slice(0, 1))
-        with tf.device(self.device), precision_policy(config.mixed_precision) as policy:
+        with compat.keras_seeded(config.seed + index), tf.device(self.device), \
+                precision_policy(config.mixed_precision) as policy:
             # compiled, its optimizer built (and continued where the run continues it)
             model = config.model.build(config.recipe, stream=index, sliced=config.sliced,
                                        policy=policy if config.mixed_precision else None)
