@@ -360,9 +360,12 @@ def share_model(client: Client, package: ModelPackage,
     """Place one copy of ``package`` on each of ``workers`` (all by default).
 
     Tasks then take ``shared.ref`` (a key), never the package: the scheduler and
-    the task graph see a few dozen bytes whatever the model's size.
+    the task graph see a few dozen bytes whatever the model's size. The client
+    sends it to one worker and the workers copy it among themselves (Dask's
+    ``replicate``): the package never passes through the scheduler.
     """
-    future = client.scatter(package, workers=workers, broadcast=True, hash=False)
+    future = client.scatter(package, workers=workers, broadcast=True, direct=True,
+                            hash=False)
     return SharedModel(package.ref(future.key), future, package.nbytes)
 
 

@@ -305,8 +305,10 @@ def test_a_waiting_client_hears_of_its_workers_from_the_watcher_not_a_poll(clien
     ``ncores`` questions a fit, not one a poll (issue 39: ~11 of a short 8-worker
     fit's ~210 messages to the scheduler); and the shards and the validation pieces
     reach the workers with one ``update_data`` message each, where a scatter per
-    worker was two messages per worker (``ncores_running``, ``update_data``); and
-    the plugins are registered by the client's first fit only."""
+    worker was two messages per worker (``ncores_running``, ``update_data``); the
+    model's package and the results travel between the client and the workers,
+    not through the scheduler; and the plugins are registered by the client's
+    first fit only."""
     client.run_on_scheduler(_count_handlers)
     x, y = digits.x_train[:960], digits.y_train[:960]
     val = digits.x_train[960:1200], digits.y_train[960:1200]
@@ -324,8 +326,11 @@ def test_a_waiting_client_hears_of_its_workers_from_the_watcher_not_a_poll(clien
     # dropped in one is named with it: dasktf.run.setup), and the end's release; one
     # a poll would be hundreds (the fit takes seconds at 20 ms a poll: 630 before)
     assert calls.get("ncores", 0) <= 10, calls
-    assert calls.get("update_data", 0) == 2, calls  # the shards, the validation pieces
-    assert calls.get("ncores_running", 0) == 0, calls
+    # the shards, the validation pieces, the model's package (sent by the client to
+    # a worker, which the others copy: never through the scheduler's ``scatter``)
+    assert calls.get("update_data", 0) == 3, calls
+    assert calls.get("scatter", 0) == 0, calls
+    assert calls.get("ncores_running", 0) == 1, calls  # the package's scatter
     assert calls.get("register_worker_plugin", 0) >= 1, calls  # TensorFlow's, p2p's
     assert calls.get("register_scheduler_plugin", 0) >= 1, calls
 

@@ -247,7 +247,7 @@ class Run:
         self._futures = futures
         self._validation_shards = val
         wait_for(self.ctx, futures, "building the replicas", timeout_key="replica-timeout")
-        self.replica_info = self.client.gather(futures)
+        self.replica_info = self.client.gather(futures, direct=True)
 
     # -- the epoch loop -----------------------------------------------------------------
     def _engine_inputs(self) -> EngineInputs:

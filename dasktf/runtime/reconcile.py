@@ -198,12 +198,12 @@ def read_state(ctx: RunContext, update: int | None = None, after: Any = None
     :func:`replica_state_task`)."""
     f = _pinned(ctx, replica_state_task, ctx.run_id, update, after, worker=ctx.workers[0])
     wait_for(ctx, [f], "reading the training state")
-    return f.result()  # type: ignore[no-any-return]
+    return ctx.client.gather(f, direct=True)  # type: ignore[no-any-return]
 
 
 def load_state(ctx: RunContext, state: dict[str, Any]) -> None:
     """Load ``state`` (a checkpoint's, or the run's at a re-form) into every replica."""
-    big = ctx.client.scatter(state, broadcast=True, hash=False)
+    big = ctx.client.scatter(state, broadcast=True, direct=True, hash=False)
     on_every_worker(ctx, "loading the checkpoint into the replicas", set_state_task,
                     ctx.run_id, big)
 
@@ -225,7 +225,7 @@ def round_state(ctx: RunContext, update: int | None, kept_by: list[Any]) -> dict
                                     workers=[w])
                           for w, after in zip(ctx.workers, kept_by, strict=True)])
     wait_for(ctx, futures, "reading the replicas' training states")
-    states = client.gather(futures)
+    states = client.gather(futures, direct=True)
     applied = {s["applied"] for s in states}
     if len(applied) != 1:
         raise RuntimeError(f"replicas read at updates {sorted(applied)}; this is a "

@@ -203,7 +203,7 @@ class CollectiveEngine(Engine):
         from dasktf.cluster.waits import wait_for
 
         client = self.ctx.client
-        big = client.scatter(state, broadcast=True, hash=False)
+        big = client.scatter(state, broadcast=True, direct=True, hash=False)
         futures = [client.submit(collective_load_task, self.ctx.run_id, big,
                                  key=f"dasktf-collective-load-{self.ctx.run_id}-{i}",
                                  workers=[w], allow_other_workers=False)

@@ -153,7 +153,7 @@ class ElasticSyncEngine(SyncEngine):
             )
         self.servers = server_workers(ctx.workers, self.spec.num_ps)
         self.load_servers(restore)
-        state = client.scatter(restore, broadcast=True, hash=False)
+        state = client.scatter(restore, broadcast=True, direct=True, hash=False)
         reconcile.on_every_worker(ctx, "rewinding the surviving replicas to the restore "
                                   "point", set_state_task, ctx.run_id, state, True, True)
         return self.rewound(reached, f"servers on {', '.join(self.servers)}")

@@ -69,7 +69,7 @@ class Flight:
         # for a recomputation that cannot happen; it is a loss like any other)
         futures = self.futures
         results: list[SegmentResult] = call_watched(
-            ctx, lambda: ctx.client.gather(futures, asynchronous=True), what)
+            ctx, lambda: ctx.client.gather(futures, direct=True, asynchronous=True), what)
         self.release()
         return self.agreed(results)
 
@@ -163,7 +163,7 @@ class Flight:
             return {}
         try:
             results: list[SegmentResult] = call_watched(
-                self.ctx, lambda: self.ctx.client.gather(mine, asynchronous=True), what)
+                self.ctx, lambda: self.ctx.client.gather(mine, direct=True, asynchronous=True), what)
         except Exception:  # read from the replicas instead
             logger.debug("run %s: the span's results", self.ctx.run_id, exc_info=True)
             return {}
@@ -234,7 +234,7 @@ class Flight:
                                  for w in survivors):
                 ended = self.agreed([got[w] for w in survivors])
         elif mine and all(f.status == "finished" for f in mine):
-            results = self.ctx.client.gather(mine)
+            results = self.ctx.client.gather(mine, direct=True)
             if all(r.report is not None for r in results):
                 ended = self.agreed(results)
         self.release()
