@@ -33,7 +33,7 @@ from typing import Any
 import cloudpickle
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import scale  # noqa: E402 - the cluster, the probe and the fit window
+import scale
 
 cloudpickle.register_pickle_by_value(scale)  # the probe runs on the scheduler
 
