@@ -203,3 +203,53 @@ def test_worker_states_running_slow_and_lost():
     assert list(rows["state"]) == ["running", "lost", "slow"]
     store.add_records([{"run": "r1", "kind": "run_end", "status": "finished"}])
     assert list(store.fetch()["workers"]["state"]) == ["finished", "lost", "finished"]
+
+
+def test_runs_of_one_client_share_one_subscription_a_topic(client):
+    """Each run hears its own run's loss records, and each run's membership
+    watcher every change, through the client's one subscription to each topic:
+    two runs of one client (fits in threads) no longer take each other's handler,
+    and the one that ends first no longer unsubscribes the other."""
+    from dasktf.cluster import membership
+    from dasktf.diagnostics.events import LOSS_TOPIC, listen_for_losses
+
+    heard: dict[str, list[float]] = {"a": [], "b": []}
+    stop_a = listen_for_losses(client, "run-a", lambda r: heard["a"].append(r["loss"]))
+    stop_b = listen_for_losses(client, "run-b", lambda r: heard["b"].append(r["loss"]))
+
+    def loss(run: str, value: float) -> None:
+        client.log_event(LOSS_TOPIC, {"records": [{"run": run, "loss": value}]})
+
+    # the subscription travels on the client's stream, the events by RPC: a probe
+    # run's loss until one is heard
+    probe: list[float] = []
+    stop_probe = listen_for_losses(client, "probe", probe.append)
+    wait_until(lambda: loss("probe", 0.0) or probe, 10, "the subscription")
+    stop_probe()
+
+    loss("run-a", 1.0)
+    loss("run-b", 2.0)
+    loss("run-c", 3.0)  # another client's run: nobody here listens
+    wait_until(lambda: heard["a"] and heard["b"], 10, "both runs' losses")
+    stop_a()  # run a ends; run b goes on hearing
+    loss("run-a", 4.0)
+    loss("run-b", 5.0)
+    wait_until(lambda: len(heard["b"]) == 2, 10, "run b's second loss")
+    stop_b()
+    assert heard == {"a": [1.0], "b": [2.0, 5.0]}
+
+    first, second = membership.MembershipWatcher(client), membership.MembershipWatcher(client)
+
+    def change(worker: str) -> None:
+        client.log_event(membership.TOPIC, {"action": "removed", "worker": worker,
+                                            "time": time.time()})
+
+    wait_until(lambda: change("probe") or second.removed(["probe"]), 10, "the subscription")
+    change("tcp://198.18.0.9:1")
+    wait_until(lambda: first.removed(["tcp://198.18.0.9:1"]), 10, "the first watcher")
+    wait_until(lambda: second.removed(["tcp://198.18.0.9:1"]), 10, "the second watcher")
+    first.close()  # its run ends; the other's watcher goes on hearing
+    change("tcp://198.18.0.9:2")
+    wait_until(lambda: second.removed(["tcp://198.18.0.9:2"]), 10, "the second watcher")
+    assert not first.removed(["tcp://198.18.0.9:2"])
+    second.close()

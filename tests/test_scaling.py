@@ -307,8 +307,8 @@ def test_a_waiting_client_hears_of_its_workers_from_the_watcher_not_a_poll(clien
     reach the workers with one ``update_data`` message each, where a scatter per
     worker was two messages per worker (``ncores_running``, ``update_data``); the
     model's package and the results travel between the client and the workers,
-    not through the scheduler; and the plugins are registered by the client's
-    first fit only."""
+    not through the scheduler; and the plugins and the losses' subscription are
+    registered by the client's first fit only."""
     client.run_on_scheduler(_count_handlers)
     x, y = digits.x_train[:960], digits.y_train[:960]
     val = digits.x_train[960:1200], digits.y_train[960:1200]
@@ -333,6 +333,10 @@ def test_a_waiting_client_hears_of_its_workers_from_the_watcher_not_a_poll(clien
     assert calls.get("ncores_running", 0) == 1, calls  # the package's scatter
     assert calls.get("register_worker_plugin", 0) >= 1, calls  # TensorFlow's, p2p's
     assert calls.get("register_scheduler_plugin", 0) >= 1, calls
+    # the losses' and the membership's topics: subscribed once by this client (if
+    # this is its first fit), never unsubscribed by a run
+    assert calls.get("subscribe-topic", 0) <= 2, calls
+    assert calls.get("unsubscribe-topic", 0) == 0, calls
 
     # a second fit on this client registers no plugin again: the scheduler keeps
     # them (dasktf.cluster.plugins; every fit registered 2 worker plugins, one of
@@ -341,5 +345,6 @@ def test_a_waiting_client_hears_of_its_workers_from_the_watcher_not_a_poll(clien
                        batch_size=48, seed=0, verbose=0, engine="p2p")
     calls = client.run_on_scheduler(_handler_calls)
     assert len(again.history["loss"]) == 1
-    for op in ("register_worker_plugin", "register_scheduler_plugin"):
+    for op in ("register_worker_plugin", "register_scheduler_plugin", "subscribe-topic",
+               "unsubscribe-topic"):
         assert calls.get(op, 0) == 0, (op, calls)

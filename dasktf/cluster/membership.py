@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from distributed.diagnostics.plugin import SchedulerPlugin
 
-from dasktf.cluster.plugins import register_once
+from dasktf.cluster.plugins import register_once, subscribe_shared
 
 if TYPE_CHECKING:
     from distributed import Client, Scheduler
@@ -68,7 +68,7 @@ class MembershipWatcher:
         self._asked: float | None = None
         register_once(client, PLUGIN_NAME, lambda: client.register_plugin(
             MembershipPlugin(), name=PLUGIN_NAME))
-        client.subscribe_topic(TOPIC, self._on_event)
+        self._unsubscribe = subscribe_shared(client, TOPIC, self._on_event)
 
     def _on_event(self, event: Any) -> None:
         _, msg = event if isinstance(event, tuple) else (None, event)
@@ -113,7 +113,4 @@ class MembershipWatcher:
             return out
 
     def close(self) -> None:
-        try:
-            self.client.unsubscribe_topic(TOPIC)
-        except Exception:  # noqa: BLE001 - a closed client has nothing to unsubscribe
-            pass
+        self._unsubscribe()

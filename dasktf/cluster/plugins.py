@@ -9,10 +9,14 @@ it to every worker too: on a short fit, a few percent of what the scheduler hand
 join), so a client that registered one over its current connection to the
 scheduler does not again; a new connection (a scheduler restarted, a reconnect)
 registers again. A plugin someone unregisters behind dasktf's back is not noticed.
+
+Topic subscriptions likewise (:func:`subscribe_shared`): one per client and
+connection, whose events go to every handler dasktf registered for the topic.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 import weakref
 from collections.abc import Callable, Hashable
@@ -45,3 +49,36 @@ def register_once(client: Any, key: Hashable, register: Callable[[], Any]) -> No
         if entry is None or entry[0]() is not comm:
             entry = _done[client] = (weakref.ref(comm), set())
         entry[1].add(key)
+
+
+class _Fanout:
+    """The handler of a client's one subscription to a topic: every event to
+    each handler registered for it."""
+
+    def __init__(self) -> None:
+        self.handlers: dict[int, Callable[[Any], None]] = {}
+
+    def __call__(self, event: Any) -> None:
+        for handler in list(self.handlers.values()):
+            handler(event)
+
+
+_fanouts: weakref.WeakKeyDictionary[Any, dict[str, _Fanout]] = weakref.WeakKeyDictionary()
+_tokens = itertools.count()
+
+
+def subscribe_shared(client: Any, topic: str, handler: Callable[[Any], None]
+                     ) -> Callable[[], None]:
+    """Call ``handler(event)`` for each event of ``topic`` that reaches ``client``;
+    returns what stops it. ``Client.subscribe_topic`` keeps one handler a topic:
+    when each run subscribed and unsubscribed itself, two runs of one client (fits
+    in threads) took each other's handler and the first to end unsubscribed both;
+    and the two messages were a short fit's (issue 39). So the client subscribes
+    once per connection to the scheduler (again after a reconnect) and stays
+    subscribed, its events going to every handler registered now."""
+    with _lock:
+        fanout = _fanouts.setdefault(client, {}).setdefault(topic, _Fanout())
+        token = next(_tokens)
+        fanout.handlers[token] = handler
+    register_once(client, ("topic", topic), lambda: client.subscribe_topic(topic, fanout))
+    return lambda: fanout.handlers.pop(token, None)  # type: ignore[func-returns-value]

@@ -23,6 +23,7 @@ Async and quorum runs publish ``kind="update"`` records with ``staleness``,
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypedDict
 
 from dasktf import config
@@ -199,6 +200,21 @@ def plain(value: Any) -> Any:
     if hasattr(value, "tolist") and hasattr(value, "dtype"):  # NumPy scalar or array
         return plain(value.tolist())
     return value
+
+
+def listen_for_losses(client: Client, run: str,
+                      callback: Callable[[dict[str, Any]], None]) -> Callable[[], None]:
+    """Call ``callback(record)`` with each :data:`LOSS_TOPIC` record of ``run``
+    that reaches ``client``, through the client's one subscription to the topic
+    (:func:`dasktf.cluster.plugins.subscribe_shared`); returns what stops it."""
+    from dasktf.cluster.plugins import subscribe_shared
+
+    def route(event: Any) -> None:
+        for record in unpack(event):
+            if record.get("run") == run:
+                callback(record)
+
+    return subscribe_shared(client, LOSS_TOPIC, route)
 
 
 def unpack(event: Any) -> list[dict[str, Any]]:

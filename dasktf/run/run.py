@@ -27,12 +27,11 @@ from dasktf.cluster.waits import RunContext, WatchedClient, wait_for
 from dasktf.data.base import PlacedData
 from dasktf.data.validation import place_validation
 from dasktf.diagnostics.events import (
-    LOSS_TOPIC,
     epoch_record,
+    listen_for_losses,
     publish,
     run_end_record,
     run_start_record,
-    unpack,
 )
 from dasktf.diagnostics.metrics import ensure_store
 from dasktf.engines.base import Checkpoint, Engine, RunHooks
@@ -367,7 +366,7 @@ class Run:
         self.publish(self._run_start_record(engine))
         for record in setup.records:  # workers lost while setting up
             self.publish(record)
-        self.client.subscribe_topic(LOSS_TOPIC, self._on_event)
+        stop_listening = listen_for_losses(self.client, self.run_id, self._on_loss)
         self.model.stop_training = False
         cb.on_train_begin()
         ending = EndGuard(self.ctx, self._hooks())
@@ -454,10 +453,7 @@ class Run:
                 raise lost from exc
             raise
         finally:
-            try:
-                self.client.unsubscribe_topic(LOSS_TOPIC)
-            except Exception:  # noqa: BLE001 - a client closed with its scheduler has nothing to unsubscribe, and must not hide why the run ended
-                pass
+            stop_listening()
         self.publish(run_end_record(self.run_id))
         cb.on_train_end()
         history.set_model(self.model)
@@ -503,12 +499,11 @@ class Run:
             print(f"dasktf: {line}", flush=True)  # the CLI's one line per loss
         logger.warning("%s", line)
 
-    def _on_event(self, event: Any) -> None:
-        for record in unpack(event):
-            if record.get("run") == self.run_id and record.get("loss") is not None:
-                self._latest_loss = float(record["loss"])
-                if record.get("loss_step") is not None:
-                    self._heard = int(record["loss_step"])
+    def _on_loss(self, record: dict[str, Any]) -> None:
+        if record.get("loss") is not None:
+            self._latest_loss = float(record["loss"])
+            if record.get("loss_step") is not None:
+                self._heard = int(record["loss_step"])
 
     def heard(self) -> int | None:
         """The newest global update whose loss reached the client (``None``: none)."""
