@@ -249,6 +249,20 @@ def exclude_from_weight_decay(optimizer: Any, variables: list[Any],
         inner.exclude_from_weight_decay(var_list=[variables[i] for i in excluded])
 
 
+def copy_weight_decay_exclusions(source: Any, target: Any) -> None:
+    """Give ``target``, a fresh optimizer made from ``source``'s config (before it
+    is built), ``source``'s exclusions from weight decay, which the config leaves
+    out: Keras' ``Optimizer._exclude_from_weight_decay`` (by variable) and
+    ``_exclude_from_weight_decay_pattern`` (by name). Without them: none."""
+    copied = False
+    for name in ("_exclude_from_weight_decay", "_exclude_from_weight_decay_pattern"):
+        if getattr(source, name, None):
+            setattr(target, name, getattr(source, name))
+            copied = True
+    if copied:
+        target._exclude_from_weight_decay_cache = {}
+
+
 #: held while a thread seeds Keras and builds from the seed (:func:`keras_seeded`)
 _SEEDING = threading.RLock()
 

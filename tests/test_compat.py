@@ -302,3 +302,23 @@ def test_seed_generator_python_random(keras):
     random.random()
     disturbed = build().get_weights()  # the bare seeding is not immune: the test can fail
     assert any(not np.array_equal(a, b) for a, b in zip(quiet, disturbed, strict=True))
+
+
+def test_optimizer_exclude_from_weight_decay_copied(keras):
+    """Keras' ``_exclude_from_weight_decay`` and ``_exclude_from_weight_decay_pattern``:
+    an estimator's ``optimizer__`` parameters make a fresh optimizer from the given
+    one's config, which leaves its exclusions out; they are copied over (they were
+    dropped: every variable decayed)."""
+    from dasktf.estimators.routing import build_optimizer
+
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="a"),
+                              keras.layers.Dense(2, name="b")])
+    adamw = keras.optimizers.AdamW(0.01, weight_decay=0.1)
+    adamw.exclude_from_weight_decay(var_list=[model.layers[0].kernel], var_names=["bias"])
+    for name in ("_exclude_from_weight_decay", "_exclude_from_weight_decay_pattern"):
+        assert hasattr(adamw, name), gone("keras", f"Optimizer.{name}")
+    built = build_optimizer(adamw, {"learning_rate": 0.5})
+    assert built is not adamw and float(built.learning_rate) == 0.5
+    assert compat.weight_decay_excluded(built, model.trainable_variables) == (0, 1, 3)
+    by_class = build_optimizer(keras.optimizers.AdamW, {"weight_decay": 0.1})
+    assert compat.weight_decay_excluded(by_class, model.trainable_variables) == ()

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from dasktf import compat
+
 #: The routes: what each prefix's parameters are given to.
 ROUTES = {
     "model": "the function that builds the model (with model_kwargs)",
@@ -66,7 +68,9 @@ def build_optimizer(spec: Any, params: dict[str, Any]) -> Any:
     if not isinstance(spec, keras.optimizers.Optimizer):
         raise TypeError(f"optimizer__ parameters need an optimizer given as a name, class "
                         f"or instance; got {type(spec).__name__}.")
-    return type(spec).from_config({**spec.get_config(), **params})
+    built = type(spec).from_config({**spec.get_config(), **params})
+    compat.copy_weight_decay_exclusions(spec, built)  # not in the config
+    return built
 
 
 def build_loss(spec: Any, params: dict[str, Any]) -> Any:
