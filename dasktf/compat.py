@@ -288,7 +288,7 @@ def keras_seeded(seed: int) -> Iterator[None]:
         except ImportError:
             seed_generator = None
         shared = getattr(seed_generator, "python_random", None)
-        if shared is not random:
+        if shared is None:
             yield
             return
         seed_generator.python_random = random.Random(seed)
@@ -296,6 +296,38 @@ def keras_seeded(seed: int) -> Iterator[None]:
             yield
         finally:
             seed_generator.python_random = shared
+
+
+@contextlib.contextmanager
+def keras_seeds_apart() -> Iterator[None]:
+    """For the block, Keras' default seeds come from a generator of their own,
+    seeded whenever ``keras.utils.set_random_seed`` seeds Python's: what
+    :func:`keras_seeded` does for one build, for code that seeds Keras and builds
+    models itself (a test's reference models, built while its cluster's event
+    loop, in the same process, draws from Python's ``random``). The same seed
+    gives the same weights as without it. Uses Keras'
+    ``seed_generator.python_random``; without it: nothing changes."""
+    import keras
+
+    try:
+        from keras.src.random import seed_generator
+    except ImportError:
+        seed_generator = None
+    shared = getattr(seed_generator, "python_random", None)
+    if shared is None:
+        yield
+        return
+    own, seed_everything = random.Random(), keras.utils.set_random_seed
+
+    def set_random_seed(seed: int) -> None:
+        seed_everything(seed)
+        own.seed(seed)
+
+    seed_generator.python_random, keras.utils.set_random_seed = own, set_random_seed
+    try:
+        yield
+    finally:
+        seed_generator.python_random, keras.utils.set_random_seed = shared, seed_everything
 
 
 def output_loss_metrics(model: Any) -> list[Any]:

@@ -25,6 +25,22 @@ import dasktf
 MNIST = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "mnist.npz")
 
 
+@pytest.fixture(autouse=True)
+def keras_seeds_of_their_own(request):
+    """A test's own Keras models draw their default seeds from a generator of their
+    own (seeded by ``keras.utils.set_random_seed``, as Python's is): the session
+    cluster's event loop runs in this process and draws from Python's ``random``
+    (``dask.sizeof``, the scheduler's ``gather``), which could give a reference
+    model other initial weights than dasktf's for the same seed."""
+    if request.node.get_closest_marker("keras_global_seeds"):
+        yield
+        return
+    from dasktf import compat
+
+    with compat.keras_seeds_apart():
+        yield
+
+
 @pytest.fixture(scope="session")
 def cluster():
     # A run must never be silently retried elsewhere: fail on the first lost task.

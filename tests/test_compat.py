@@ -274,6 +274,7 @@ def test_exclusions_from_weight_decay_are_read_and_given_to_a_fresh_optimizer():
                                         replica.trainable_variables) == excluded
 
 
+@pytest.mark.keras_global_seeds
 def test_seed_generator_python_random(keras):
     """Keras' ``seed_generator.python_random``: a seeded build takes its default
     seeds from a private generator, so another thread's draws from Python's global
@@ -322,3 +323,30 @@ def test_optimizer_exclude_from_weight_decay_copied(keras):
     assert compat.weight_decay_excluded(built, model.trainable_variables) == (0, 1, 3)
     by_class = build_optimizer(keras.optimizers.AdamW, {"weight_decay": 0.1})
     assert compat.weight_decay_excluded(by_class, model.trainable_variables) == ()
+
+
+@pytest.mark.keras_global_seeds
+def test_keras_seeds_apart_for_a_block(keras):
+    """Under ``keras_seeds_apart`` (every other test's, tests/conftest.py) a draw
+    from Python's ``random`` between ``set_random_seed`` and a build changes no
+    weight, and one seed gives the weights it gives outside; after it, Keras draws
+    from Python's ``random`` again."""
+    import random
+
+    from keras.src.random import seed_generator
+
+    def build():
+        return keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)]).get_weights()
+
+    keras.utils.set_random_seed(4)
+    quiet = build()
+    with compat.keras_seeds_apart():
+        keras.utils.set_random_seed(4)
+        random.random()
+        apart = build()
+        with compat.keras_seeded(4):  # dasktf's own builds inside it
+            seeded = build()
+    for a, b, c in zip(quiet, apart, seeded, strict=True):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(a, c)
+    assert seed_generator.python_random is random
