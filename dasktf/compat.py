@@ -283,19 +283,15 @@ def keras_seeded(seed: int) -> Iterator[None]:
 
     with _SEEDING:
         keras.utils.set_random_seed(seed)
-        try:
-            from keras.src.random import seed_generator
-        except ImportError:
-            seed_generator = None
-        shared = getattr(seed_generator, "python_random", None)
-        if shared is None:
+        source = _keras_seed_source()
+        if source is None:
             yield
             return
-        seed_generator.python_random = random.Random(seed)
+        shared, source.python_random = source.python_random, random.Random(seed)
         try:
             yield
         finally:
-            seed_generator.python_random = shared
+            source.python_random = shared
 
 
 @contextlib.contextmanager
@@ -309,25 +305,31 @@ def keras_seeds_apart() -> Iterator[None]:
     ``seed_generator.python_random``; without it: nothing changes."""
     import keras
 
-    try:
-        from keras.src.random import seed_generator
-    except ImportError:
-        seed_generator = None
-    shared = getattr(seed_generator, "python_random", None)
-    if shared is None:
+    source = _keras_seed_source()
+    if source is None:
         yield
         return
-    own, seed_everything = random.Random(), keras.utils.set_random_seed
+    shared, own, seed_everything = source.python_random, random.Random(), keras.utils.set_random_seed
 
     def set_random_seed(seed: int) -> None:
         seed_everything(seed)
         own.seed(seed)
 
-    seed_generator.python_random, keras.utils.set_random_seed = own, set_random_seed
+    source.python_random, keras.utils.set_random_seed = own, set_random_seed
     try:
         yield
     finally:
-        seed_generator.python_random, keras.utils.set_random_seed = shared, seed_everything
+        source.python_random, keras.utils.set_random_seed = shared, seed_everything
+
+
+def _keras_seed_source() -> Any:
+    """Keras' ``keras.src.random.seed_generator``, whose ``python_random`` gives
+    the default seeds (``None``: not in this Keras)."""
+    try:
+        from keras.src.random import seed_generator
+    except ImportError:
+        return None
+    return seed_generator if hasattr(seed_generator, "python_random") else None
 
 
 def output_loss_metrics(model: Any) -> list[Any]:
