@@ -34,6 +34,8 @@ logger = logging.getLogger(__name__)
 #: the one byte a peer answers a direct connection with, on the raw socket (``LOOP``:
 #: through Tornado, whose socket that end could not take: use the event loop)
 READY, CLOSED, LOOP = b"R", b"C", b"L"
+#: how long a member a peer refused with ``CLOSED`` waits for the abort that says why
+CLOSED_GRACE = 5.0
 
 
 async def accept(comm: Comm, ep: Endpoint | None, group: str, source: int) -> None:
@@ -100,6 +102,11 @@ def open_direct(worker: Worker, ep: Endpoint, rank: int) -> Channel | None:
         return None
     if answer != READY:
         sock.close()
+        if answer == CLOSED:
+            # It closed the group: the group failed there, and the abort that says
+            # why is on its way here (an abort goes to every member). Wait for it a
+            # little rather than declare the peer lost (and tell everyone so).
+            concurrent.futures.wait([ep.mailbox.failed], min(timeout, CLOSED_GRACE))
         raise ConnectionError(
             f"peer {address} refused a direct connection for group {ep.gid} "
             f"({'it closed the group' if answer == CLOSED else 'no answer'})")
