@@ -127,6 +127,29 @@ def register_worker_plugin(client: Any, plugin: Any, name: str,
     return register(plugin, name, idempotent)
 
 
+async def run_in_worker_thread(worker: Any, func: Any, *args: Any) -> Any:
+    """``func(*args)`` in ``worker``'s thread pool (its ``"default"`` executor, where
+    its tasks run), with ``get_worker()`` answering ``worker`` there as in a task:
+    distributed's ``_worker_cvar`` set for the call, as ``Worker.execute`` sets it
+    (:mod:`dasktf.cluster.calls`: a call made over the client's connection to the
+    worker, which costs the scheduler nothing where a task costs it about 1 ms).
+    Without it: the call runs in the pool, and code of it that asks
+    ``get_worker()`` fails with distributed's "No worker found"."""
+    from distributed.utils import run_in_executor_with_context
+
+    try:
+        from distributed.worker import _worker_cvar
+    except ImportError:
+        _worker_cvar = None
+    token = None if _worker_cvar is None else _worker_cvar.set(worker)
+    try:
+        return await run_in_executor_with_context(worker.executors["default"], func,
+                                                  *args)
+    finally:
+        if token is not None:
+            _worker_cvar.reset(token)
+
+
 def start_workers(cluster: Any) -> None:
     """Wait until ``cluster`` (a ``SpecCluster``) started the workers its spec
     names: distributed's ``SpecCluster._correct_state``, as ``LocalCluster`` does

@@ -95,6 +95,20 @@ def test_client_register_worker_plugin():
     assert inspect.iscoroutinefunction(register)
 
 
+def test_worker_cvar():
+    """What :func:`dasktf.compat.run_in_worker_thread` sets for ``get_worker()``:
+    distributed's ``_worker_cvar``, the context variable ``get_worker`` reads."""
+    import contextvars
+    import inspect
+
+    from distributed import get_worker, worker
+
+    cvar = getattr(worker, "_worker_cvar", None)
+    assert isinstance(cvar, contextvars.ContextVar), gone("distributed", "worker._worker_cvar")
+    assert "_worker_cvar.get()" in inspect.getsource(get_worker), gone(
+        "distributed", "get_worker() reading _worker_cvar")
+
+
 def test_client_scatter_names():
     """What :func:`dasktf.compat.scatter_each` does as ``Client._scatter`` does: the
     client's ``rpc`` pool and ``futures`` states, ``FutureState.finish(type=)``."""

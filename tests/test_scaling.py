@@ -227,11 +227,13 @@ def _load(index, n):
 
 def test_a_fit_s_set_up_sends_each_per_worker_phase_as_one_graph(client):
     """The set-up's tasks, one per worker each (the shards a loader builds and their
-    stats, the replicas), reach the scheduler as one update-graph message each, not
-    N (the scheduler's fixed cost per message was most of a short fit's:
+    stats), reach the scheduler as one update-graph message each, not N (the
+    scheduler's fixed cost per message was most of a short fit's:
     benchmarks/scale.py --whole-fit), every one of them still pinned to its own
-    worker, never moved; and the end reads the updates each replica applied from
-    the spanning segment's results, with no task of its own."""
+    worker, never moved; the replicas are built with no task at all (over the
+    client's connections to the workers: dasktf.cluster.calls), each on its worker;
+    and the end reads the updates each replica applied from the spanning segment's
+    results, with no task of its own."""
     from distributed.utils import key_split
 
     client.register_plugin(SetUpGraphs())
@@ -247,14 +249,14 @@ def test_a_fit_s_set_up_sends_each_per_worker_phase_as_one_graph(client):
     graphs: dict[str, list[int]] = {}
     for key, graph in sent_in.items():
         graphs.setdefault(key_split(key), []).append(graph)
-    # one graph for the shards and their stats, one for the replicas, one for the
-    # segments: each of 3 tasks; none to read the applied updates
+    # one graph for the shards and their stats, one for the segments: each of 3
+    # tasks; none to build the replicas, none to read the applied updates
     assert graphs["load_shard"] == graphs["stats_of"] == [graphs["load_shard"][0]] * 3
-    for prefix in ("dasktf-replica", "dasktf-segment"):
-        assert graphs[prefix] == [graphs[prefix][0]] * 3, (prefix, graphs)
-    assert "applied_log_task" not in graphs, graphs
+    assert graphs["dasktf-segment"] == [graphs["dasktf-segment"][0]] * 3, graphs
+    assert not {"dasktf-replica", "create_replica_task", "applied_log_task"} & set(graphs)
+    assert [r["worker"] for r in history.replica_info] == history.workers
     workers = sorted(client.scheduler_info()["workers"])
-    for prefix in ("load_shard", "stats_of", "dasktf-replica"):
+    for prefix in ("load_shard", "stats_of"):
         placed = [v for k, v in where.items() if key_split(k) == prefix]
         assert sorted(w for (w,), loose in placed if not loose) == workers, (prefix, placed)
 

@@ -159,7 +159,8 @@ def check_alive(ctx: RunContext, what: str) -> None:
         )
 
 
-def call_watched(ctx: RunContext, make: Callable[[], Awaitable[T]], what: str) -> T:
+def call_watched(ctx: RunContext, make: Callable[[], Awaitable[T]], what: str,
+                 timeout_key: str = "step-timeout") -> T:
     """Await the client coroutine ``make()`` on the client's event loop, checking
     the run's workers every ``dasktf.poll-interval``.
 
@@ -168,13 +169,14 @@ def call_watched(ctx: RunContext, make: Callable[[], Awaitable[T]], what: str) -
     to a worker the scheduler dropped waits that long for it to come back: here a
     lost worker of the run ends the wait at the next poll, the call cancelled, with
     a :class:`WorkerLostError` naming it; so does a call that failed because of it
-    (a ``CommClosedError``). After ``dasktf.step-timeout``: :class:`StepTimeoutError`.
+    (a ``CommClosedError``). After ``dasktf.<timeout_key>``
+    (``step-timeout``): :class:`StepTimeoutError`.
     """
     async def call() -> T:
         return await make()
 
     poll = config.get_seconds("poll-interval")
-    deadline = Deadline(config.get_seconds("step-timeout"))
+    deadline = Deadline(config.get_seconds(timeout_key))
     pending = asyncio.run_coroutine_threadsafe(call(), ctx.client.loop.asyncio_loop)
     try:
         while True:
@@ -191,7 +193,7 @@ def call_watched(ctx: RunContext, make: Callable[[], Awaitable[T]], what: str) -
                     raise
             check_alive(ctx, what)
             if deadline.passed():
-                raise _timed_out(ctx, what)
+                raise _timed_out(ctx, what, timeout_key)
     finally:
         if not pending.done():
             pending.cancel()
@@ -237,12 +239,18 @@ class WatchedClient:
 
 
 def raise_task_error(future: Future, what: str) -> None:
-    exc = future.exception()
-    tb = future.traceback()
+    raise_error(future.exception(), future.traceback(), what)
+
+
+def raise_error(exc: BaseException, tb: Any, what: str, worker: str | None = None
+                ) -> None:
+    """What a worker raised (``tb``: its traceback there), as a
+    :class:`ReplicaError` naming ``what`` (and ``worker``)."""
     import traceback
 
     detail = "".join(traceback.format_tb(tb)) if tb is not None else ""
+    where = "a worker" if worker is None else f"worker {worker}"
     raise ReplicaError(
-        f"{what} failed on a worker: {type(exc).__name__}: {exc}\n"
+        f"{what} failed on {where}: {type(exc).__name__}: {exc}\n"
         f"Worker traceback:\n{detail}"
     ) from exc

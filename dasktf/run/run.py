@@ -17,7 +17,7 @@ from dasktf.callbacks import (
     adopt_learning_rate,
     saves_optimizer,
 )
-from dasktf.cluster.batch import TaskBatch
+from dasktf.cluster.calls import CallsPlugin, call_on_workers, tell_workers
 from dasktf.cluster.liveness import LivenessWatch
 from dasktf.cluster.local import (
     listed_workers,
@@ -92,8 +92,6 @@ class Run:
         self.model: Any = None
         self._latest_loss: float | None = None
         self._heard: int | None = None
-        self._futures: list[Any] = []
-        self._generation = 0
         self._cfg: ReplicaConfig | None = None
         self.engine: Engine | None = None
         self.guard: RunGuard | None = None
@@ -130,10 +128,10 @@ class Run:
                 with setup.phase("connecting"):
                     if self.ctx.watcher is None:  # hears of losses as they happen
                         self.ctx.watcher = MembershipWatcher(self.client)
-                if plugin is not None:
-                    with setup.phase("registering plugins"):
-                        register_worker_plugin(self.ctx, plugin, "registering plugins")
-                    plugin = None  # stored by the scheduler for every worker
+                with setup.phase("registering plugins"):
+                    for each in [CallsPlugin(), *([] if plugin is None else [plugin])]:
+                        register_worker_plugin(self.ctx, each, "registering plugins")
+                plugin = None  # stored by the scheduler for every worker
                 with setup.phase("placing data"):
                     self._place()
                 with setup.phase("building replicas"):
@@ -219,34 +217,19 @@ class Run:
             if validation_data is not None
             else [None] * len(self.ctx.workers)
         )
-        # One update-graph message for the N builds (N submits were N messages: the
-        # largest part of a short fit's set-up for the scheduler, benchmarks/scale.py).
-        # Each pinned where its shard lives, never moved; the keys are the ones the
-        # engines and the release read.
-        batch = TaskBatch(self.client)
-        futures = batch.send([
-            batch.add(
-                create_replica_task,
-                self.run_id,
-                w,
-                cfg,
-                i,
-                self.placed.shards[i],
-                self.placed.schedule[:, i],
-                val[i],
-                self.inputs.shuffle,
-                self.slow_workers.get(i, 1.0),
-                key=f"dasktf-replica-{self.run_id}-{i}"
-                + (f"-g{self._generation}" if self._generation else ""),
-                workers=[w],
-                resources=self.ctx.resources,
-            )
-            for i, w in enumerate(self.ctx.workers)
-        ])
-        self._futures = futures
         self._validation_shards = val
-        wait_for(self.ctx, futures, "building the replicas", timeout_key="replica-timeout")
-        self.replica_info = self.client.gather(futures, direct=True)
+        # Over the client's connections to the workers, not as tasks: N tasks were
+        # the largest fixed part of what a short fit cost the scheduler (issue 39,
+        # dasktf.cluster.calls). Each worker reads its shard from its own memory.
+        held = [f for f in [*self.placed.shards, *val] if hasattr(f, "key")]
+        wait_for(self.ctx, held, "building the replicas", timeout_key="replica-timeout")
+        self.replica_info = call_on_workers(
+            self.ctx, "building the replicas", create_replica_task,
+            [(w, (self.run_id, w, cfg, i, self.placed.shards[i],
+                  self.placed.schedule[:, i], val[i], self.inputs.shuffle,
+                  self.slow_workers.get(i, 1.0)))
+             for i, w in enumerate(self.ctx.workers)],
+            timeout_key="replica-timeout")
 
     # -- the epoch loop -----------------------------------------------------------------
     def _engine_inputs(self) -> EngineInputs:
@@ -515,7 +498,6 @@ class Run:
         self.release(model=False)  # the re-formed replicas build from it again
         self._use_workers(workers)
         self.batch_size = batch_size
-        self._generation += 1
         self._place()
         self._create_replicas()
 
@@ -532,11 +514,10 @@ class Run:
             workers = [w for w in self.ctx.workers if w in alive]
             if workers:
                 key = self.shared.ref.key if model and self.shared is not None else None
-                self.client.run(release_replicas, self.run_id, key, workers=workers,
-                                on_error="ignore", callback_timeout=wait)
+                tell_workers(self.client, release_replicas, [self.run_id, key],
+                             workers, wait)
         except Exception:
             logger.debug("releasing replicas of %s failed", self.run_id, exc_info=True)
-        self._futures = []
         if self.placed is not None:
             self.placed.shards = []
         if model and self.shared is not None:

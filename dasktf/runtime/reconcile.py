@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from dasktf.cluster.batch import TaskBatch
+from dasktf.cluster.calls import call_on_workers
 from dasktf.cluster.waits import RunContext, wait_for
 from dasktf.data.shards import Shard
 from dasktf.runtime.replica import get_replica, take_kept
@@ -195,9 +196,15 @@ def reconcile(ctx: RunContext, survivors: list[str], applied: list[int]) -> int:
 def read_state(ctx: RunContext, update: int | None = None, after: Any = None
                ) -> dict[str, Any]:
     """The run's training state, read from its first replica (see
-    :func:`replica_state_task`)."""
+    :func:`replica_state_task`): a task after ``after``, else a call that costs
+    the scheduler nothing (:mod:`dasktf.cluster.calls`: the state a run's end
+    reads into ``history.model``)."""
+    what = "reading the training state"
+    if after is None:
+        return call_on_workers(ctx, what, replica_state_task,  # type: ignore[no-any-return]
+                               [(ctx.workers[0], (ctx.run_id, update))])[0]
     f = _pinned(ctx, replica_state_task, ctx.run_id, update, after, worker=ctx.workers[0])
-    wait_for(ctx, [f], "reading the training state")
+    wait_for(ctx, [f], what)
     return ctx.client.gather(f, direct=True)  # type: ignore[no-any-return]
 
 

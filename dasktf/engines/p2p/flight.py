@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from distributed import wait
 
 from dasktf import config
+from dasktf.cluster import calls
 from dasktf.cluster.batch import TaskBatch
 from dasktf.cluster.waits import RunContext, call_watched, wait_for
 from dasktf.exceptions import CollectiveAbortedError, ReplicaError, WorkerLostError
@@ -255,12 +256,8 @@ class Flight:
 
 def tell_workers(ctx: RunContext, func: Callable[..., Any], args: list[Any],
                  workers: list[str]) -> None:
-    """``func(*args)`` on ``workers`` outside the task graph (``client.run``, on their
-    event loops: a segment's task may be holding their threads), bounded; a worker
-    that does not answer is left to the membership watcher."""
-    try:
-        ctx.client.run(func, *args, workers=list(workers), on_error="ignore",
-                       callback_timeout=config.get_seconds("poll-interval") * 4)
-    except Exception:  # lost meanwhile: the recovery hears of it
-        logger.debug("%s on %s failed", getattr(func, "__name__", func), workers,
-                     exc_info=True)
+    """``func(*args)`` on ``workers`` outside the task graph (on their event loops: a
+    segment's task may be holding their threads), bounded; a worker that does not
+    answer is left to the membership watcher."""
+    calls.tell_workers(ctx.client, func, args, workers,
+                       config.get_seconds("poll-interval") * 4)
