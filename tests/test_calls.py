@@ -166,3 +166,13 @@ def test_a_worker_lost_during_a_call_is_named_at_once():
             killer.join()
         finally:
             ctx.watcher.close()
+
+
+def test_a_worker_without_the_handler_is_named():
+    """A worker the plugin never reached (here: a cluster it was not registered on)
+    is a clear error naming the worker and the handler, not a bare failure."""
+    with testing.own_cluster(1) as (_, client):
+        worker = sorted(client.scheduler_info()["workers"])[0]
+        with pytest.raises(RuntimeError, match=rf"worker {worker} has no dasktf_call"):
+            calls.call_on_workers(_context(client, [worker]), "the test's call", _where,
+                                  [(worker, (0,))])

@@ -121,6 +121,11 @@ def call_on_workers(ctx: RunContext, what: str, func: Callable[..., Any],
     answers = call_watched(ctx, lambda: call_each(ctx.client, func, calls), what,
                            timeout_key)
     for (worker, _), answer in zip(calls, answers, strict=True):
+        if not isinstance(answer, dict):  # the worker has no such handler
+            raise RuntimeError(
+                f"{what}: worker {worker} has no {HANDLER} handler (answered "
+                f"{answer!r}); dasktf registers {PLUGIN_NAME} when a run sets up: "
+                "was it unregistered, or is the worker's dasktf older?")
         if answer.get("status") != "OK":
             _, exc, tb = clean_exception(**answer)
             raise_error(exc, tb, what, worker)
