@@ -173,6 +173,73 @@ def test_sync_run_recovers_a_worker_lost_in_each_phase(client3, small_digits, ph
     _bounded(recovery, killer)
 
 
+
+class FreezeAt:
+    """A phase hook: SIGSTOP the run's worker ``index`` as ``phase`` begins, once: a
+    frozen host, whose connections stay open. Its nanny, asked by the liveness
+    detector that removes it, kills it and starts a fresh worker."""
+
+    def __init__(self, client, phase, index=1):
+        self.client, self.phase, self.index = client, phase, index
+        self.victim: str | None = None
+        self.pid: int | None = None
+        self.frozen_at: float | None = None
+
+    def __call__(self, phase, workers):
+        if phase != self.phase or self.frozen_at is not None:
+            return
+        self.victim = workers[self.index]
+        self.pid = worker_pids(self.client, self.victim)[0]
+        os.kill(self.pid, signal.SIGSTOP)
+        self.frozen_at = time.time()
+
+    def thaw(self):
+        with contextlib.suppress(ProcessLookupError, TypeError):
+            os.kill(self.pid, signal.SIGCONT)
+
+
+SETUP_LIVENESS = 6.0  # dasktf.liveness-setup-timeout in these tests (20 s by default)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("phase", SETUP)
+def test_a_worker_frozen_while_setting_up_is_removed_and_the_run_goes_on(
+        client3, small_digits, phase):
+    """A worker SIGSTOPped as ``phase`` begins (the p2p engine, 3 workers): the
+    liveness detector, armed from the set-up's start with its longer timeout, removes
+    it; the run is set up again on the other two and trains the weights
+    single-process Keras trains. Before, the set-up's calls waited on the frozen
+    worker for Dask's worker-ttl or the run's own timeouts (over 400 s at "building
+    replicas"). A phase that calls no worker ("connecting"; the p2p engine's start)
+    notices it in a later one, the first that waits on it: at the first step, that
+    is the engine's own recovery, within ``dasktf.liveness-timeout``."""
+    x, y = small_digits
+    model, want = _keras_reference(x, y, 48)
+    freezer = FreezeAt(client3, phase)
+    try:
+        with dask.config.set({"dasktf.liveness-setup-timeout": f"{SETUP_LIVENESS}s"}), \
+                hooked(freezer):
+            history = dasktf.fit(model, x, y, client=client3, epochs=1, batch_size=48,
+                                 optimizer=keras.optimizers.Adam(0.01),
+                                 loss="sparse_categorical_crossentropy", shuffle=False,
+                                 verbose=0)
+    finally:
+        freezer.thaw()
+    assert len(history.recoveries) == 1, history.recoveries
+    (recovery,) = history.recoveries
+    assert recovery["lost"] == [freezer.victim]
+    assert recovery["phase"] in PHASES[PHASES.index(phase):], recovery["phase"]
+    assert len(history.workers) == 2 and freezer.victim not in history.workers
+    for got, expected in zip(history.model.get_weights(), want, strict=True):
+        assert relative_error(got, expected) < 1e-5
+    # the engine's recovery (at the first step) records when it resumed, after its notice
+    notice = recovery.get("detected_at", recovery["wall_time"] - recovery["resume_s"])
+    noticed = notice - freezer.frozen_at
+    assert noticed < SETUP_LIVENESS + 5, noticed
+    print(f"\n{phase}: noticed in {recovery['phase']} {noticed:.2f}s after the freeze")
+
+
 def _bounded(recovery, killer):
     """A set-up loss is noticed within LIMIT of the kill (the set-up then starts
     again: TensorFlow's import on the workers may take longer); the first step's

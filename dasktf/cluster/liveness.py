@@ -10,8 +10,13 @@ the step, so the signal must come from somewhere the step does not block: the
 worker's event loop, which keeps answering while its training thread computes.
 
 :class:`LivenessPlugin` (on the scheduler) watches the workers of the runs that
-asked (:class:`LivenessWatch`, armed by a run once its replicas are built, so that
-no worker is watched while ``import tensorflow`` holds its event loop):
+asked (:class:`LivenessWatch`, armed by a run as its set-up begins). While a run is
+set up its workers import TensorFlow, whose extension modules hold a worker's event
+loop for up to 1.5 s at a time with 8 workers on 2 cores (0.4 s with 3): the watch
+then allows ``dasktf.liveness-setup-timeout`` (20 s), and ``dasktf.liveness-timeout``
+from the first step on. A frozen worker is so noticed in the set-up too, where its
+calls (the package's copy, the replicas' build) would otherwise wait for Dask's
+``worker-ttl`` or the run's own timeouts, minutes:
 
 - every worker's event loop heartbeats the scheduler (Dask's own, every 0.5 s up to
   10 workers: ``heartbeat_interval``); a heartbeat is a sign of life;
@@ -355,39 +360,44 @@ class LivenessPlugin(SchedulerPlugin):
 
 class LivenessWatch:
     """The client side of one run: arms the scheduler's detector for the run's
-    workers (:meth:`watch`, again whenever they change) and disarms it
+    workers (:meth:`watch`, again whenever they or the phase change) and disarms it
     (:meth:`close`). ``dasktf.liveness-timeout`` ``0``/``off`` turns the detector
-    off. ``on_client_lost``: ``(function, args)`` the scheduler runs on the run's
-    workers if this client leaves the cluster for ``dasktf.client-lost-timeout``
-    (the run's clean-up: nobody else would release what it left there)."""
+    off. The lease: the scheduler runs ``on_client_lost`` (``(function, args)``, the
+    run's clean-up: nobody else would release what it left there) on the run's
+    workers if this client leaves the cluster for ``dasktf.client-lost-timeout``."""
 
-    def __init__(self, client: Client, run: str, *,
-                 on_client_lost: tuple[Callable[..., Any], tuple[Any, ...]] | None = None
-                 ) -> None:
+    def __init__(self, client: Client, run: str) -> None:
         self.client = client
         self.run = run
-        self.timeout, grace = settings()
+        self.timeout, self.setup_timeout, grace = settings()
         self.armed = False
-        self._workers: list[str] | None = None
-        self._lease: dict[str, Any] = {
-            "client": client.id, "grace": grace}
-        if on_client_lost is not None:
-            function, args = on_client_lost
-            self._lease.update(cleanup=pickle.dumps(function), cleanup_args=pickle.dumps(args))
+        #: what the scheduler was last told (a watch telling it nothing new is no message)
+        self._told: tuple[Any, ...] | None = None
+        self._lease: dict[str, Any] = {"client": client.id, "grace": grace}
         register_once(client, PLUGIN_NAME, lambda: client.register_plugin(
             LivenessPlugin(), name=PLUGIN_NAME))
 
-    def watch(self, workers: list[str]) -> None:
-        """Watch ``workers`` (the run's, now); a no-op when they did not change."""
-        if self._workers == list(workers):
+    def watch(self, workers: list[str], *, setting_up: bool = False,
+              on_client_lost: tuple[Callable[..., Any], tuple[Any, ...]] | None = None
+              ) -> None:
+        """Watch ``workers`` (the run's, now) with the set-up's timeout while
+        ``setting_up``, and lease ``on_client_lost``; a no-op when nothing changed."""
+        lease = dict(self._lease)
+        if on_client_lost is not None:
+            function, args = on_client_lost
+            lease.update(cleanup=pickle.dumps(function), cleanup_args=pickle.dumps(args))
+        timeout = self.setup_timeout if setting_up else self.timeout
+        told = (list(workers), timeout, lease)
+        if told == self._told:
             return
-        self._workers = list(workers)
-        self._call(workers=list(workers), timeout=self.timeout, **self._lease)
+        self._told = told
+        self._call(workers=list(workers), timeout=timeout, **lease)
         self.armed = True
 
     def close(self) -> None:
         if self.armed:
             self.armed = False
+            self._told = None
             self._call(workers=None)
 
     def _call(self, **kwargs: Any) -> None:
@@ -399,23 +409,26 @@ class LivenessWatch:
                            self.run, exc_info=True)
 
 
-def settings() -> tuple[float, float]:
-    """(``dasktf.liveness-timeout``, ``dasktf.client-lost-timeout``) in seconds, the
-    first 0 when off; a value that is no duration raises ``ValueError`` naming its
-    key (a run checks them before its set-up)."""
+def settings() -> tuple[float, float, float]:
+    """(``dasktf.liveness-timeout``, ``dasktf.liveness-setup-timeout``,
+    ``dasktf.client-lost-timeout``) in seconds; the first two 0 where off (the
+    second is off where the first is), the second never under the first; a value that is no duration raises
+    ``ValueError`` naming its key (a run checks them before its set-up)."""
     values = []
-    for key in ("liveness-timeout", "client-lost-timeout"):
+    for key in ("liveness-timeout", "liveness-setup-timeout", "client-lost-timeout"):
         value = config.get(key)
-        if key == "liveness-timeout" and value in (None, False, 0, "0", "off", "none"):
+        off = key != "client-lost-timeout"
+        if off and value in (None, False, 0, "0", "off", "none"):
             values.append(0.0)
             continue
         try:
             seconds = config.get_seconds(key)
         except (KeyError, TypeError, ValueError) as exc:  # dask's parse errors
             raise ValueError(f"dasktf.{key} must be a duration such as '4.5s'"
-                             + (" (or 0/off)" if key == "liveness-timeout" else "")
+                             + (" (or 0/off)" if off else "")
                              + f"; got {value!r}.") from exc
         if not seconds > 0:
             raise ValueError(f"dasktf.{key} must be positive; got {value!r}.")
         values.append(seconds)
-    return values[0], values[1]
+    timeout, setup, grace = values
+    return timeout, (max(setup, timeout) if timeout and setup else 0.0), grace

@@ -100,8 +100,8 @@ class Run:
         self.begin_at = (0, 0)
         self.shared: SharedModel | None = None
         self._factory: Any = None
-        #: the scheduler's failure detector, armed for the run's workers once they
-        #: have built their replicas (dasktf.cluster.liveness)
+        #: the scheduler's failure detector for the run's workers, armed as the
+        #: set-up begins (dasktf.cluster.liveness)
         self.liveness: LivenessWatch | None = None
 
     def fit(self, plugin: Any = None) -> History:
@@ -128,6 +128,7 @@ class Run:
                 with setup.phase("connecting"):
                     if self.ctx.watcher is None:  # hears of losses as they happen
                         self.ctx.watcher = MembershipWatcher(self.client)
+                    self._watch(setting_up=True)  # a frozen worker, too
                 with setup.phase("registering plugins"):
                     for each in [CallsPlugin(), *([] if plugin is None else [plugin])]:
                         register_worker_plugin(self.ctx, each, "registering plugins")
@@ -137,6 +138,7 @@ class Run:
                 with setup.phase("building replicas"):
                     if self._cfg is None:
                         self._prepare()
+                    self._watch(setting_up=True)  # the lease's clean-up: the package too
                     self._create_replicas()
                 with setup.phase("starting the engine"):
                     self.guard = RunGuard(self._guarded(), self.inputs)
@@ -164,6 +166,19 @@ class Run:
                              if index[w] in self.slow_workers}
         self.run_id = self.ctx.run_id = uuid.uuid4().hex[:10]
         self._use_workers(survivors)
+
+    def _watch(self, setting_up: bool = False) -> None:
+        """Arm the scheduler's failure detector for the run's workers now (its id
+        too: a set-up done again has a new one), with the set-up's timeout while
+        ``setting_up``, and the run's clean-up should this client be lost."""
+        if self.liveness is not None and self.liveness.run != self.run_id:
+            self.liveness.close()
+            self.liveness = None
+        if self.liveness is None:
+            self.liveness = LivenessWatch(self.client, self.run_id)
+        key = self.shared.ref.key if self.shared is not None else None
+        self.liveness.watch(self.ctx.workers, setting_up=setting_up,
+                            on_client_lost=(release_replicas, (self.run_id, key)))
 
     def _use_workers(self, workers: list[str]) -> None:
         """The one writer of the run's workers (a loss, a join, a re-form)."""
@@ -371,11 +386,8 @@ class Run:
 
         try:
             enter_phase("the first step", self.ctx.workers)
-            key = self.shared.ref.key if self.shared is not None else None
-            self.liveness = LivenessWatch(  # + the clean-up, should this client be lost
-                self.client, self.run_id, on_client_lost=(release_replicas, (self.run_id, key)))
             for epoch in range(first_epoch, epochs):
-                self.liveness.watch(self.ctx.workers)  # after any loss or growth
+                self._watch()  # after any loss or growth
                 cb.on_epoch_begin(epoch)
                 relay.relay(engine)  # LearningRateScheduler, ReduceLROnPlateau, ...
                 start = time.perf_counter()
