@@ -20,6 +20,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 from distributed import Client
 
 import dasktf
+from dasktf.diagnostics.events import unpack
 from dasktf.testing import KillWorkerAt
 
 EPOCHS, BATCH = 4, 64
@@ -42,7 +43,7 @@ def run(mode: str, kill: bool, victim: int = 2, num_ps: int = 1) -> dict[str, fl
         out = {"val_accuracy": history.history["val_accuracy"][-1],
                "wall_s": history.wall_seconds}
         if kill:
-            records = [r for e in client.get_events("dasktf-metrics") for r in e[1]["records"]
+            records = [r for e in client.get_events("dasktf-metrics") for r in unpack(e)
                        if r.get("run") == history.run_id]
             lost = next(r for r in records if r["kind"] == "worker_lost")
             (rec,) = history.recoveries

@@ -39,6 +39,7 @@ import numpy as np
 from distributed import Client
 
 import dasktf
+from dasktf.diagnostics.events import unpack
 from tests.hosts import (
     FaultAt,
     HostCluster,
@@ -150,7 +151,7 @@ def _one(client, cluster, net, data, engine, kw, fault_name, reference, delay):
         if fault is not None:
             fault.check()
     wall = time.time() - start
-    records = [r for e in client.get_events("dasktf-metrics") for r in e[1]["records"]
+    records = [r for e in client.get_events("dasktf-metrics") for r in unpack(e)
                if r.get("run") == history.run_id]
     lost = [r for r in records if r["kind"] == "worker_lost"]
     again = [r for r in records if r["kind"] == "recovered"]

@@ -12,6 +12,10 @@ cluster, so that a change of the record format reads as a ratio in seconds:
 * **store**: :class:`dasktf.diagnostics.metrics.MetricsStore` taking the decoded
   message (``log_event``), for ``--workers`` workers' messages in turn.
 
+Both for the message as sent now (``tables``: :func:`dasktf.diagnostics.events.pack`,
+one replica's records as columns) and as sent before (``rows``: a dict a record),
+side by side, alternating.
+
 Usage::
 
     python benchmarks/record_ingest.py --workers 32 --records 128 --repeats 5
@@ -37,18 +41,21 @@ def step_record(run: str, update: int, worker: int) -> dict[str, Any]:
             "wall_time": time.time()}
 
 
-def measure(workers: int, records: int, repeats: int) -> dict[str, float]:
+def measure(workers: int, records: int, repeats: int, form: str) -> dict[str, float]:
     from distributed.protocol import dumps, loads
 
     import dasktf  # noqa: F401 - its configuration defaults
-    from dasktf.diagnostics.events import TOPIC
+    from dasktf.diagnostics.events import TOPIC, pack
     from dasktf.diagnostics.metrics import MetricsStore
+
+    def message(rows: list[dict[str, Any]]) -> dict[str, Any]:
+        return pack(rows) if form == "tables" else {"records": rows}
 
     decode, store = [], []
     for repeat in range(repeats):
         run = f"bench{repeat:05d}"
-        frames = [dumps({"op": "log-event", "topic": TOPIC, "msg": {"records": [
-            step_record(run, u, w) for u in range(records)]}}) for w in range(workers)]
+        frames = [dumps({"op": "log-event", "topic": TOPIC, "msg": message([
+            step_record(run, u, w) for u in range(records)])}) for w in range(workers)]
         start = time.perf_counter()
         messages = [loads(f) for f in frames]
         decode.append(time.perf_counter() - start)
@@ -69,9 +76,21 @@ def main() -> None:
     p.add_argument("--records", type=int, default=128, help="records a message")
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args()
-    r = measure(args.workers, args.records, args.repeats)
-    print(f"per record: decode {r['decode_us']:.2f} us, store {r['store_us']:.2f} us, "
-          f"{r['bytes']:.0f} bytes on the wire (median of {args.repeats})")
+    results: dict[str, list[dict[str, float]]] = {"rows": [], "tables": []}
+    for _ in range(args.repeats):  # alternating, so that both see the same machine
+        for form in results:
+            results[form].append(measure(args.workers, args.records, 1, form))
+    median = {form: {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+              for form, runs in results.items()}
+    for form, r in median.items():
+        print(f"{form:6s} per record: decode {r['decode_us']:.2f} us, store "
+              f"{r['store_us']:.2f} us, {r['bytes']:.0f} bytes on the wire "
+              f"(median of {args.repeats})")
+    rows, tables = median["rows"], median["tables"]
+    print("tables/rows: decode {:.2f}x, store {:.2f}x, decode+store {:.2f}x, bytes {:.2f}x"
+          .format(tables["decode_us"] / rows["decode_us"], tables["store_us"] / rows["store_us"],
+                  (tables["decode_us"] + tables["store_us"])
+                  / (rows["decode_us"] + rows["store_us"]), tables["bytes"] / rows["bytes"]))
 
 
 if __name__ == "__main__":

@@ -125,7 +125,8 @@ def install_probe(dask_scheduler: Any = None) -> int:
             if op in ("log-event", "log_event"):  # a worker's, the client's (issue 39)
                 msg = kwargs.get("msg")
                 if isinstance(msg, dict):
-                    probe["records"] += len(msg.get("records", ()))
+                    probe["records"] += len(msg.get("records", ())) + sum(
+                        t["n"] for t in msg.get("tables", ()))
             return fn(*args, **kwargs)
         return counted
 

@@ -11,6 +11,7 @@ import pytest
 
 import dasktf
 from dasktf.data.base import interleaved_indices, interleaved_schedule
+from dasktf.diagnostics.events import unpack
 from dasktf.run.checkpoint import list_checkpoints
 from dasktf.testing import KillWorkerAt, own_cluster
 from dasktf.wire.packets import shard_plan
@@ -343,6 +344,6 @@ def test_num_ps_2_recovers_from_losing_any_worker(digits, victim):
         assert holder["worker"] == holder["workers"][0]
         assert holder["source"] == "the last epoch end" and holder["redone"] > 0
         records = [r for e in client.get_events("dasktf-metrics")
-                   for r in e[1]["records"] if r.get("run") == history.run_id]
+                   for r in unpack(e) if r.get("run") == history.run_id]
         (event,) = [r for r in records if r["kind"] == "recovered"]
         assert list(event["holder"]["workers"]) == holder["workers"]

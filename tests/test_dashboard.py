@@ -26,7 +26,7 @@ import dasktf
 import dasktf.cli
 from dasktf.dashboard import DashboardServer, write_report
 from dasktf.diagnostics import metrics
-from dasktf.diagnostics.events import TOPIC
+from dasktf.diagnostics.events import TOPIC, unpack
 from dasktf.testing import wait_until
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -253,8 +253,7 @@ def test_dashboard_started_late_shows_the_earlier_points(client, digits, browser
     # Empty the scheduler's event log: the page must rebuild the run from the store.
     client.run_on_scheduler(lambda dask_scheduler: dask_scheduler._broker.truncate(TOPIC))
     # (the run goes on publishing, but the first updates are gone from the log)
-    left = [r.get("update") for _, e in client.get_events(TOPIC)
-            for r in e.get("records", [e])]
+    left = [r.get("update") for e in client.get_events(TOPIC) for r in unpack(e)]
     assert not {1, 2, 3} & set(left), left
     port = _free_port()
     proc = subprocess.Popen(

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 import dasktf
+from dasktf.diagnostics.events import unpack
 from dasktf.exceptions import WorkerLostError
 from dasktf.run.ending import END_PHASES
 from dasktf.run.setup import phase_hooks
@@ -116,7 +117,7 @@ def test_a_worker_lost_in_a_phase_of_the_run_end(small_digits, tmp_path, phase, 
             assert log == list(range(total))
         assert (tmp_path / "faulted" / "model.keras").exists()
         records = [r for e in client.get_events("dasktf-metrics")
-                   for r in e[1]["records"] if r.get("run") == history.run_id]
+                   for r in unpack(e) if r.get("run") == history.run_id]
         assert any(r["kind"] == "worker_lost" and r["worker_address"] == victim
                    for r in records)
     _same_model(history, reference)

@@ -13,6 +13,7 @@ import keras
 import pytest
 
 import dasktf
+from dasktf.diagnostics.events import unpack
 from dasktf.testing import KillWorkerAt, own_cluster
 from tests.conftest import ScaleUpAfterFirstEpoch
 
@@ -74,7 +75,7 @@ def test_sync_run_survives_sigkill_of_one_of_three_workers(digits, layout):
         for log in history.applied_updates.values():
             assert log == list(range(total))  # each global step once, none skipped
         assert history.history["val_accuracy"][-1] > ACCURACY
-        records = [r for e in client.get_events("dasktf-metrics") for r in e[1]["records"]]
+        records = [r for e in client.get_events("dasktf-metrics") for r in unpack(e)]
         lost = [r for r in records if r["kind"] == "worker_lost" and r["run"] == history.run_id]
         assert lost and lost[0]["worker_address"] == workers[2]
         assert lost[0]["detect_s"] is not None and lost[0]["detect_s"] < 5
@@ -165,7 +166,7 @@ def test_async_run_survives_sigkill_of_the_parameter_holders_worker(digits, tmp_
             assert str(tmp_path) in holder["source"] and holder["redone"] <= 1 + 3 * 2
         assert_every_batch_applied_once(history, epochs, steps, {3: 0})
         assert history.history["val_accuracy"][-1] > ACCURACY
-        records = [r for e in client.get_events("dasktf-metrics") for r in e[1]["records"]
+        records = [r for e in client.get_events("dasktf-metrics") for r in unpack(e)
                    if r.get("run") == history.run_id]
         (event,) = [r for r in records if r["kind"] == "recovered"]
         assert event["holder"]["worker"] == holder["worker"]
@@ -254,7 +255,7 @@ def test_sync_run_grows_from_two_to_three_workers_with_scaled_lr(digits):
         total = len(logs[0])
         steps = -(-len(digits.x_train) // 64) + 2 * -(-len(digits.x_train) // 96)
         assert total == steps and all(log == list(range(total)) for log in logs.values())
-        records = [r for e in client.get_events("dasktf-metrics") for r in e[1]["records"]
+        records = [r for e in client.get_events("dasktf-metrics") for r in unpack(e)
                    if r.get("run") == history.run_id]
         (scaled,) = [r for r in records if r["kind"] == "lr_scaled"]
         assert scaled["batch_size"] == 96 and scaled["learning_rate"] == pytest.approx(0.015)

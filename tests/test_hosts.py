@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 import dasktf
+from dasktf.diagnostics.events import unpack
 from dasktf.testing import wait_until
 from tests.conftest import MNIST, relative_error
 from tests.hosts import (
@@ -110,7 +111,7 @@ def _fit(client, data, callbacks=(), **kw):
 
 
 def _records(client, run_id, kind):
-    return [r for e in client.get_events("dasktf-metrics") for r in e[1]["records"]
+    return [r for e in client.get_events("dasktf-metrics") for r in unpack(e)
             if r.get("run") == run_id and r.get("kind") == kind]
 
 

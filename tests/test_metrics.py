@@ -11,7 +11,7 @@ import pytest
 import dasktf
 from dasktf.dashboard import TrainingDashboard
 from dasktf.diagnostics import metrics
-from dasktf.diagnostics.events import TOPIC, unpack
+from dasktf.diagnostics.events import TOPIC, pack, unpack
 from dasktf.diagnostics.metrics import DecimatedSeries, MetricsStore
 from dasktf.runtime.cost import publishing_cost
 from dasktf.testing import wait_until
@@ -127,6 +127,100 @@ def test_async_updates_flushed_out_of_order_keep_every_loss_in_order():
     loss = store.fetch()["series"]["loss"]["data"]
     assert loss["update"] == list(range(12))
     assert loss["loss"] == sorted(loss["loss"], reverse=True)  # each row kept its own loss
+
+
+
+def test_an_event_packs_its_records_as_tables_and_unpacks_them_whole():
+    """Field sets changing mid-stream, one value repeated or not, values equal but of
+    another type (1 and 1.0 and True), None, NaN, nested values: unpack gives the
+    records back, in order, with their types."""
+    nan = float("nan")
+    records = [
+        {"run": "r", "kind": "step", "worker": 1, "loss": None, "x": 1, "nested": [1, 2]},
+        {"run": "r", "kind": "step", "worker": 1, "loss": 2.5, "x": 1.0, "nested": [1, 2]},
+        {"run": "r", "kind": "step", "worker": 1, "loss": nan, "x": True, "nested": [1, 2]},
+        {"run": "r", "kind": "inner", "worker": 1, "local_loss": 0.5},
+        {"run": "r", "kind": "step", "worker": 1, "loss": 1.0, "x": 1, "nested": [1, 2]},
+        {"run": "r", "kind": "epoch", "epoch": 0, "logs": {"loss": 1.0}},
+        {"run": "r", "kind": "epoch", "epoch": 1, "logs": {"loss": 0.5}},
+    ]
+    msg = pack(records)
+    assert [t["n"] for t in msg["tables"]] == [3, 1, 1, 2]
+    first = msg["tables"][0]
+    assert first["same"] == {"run": "r", "kind": "step", "worker": 1, "nested": [1, 2]}
+    assert set(first["columns"]) == {"loss", "x"}
+    back = unpack(("t", msg))
+    assert len(back) == len(records)
+    for got, want in zip(back, records, strict=True):
+        assert got.keys() == want.keys()
+        for field, value in want.items():
+            if value != value:  # NaN
+                assert got[field] != got[field]
+            else:
+                assert got[field] == value and type(got[field]) is type(value), field
+    assert unpack(("t", {"records": records[:2]})) == records[:2]  # the plain form too
+
+
+def _stream(rng, runs):
+    """Records of sync, async and local-step runs, in the flushes their workers
+    would send (uneven sizes, workers in turn, async flushes out of order)."""
+    flushes = []
+    for run, mode in runs:
+        workers, steps = 3, 150
+        flushes.append([{"run": run, "kind": "run_start", "mode": mode, "workers": [
+            f"w{i}" for i in range(workers)], "steps_per_epoch": 50, "epochs": 3,
+            "local_steps": 4 if mode == "local" else 1, "total_updates": steps}])
+        for w in range(workers):
+            buffered = []
+            for u in range(steps):
+                r = {"run": run, "kind": "update" if mode == "async" else "step",
+                     "mode": "async" if mode == "async" else "sync", "epoch": u // 50,
+                     "step": u % 50, "update": u, "worker": w,
+                     "batch_size": int(rng.choice([32, 32, 31])),
+                     "loss": None if u == 0 or (mode == "sync" and w and u % 7 == 0)
+                     else float(rng.random()),
+                     "loss_step": u if mode == "async" else u - 1,
+                     "staleness": int(rng.integers(0, 5)) if mode == "async" else 0,
+                     "compute_s": float(rng.random()), "communication_s": 0.001,
+                     "waiting_s": float(rng.random()), "bytes": int(rng.integers(1, 9)),
+                     "wall_time": 1.0 + u}
+                if mode == "local" and u % 4 == 3:
+                    r["drift"] = float(rng.random())
+                if mode == "local":
+                    buffered.append({"run": run, "kind": "inner", "worker": w,
+                                     "epoch": u // 50, "step": u % 50, "batch_size": 32,
+                                     "local_loss": float(rng.random())})
+                buffered.append(r)
+                if len(buffered) >= rng.integers(1, 40):
+                    flushes.append(buffered)
+                    buffered = []
+            flushes.append(buffered)
+        flushes.append([{"run": run, "kind": "epoch", "epoch": 0, "update": 49,
+                         "logs": {"loss": 1.0, "accuracy": 0.5}}])
+        flushes.append([{"run": run, "kind": "run_end", "status": "finished"}])
+    order = rng.permutation(len(flushes))  # async workers flush independently
+    return [flushes[i] for i in order if flushes[i]]
+
+
+def test_the_store_takes_packed_tables_as_it_takes_the_records_one_by_one():
+    """Every series (decimated past max_points), the staleness histogram, the
+    per-worker sums and rates and the header: the same from the tables (one
+    replica's steps taken as columns) as from the records, for sync, async and
+    local-step runs."""
+    rng = np.random.default_rng(3)
+    flushes = _stream(rng, [("sync", "sync"), ("async", "async"), ("local", "local")])
+    by_record, by_table = MetricsStore(max_points=64), MetricsStore(max_points=64)
+    for i, flush in enumerate(flushes):
+        by_record.add_records(flush, now=100.0 + i)
+        by_table.add_message(pack(flush), now=100.0 + i)
+    for run in ("sync", "async", "local"):
+        want, got = by_record.runs[run], by_table.runs[run]
+        assert got.snapshot(None, 500.0, 2.0) == want.snapshot(None, 500.0, 2.0)
+        assert (got.records, got.max_update, got.histogram, got._bytes, got._rows) == (
+            want.records, want.max_update, want.histogram, want._bytes, want._rows)
+        assert got.staleness[0].stride > 1  # decimated on the way
+        for w, stats in want.workers.items():
+            assert got.workers[w].__getstate__() == stats.__getstate__(), (run, w)
 
 
 @pytest.mark.parametrize("engine", ["p2p", "graph"])

@@ -10,10 +10,14 @@ client connected to the scheduler can follow a run with
 ``distributed.admin.low-level-log-length`` events per topic, so the whole run lives,
 downsampled, in :class:`dasktf.diagnostics.metrics.MetricsStore` on the scheduler.
 
-Every event is ``{"records": [record, ...]}``; a record is a flat dict of
-msgpack-friendly values whose ``kind`` says which of the schemas below it follows.
-Fields a producer cannot measure are absent or ``None``; consumers (the dashboard,
-the store) must accept both, so sync and async engines share one schema.
+A record is a flat dict of msgpack-friendly values whose ``kind`` says which of
+the schemas below it follows. Fields a producer cannot measure are absent or
+``None``; consumers (the dashboard, the store) must accept both, so sync and async
+engines share one schema. On the wire an event is a list of tables (:func:`pack`):
+a worker's step records share their fields and most of their values, and the
+scheduler decoding every field name of every record, one dict each, was most of
+what a 32-worker run's records cost it (issue 39). Read an event's records with
+:func:`unpack`.
 
 Async and quorum runs publish ``kind="update"`` records with ``staleness``,
 ``version_read`` and the update's timings (``push_s``, ``task_s``, ``idle_s``), and
@@ -169,9 +173,10 @@ class MetricsBuffer:
 
 def send_records(worker: Any, records: list[dict[str, Any]], topic: str = TOPIC,
                  reports_loss: bool = False) -> None:
-    """One message of a worker's step records; with ``reports_loss``, a second,
-    tiny one on :data:`LOSS_TOPIC` with the newest global loss among them."""
-    worker.log_event(topic, {"records": records})
+    """One message of a worker's step records (:func:`pack`); with
+    ``reports_loss``, a second, tiny one on :data:`LOSS_TOPIC` with the newest
+    global loss among them."""
+    worker.log_event(topic, pack(records))
     if reports_loss:
         latest = next((r for r in reversed(records) if r.get("loss") is not None), None)
         if latest is not None:
@@ -187,7 +192,7 @@ def publish(client: Client, *records: dict[str, Any]) -> None:
     strings, or NumPy numbers, and the record would be lost): keys become strings,
     NumPy numbers and arrays Python ones."""
     if records and config.get("metrics"):
-        client.log_event(TOPIC, {"records": [plain(r) for r in records]})
+        client.log_event(TOPIC, pack([plain(r) for r in records]))
 
 
 def plain(value: Any) -> Any:
@@ -217,10 +222,52 @@ def listen_for_losses(client: Client, run: str,
     return subscribe_shared(client, LOSS_TOPIC, route)
 
 
+def pack(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The message of one event of ``records``: ``{"tables": [table, ...]}``, one
+    table per run of consecutive records with the same fields, in order, a table
+    ``{"n": rows, "same": {field: value}, "columns": {field: [value per row]}}``
+    (a field of one value and type in every row, in ``same`` once)."""
+    tables = []
+    start = 0
+    for end in range(1, len(records) + 1):
+        if end == len(records) or records[end].keys() != records[start].keys():
+            tables.append(_table(records[start:end]))
+            start = end
+    return {"tables": tables}
+
+
+def _table(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    same, columns = {}, {}
+    for field, value in rows[0].items():
+        column = [r[field] for r in rows]
+        kind = type(value)
+        if all(type(v) is kind and v == value for v in column):
+            same[field] = value
+        else:
+            columns[field] = column
+    return {"n": len(rows), "same": same, "columns": columns}
+
+
+def table_rows(table: dict[str, Any]) -> list[dict[str, Any]]:
+    """A :func:`pack` table's records, as dicts."""
+    same, columns = table["same"], table["columns"]
+    if not columns:
+        return [dict(same) for _ in range(table["n"])]
+    fields = list(columns)
+    return [{**same, **dict(zip(fields, values, strict=True))}
+            for values in zip(*columns.values(), strict=True)]
+
+
 def unpack(event: Any) -> list[dict[str, Any]]:
-    """The records of one event as delivered by ``subscribe_topic``/``get_events``."""
+    """The records of one event as delivered by ``subscribe_topic``/``get_events``
+    (a :func:`pack` message's tables, or a plain ``{"records": [...]}``)."""
     _, msg = event if isinstance(event, tuple) else (None, event)
-    return list(msg.get("records", [])) if isinstance(msg, dict) else []
+    if not isinstance(msg, dict):
+        return []
+    records = list(msg.get("records", []))
+    for table in msg.get("tables", ()):
+        records.extend(table_rows(table))
+    return records
 
 
 def run_start_record(

@@ -26,7 +26,6 @@ whole series again when pairs were merged in the meantime.
 
 from __future__ import annotations
 
-import bisect
 import logging
 import statistics
 import time
@@ -37,7 +36,8 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 
 from dasktf import config
 from dasktf.cluster.plugins import register_once
-from dasktf.diagnostics.events import TOPIC
+from dasktf.diagnostics.events import TOPIC, table_rows
+from dasktf.diagnostics.series import DecimatedSeries
 
 if TYPE_CHECKING:
     from distributed import Client, Scheduler
@@ -53,96 +53,24 @@ MAX_STALENESS_BUCKET = 256
 Cursor = dict[str, Any]
 
 
-class DecimatedSeries:
-    """A table of numeric columns that never holds more than ``max_points`` rows.
+class Columns:
+    """One :func:`~dasktf.diagnostics.events.pack` table's fields as columns, a
+    field of one value repeated for every row."""
 
-    Rows are appended one at a time. When the table is full, each pair of
-    neighbouring rows is replaced by its mean and ``stride`` doubles: from then on a
-    row is the mean of ``stride`` appended records. ``generation`` counts these
-    rewrites, so a reader holding ``(generation, length)`` knows whether it may take
-    just the new rows or must reload the series.
-    """
+    def __init__(self, table: dict[str, Any]) -> None:
+        self.n = int(table["n"])
+        self.same: dict[str, Any] = table["same"]
+        self.columns: dict[str, list[Any]] = table["columns"]
+        update = "update" if self.has("update") else "step"
+        self.updates = [int(u) for u in self.get(update, 0)]
+        self.staleness = [int(s or 0) for s in self.get("staleness")]
 
-    def __init__(
-        self, columns: list[str], max_points: int, order_by: str | None = None
-    ) -> None:
-        self.columns = list(columns)
-        # Async workers flush their records independently, so rows can arrive out of
-        # order; a late row is inserted in place (and readers reload the series).
-        self.order_by = order_by
-        self.max_points = max(2, int(max_points) // 2 * 2)
-        self.data: dict[str, list[float | None]] = {c: [] for c in self.columns}
-        self.stride = 1
-        self.generation = 0
-        self._pending: list[dict[str, Any]] = []
+    def has(self, field: str) -> bool:
+        return field in self.same or field in self.columns
 
-    def __len__(self) -> int:
-        return len(self.data[self.columns[0]])
-
-    def append(self, row: dict[str, Any]) -> None:
-        """Add one record (missing columns are ``None``)."""
-        if self.stride == 1:
-            key = self.order_by
-            column = self.data[key] if key else None
-            if column and row.get(key) is not None and column[-1] is not None \
-                    and row[key] < column[-1]:
-                at = bisect.bisect_right(column, row[key])
-                for c in self.columns:
-                    self.data[c].insert(at, row.get(c))
-                self.generation += 1
-            else:
-                self._push(row)
-        else:
-            self._pending.append(row)
-            if len(self._pending) >= self.stride:
-                self._push(_mean_row(self._pending, self.columns))
-                self._pending = []
-        if len(self) >= self.max_points:
-            self._compact()
-
-    def _push(self, row: dict[str, Any]) -> None:
-        for c in self.columns:
-            self.data[c].append(row.get(c))
-
-    def _compact(self) -> None:
-        n = len(self)
-        for c in self.columns:
-            old = self.data[c]
-            self.data[c] = [_mean2(old[i], old[i + 1]) for i in range(0, n - 1, 2)] + (
-                [old[-1]] if n % 2 else []
-            )
-        self.stride *= 2
-        self.generation += 1
-
-    def since(self, cursor: list[int] | None) -> tuple[dict[str, Any], list[int]]:
-        """Rows after ``cursor`` (``[generation, length]``) and the new cursor.
-
-        The result has ``reset: True`` and every row when the reader's cursor is
-        from an older generation (or absent).
-        """
-        n = len(self)
-        if cursor is None or cursor[0] != self.generation or cursor[1] > n:
-            start, reset = 0, True
-        else:
-            start, reset = int(cursor[1]), False
-        rows = {c: self.data[c][start:] for c in self.columns}
-        return {"reset": reset, "data": rows, "stride": self.stride}, [self.generation, n]
-
-
-def _mean2(a: float | None, b: float | None) -> float | None:
-    if a is None:
-        return b
-    if b is None:
-        return a
-    return (a + b) / 2
-
-
-def _mean_row(rows: list[dict[str, Any]], columns: list[str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for c in columns:
-        values = [r[c] for r in rows if r.get(c) is not None]
-        out[c] = sum(values) / len(values) if values else None
-    return out
+    def get(self, field: str, default: Any = None) -> list[Any]:
+        column = self.columns.get(field)
+        return column if column is not None else [self.same.get(field, default)] * self.n
 
 
 class WorkerStats:
@@ -168,6 +96,19 @@ class WorkerStats:
         self.recent.append((int(r.get("batch_size") or 0), float(r.get("compute_s") or 0.0),
                             float(r.get("communication_s") or 0.0),
                             float(r.get("waiting_s") or 0.0)))
+
+    def add_many(self, c: Columns, now: float) -> None:
+        """``n`` steps at once, as ``n`` :meth:`add` calls would."""
+        self.steps += c.n
+        self.bytes += sum(int(b or 0) for b in c.get("bytes"))
+        self.staleness_sum += sum(c.staleness)
+        self.last_update = max(self.last_update, max(c.updates))
+        self.last_seen = now
+        self.recent.extend(zip(
+            (int(b or 0) for b in c.get("batch_size")),
+            (float(x or 0.0) for x in c.get("compute_s")),
+            (float(x or 0.0) for x in c.get("communication_s")),
+            (float(x or 0.0) for x in c.get("waiting_s")), strict=True))
 
     def recent_means(self) -> tuple[float, float, float, float]:
         """Examples/s and mean compute / communication / waiting seconds per step."""
@@ -240,6 +181,57 @@ class RunHistory:
         elif kind == "worker_lost" and r.get("worker_address"):  # dasktf.engines.graph.elastic
             self.lost.add(str(r["worker_address"]))
 
+    def add_table(self, table: dict[str, Any], now: float) -> None:
+        """A :func:`~dasktf.diagnostics.events.pack` table of this run's records, as
+        its rows one by one would be: one replica's steps (a round's drift aside)
+        taken as columns, anything else row by row."""
+        same = table["same"]
+        if (table["n"] < 2 or same.get("kind") not in ("step", "update")
+                or "worker" not in same or "drift" in same or "drift" in table["columns"]):
+            for r in table_rows(table):
+                self.add(r, now)
+            return
+        c = Columns(table)
+        self.records += c.n
+        self.last_seen = now
+        worker = int(same["worker"])
+        if not self.mode and same.get("mode"):
+            self.mode = str(same["mode"])
+        stats = self.workers.get(worker)
+        if stats is None:
+            stats = self.workers[worker] = WorkerStats()
+        stats.add_many(c, now)
+        if self._first_step is None:
+            self._first_step = (now, c.updates[0])
+        self.max_update = max(self.max_update, max(c.updates))
+        self.max_epoch = max(self.max_epoch, max(int(e) for e in c.get("epoch", 0)))
+        for staleness in c.staleness:
+            bucket = min(staleness, MAX_STALENESS_BUCKET)
+            self.histogram[bucket] = self.histogram.get(bucket, 0) + 1
+        series = self.staleness.get(worker)
+        if series is None:
+            series = self.staleness[worker] = DecimatedSeries(
+                ["update", "staleness"], self.max_points)
+        series.extend({"update": c.updates, "staleness": c.staleness}, c.n)
+        self._bytes += sum(float(b or 0) for b in c.get("bytes"))
+        self._rows += sum(int(b or 0) for b in c.get("batch_size"))
+        if not c.has("loss"):
+            return
+        steps = c.get("loss_step") if c.has("loss_step") else c.updates
+        for loss, at, update in zip(c.get("loss"), steps, c.updates, strict=True):
+            if loss is not None:
+                self._add_loss(int(update if at is None else at), float(loss),
+                               same["kind"] == "update")
+
+    def _add_loss(self, at: int, loss: float, each: bool) -> None:
+        """Sync: every worker carries the same global loss; keep it once. Async
+        (``each``): one loss per update, possibly arriving late (inserted in order)."""
+        if each:
+            self.loss.append({"update": at, "loss": loss})
+        elif at > self._last_loss_update:
+            self._last_loss_update = at
+            self.loss.append({"update": at, "loss": loss})
+
     def _add_step(self, r: dict[str, Any], now: float) -> None:
         worker = int(r.get("worker", 0))
         update = int(r.get("update", r.get("step", 0)))
@@ -271,14 +263,8 @@ class RunHistory:
             self._add_round(round_, float(r["drift"]))
         loss = r.get("loss")
         if loss is not None:
-            # Sync: every worker carries the same global loss; keep it once. Async:
-            # one loss per update, possibly arriving late (inserted in order).
-            at = int(r.get("loss_step", update))
-            if r.get("kind") == "update":
-                self.loss.append({"update": at, "loss": float(loss)})
-            elif at > self._last_loss_update:
-                self._last_loss_update = at
-                self.loss.append({"update": at, "loss": float(loss)})
+            self._add_loss(int(r.get("loss_step", update)), float(loss),
+                           r.get("kind") == "update")
 
     def _add_inner(self, r: dict[str, Any]) -> None:
         worker = int(r.get("worker", 0))
@@ -484,9 +470,8 @@ class MetricsStore(SchedulerPlugin):
         scheduler.handlers[HANDLER] = self.fetch
 
     def log_event(self, topic: str, msg: Any) -> None:
-        if topic != TOPIC or not isinstance(msg, dict):
-            return
-        self.add_records(msg.get("records") or [])
+        if topic == TOPIC and isinstance(msg, dict):
+            self.add_message(msg)
 
     def remove_worker(self, scheduler: Scheduler, worker: str, **kwargs: Any) -> None:
         for history in self.runs.values():
@@ -494,19 +479,33 @@ class MetricsStore(SchedulerPlugin):
                 history.lost.add(worker)
 
     # -- the store ----------------------------------------------------------------
+    def add_message(self, msg: dict[str, Any], now: float | None = None) -> None:
+        """Fold one event's message (:func:`~dasktf.diagnostics.events.pack`'s
+        tables, or plain ``records``) into the per-run histories."""
+        now = time.time() if now is None else now
+        self.add_records(msg.get("records") or [], now)
+        for table in msg.get("tables") or ():
+            run = table["same"].get("run")
+            if run is None:  # the run differs between rows: not one replica's
+                self.add_records(table_rows(table), now)
+            elif run:
+                self._history(run).add_table(table, now)
+
     def add_records(self, records: list[dict[str, Any]], now: float | None = None) -> None:
         """Fold a batch of records into the per-run histories."""
         now = time.time() if now is None else now
         for r in records:
             run = r.get("run")
-            if not run:
-                continue
-            history = self.runs.get(run)
-            if history is None:
-                history = self.runs[run] = RunHistory(run, self.max_points)
-                while len(self.runs) > self.max_runs:
-                    self.runs.popitem(last=False)
-            history.add(r, now)
+            if run:
+                self._history(run).add(r, now)
+
+    def _history(self, run: str) -> RunHistory:
+        history = self.runs.get(run)
+        if history is None:
+            history = self.runs[run] = RunHistory(run, self.max_points)
+            while len(self.runs) > self.max_runs:
+                self.runs.popitem(last=False)
+        return history
 
     def fetch(self, run: str | None = None, cursor: Cursor | None = None) -> dict[str, Any]:
         """The scheduler handler ``dasktf_metrics``: a run's summary after ``cursor``.
