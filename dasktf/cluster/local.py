@@ -11,6 +11,7 @@ plugin, and GPU workers are recognised by the ``GPU`` resource they advertise.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import logging
 import os
@@ -379,9 +380,17 @@ class TensorFlowSetup(WorkerPlugin):
     def __init__(self, intra_op_threads: int) -> None:
         self.intra_op_threads = intra_op_threads
 
-    def setup(self, worker: Any) -> None:
+    async def setup(self, worker: Any) -> None:
+        """In a thread of its own: Dask calls a plugin's ``setup`` on the worker's
+        event loop, and importing TensorFlow there held it for the whole import
+        (seconds; minutes with 32 workers on 2 cores), no heartbeat answered, so the
+        scheduler's liveness detector, which watches a run from its set-up on,
+        would take the worker for a frozen one."""
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", QUIET_TF_LOG_LEVEL)
         quiet.install()  # a worker of the user's that has not imported TensorFlow yet
+        await asyncio.get_running_loop().run_in_executor(None, self._set_up, worker)
+
+    def _set_up(self, worker: Any) -> None:
         import tensorflow as tf
 
         try:
