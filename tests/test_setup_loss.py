@@ -416,7 +416,7 @@ def cli_cluster(n):
 class KillWhilePluginsRegister(KillAt):
     """At "registering plugins", SIGKILL ``count`` workers once the scheduler holds
     the TensorFlow set-up plugin, that is while it sends it to every worker (each
-    then imports TensorFlow on its event loop, for seconds): the reported moment."""
+    then imports TensorFlow, for seconds): the reported moment."""
 
     outside = False  # True: kill workers of the cluster the run does not use
 
@@ -440,6 +440,22 @@ class KillWhilePluginsRegister(KillAt):
         for pid in pids:
             os.kill(pid, signal.SIGKILL)
         self.killed_at = time.time()
+
+
+@pytest.mark.slow
+def test_cli_workers_importing_tensorflow_are_not_taken_for_frozen_ones(small_digits):
+    """`dask worker` processes import TensorFlow when the run's set-up plugin reaches
+    them, while the liveness detector already watches them. The plugin imports in a
+    thread, so their event loops keep answering: with the set-up's liveness timeout
+    at 3 s (the import takes longer), no worker is removed. When it imported on the
+    event loop, all were (32 CLI workers on 2 cores: 64 s of silence each)."""
+    x, y = small_digits
+    with cli_cluster(3) as client, \
+            dask.config.set({"dasktf.liveness-setup-timeout": "3s"}):
+        history = dasktf.fit("mnist-mlp", x, y, client=client, epochs=1, batch_size=48,
+                             verbose=0)
+        assert history.recoveries == [] and len(history.workers) == 3
+        assert len(client.scheduler_info(n_workers=-1)["workers"]) == 3
 
 
 @pytest.mark.slow
