@@ -551,6 +551,7 @@ def run_all(ns: list[int], modes: list[str], out_path: str | None,
             print(f"N={n}: a no-op task costs the scheduler {noop:.3f} ms of CPU; idle, "
                   f"it spends {idle * 1e3:.1f} ms a second (heartbeats); load average "
                   f"{open('/proc/loadavg').read().split()[:3]}", flush=True)
+            first = True
             if whole_fit:  # the workers import TensorFlow and trace once, untimed
                 measure_fit(client, n, modes[0], pid, whole_fit, 1)
             for mode in modes:
@@ -567,8 +568,16 @@ def run_all(ns: list[int], modes: list[str], out_path: str | None,
                 r["noop_task_ms"] = noop
                 # what the scheduler spends per second whatever runs (heartbeats),
                 # taken out: on 2 cores a step's wall time grows with N, and so
-                # would a per-second cost counted per step
-                r["sched_net_ms"] = r["sched_cpu_ms"] - idle * r["wall_ms"]
+                # would a per-second cost counted per step. Sampled on either side
+                # of the mode's run: the one sample taken as the workers settled read
+                # up to 45 ms a second against 28-30 after a run, and moved a
+                # 32-worker figure by 0.01 between runs of one commit (the first mode
+                # has no sample before it but that one: its sample after only)
+                after = idle_rate(pid, 4.0)
+                before = after if first else idle
+                r["idle_ms_per_s"] = [before * 1e3, after * 1e3]
+                r["sched_net_ms"] = r["sched_cpu_ms"] - (before + after) / 2 * r["wall_ms"]
+                idle, first = after, False
                 r["sched_net_per_worker"] = r["sched_net_ms"] / r["n"]
                 r["run_s"] = time.perf_counter() - t0
                 results.append(r)

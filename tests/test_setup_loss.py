@@ -203,7 +203,11 @@ SETUP_LIVENESS = 6.0  # dasktf.liveness-setup-timeout in these tests (20 s by de
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("phase", SETUP)
+# the phases whose calls wait on every worker; "connecting" calls none, and a freeze
+# as the p2p engine starts is noticed at the first step, which is training's
+# (tests/test_hosts.py): both were run once, noticed in the next phase
+@pytest.mark.parametrize("phase", ["registering plugins", "placing data",
+                                   "building replicas"])
 def test_a_worker_frozen_while_setting_up_is_removed_and_the_run_goes_on(
         client3, small_digits, phase):
     """A worker SIGSTOPped as ``phase`` begins (the p2p engine, 3 workers): the
@@ -211,9 +215,7 @@ def test_a_worker_frozen_while_setting_up_is_removed_and_the_run_goes_on(
     it; the run is set up again on the other two and trains the weights
     single-process Keras trains. Before, the set-up's calls waited on the frozen
     worker for Dask's worker-ttl or the run's own timeouts (over 400 s at "building
-    replicas"). A phase that calls no worker ("connecting"; the p2p engine's start)
-    notices it in a later one, the first that waits on it: at the first step, that
-    is the engine's own recovery, within ``dasktf.liveness-timeout``."""
+    replicas")."""
     x, y = small_digits
     model, want = _keras_reference(x, y, 48)
     freezer = FreezeAt(client3, phase)
@@ -229,15 +231,13 @@ def test_a_worker_frozen_while_setting_up_is_removed_and_the_run_goes_on(
     assert len(history.recoveries) == 1, history.recoveries
     (recovery,) = history.recoveries
     assert recovery["lost"] == [freezer.victim]
-    assert recovery["phase"] in PHASES[PHASES.index(phase):], recovery["phase"]
+    assert recovery["phase"] == phase
     assert len(history.workers) == 2 and freezer.victim not in history.workers
     for got, expected in zip(history.model.get_weights(), want, strict=True):
         assert relative_error(got, expected) < 1e-5
-    # the engine's recovery (at the first step) records when it resumed, after its notice
-    notice = recovery.get("detected_at", recovery["wall_time"] - recovery["resume_s"])
-    noticed = notice - freezer.frozen_at
+    noticed = recovery["detected_at"] - freezer.frozen_at
     assert noticed < SETUP_LIVENESS + 5, noticed
-    print(f"\n{phase}: noticed in {recovery['phase']} {noticed:.2f}s after the freeze")
+    print(f"\n{phase}: noticed {noticed:.2f}s after the freeze")
 
 
 def _bounded(recovery, killer):
