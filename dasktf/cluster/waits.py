@@ -91,9 +91,13 @@ def wait_for(ctx: RunContext, futures: list[Future], what: str,
             error = errored[0].exception()
             if type(error).__name__ == "KilledWorker":
                 _await_removal(ctx, poll * 4)  # the scheduler's notice is on its way
-            elif isinstance(error, WorkerLostError):
+            elif isinstance(error, WorkerLostError) and (
+                    not error.workers or set(error.workers) & set(ctx.workers)):
                 # a peer of a worker-to-worker collective saw its connection close:
-                # the scheduler's notice follows (bounded by worker-loss-timeout)
+                # the scheduler's notice follows (bounded by worker-loss-timeout).
+                # Not for a peer the run already went on without (a span's end
+                # after a loss at the last epoch's end): no notice of the run's
+                # workers would come, and the wait was the whole timeout, 30 s.
                 _await_removal(ctx, config.get_seconds("worker-loss-timeout"))
             check_alive(ctx, what)  # a task lost with its worker: say so, by name
             raise_task_error(errored[0], what)
