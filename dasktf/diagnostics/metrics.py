@@ -195,14 +195,7 @@ class RunHistory:
         self.records += c.n
         self.last_seen = now
         worker = int(same["worker"])
-        if not self.mode and same.get("mode"):
-            self.mode = str(same["mode"])
-        stats = self.workers.get(worker)
-        if stats is None:
-            stats = self.workers[worker] = WorkerStats()
-        stats.add_many(c, now)
-        if self._first_step is None:
-            self._first_step = (now, c.updates[0])
+        self._worker(worker, same.get("mode"), c.updates[0], now).add_many(c, now)
         self.max_update = max(self.max_update, max(c.updates))
         self.max_epoch = max(self.max_epoch, max(int(e) for e in c.get("epoch", 0)))
         for staleness in c.staleness:
@@ -232,17 +225,21 @@ class RunHistory:
             self._last_loss_update = at
             self.loss.append({"update": at, "loss": loss})
 
-    def _add_step(self, r: dict[str, Any], now: float) -> None:
-        worker = int(r.get("worker", 0))
-        update = int(r.get("update", r.get("step", 0)))
-        if not self.mode and r.get("mode"):
-            self.mode = str(r["mode"])
+    def _worker(self, worker: int, mode: Any, update: int, now: float) -> WorkerStats:
+        """The stats of replica ``worker``, whose steps from ``update`` arrive."""
+        if not self.mode and mode:
+            self.mode = str(mode)
+        if self._first_step is None:
+            self._first_step = (now, update)
         stats = self.workers.get(worker)
         if stats is None:
             stats = self.workers[worker] = WorkerStats()
-        stats.add(r, now)
-        if self._first_step is None:
-            self._first_step = (now, update)
+        return stats
+
+    def _add_step(self, r: dict[str, Any], now: float) -> None:
+        worker = int(r.get("worker", 0))
+        update = int(r.get("update", r.get("step", 0)))
+        self._worker(worker, r.get("mode"), update, now).add(r, now)
         self.max_update = max(self.max_update, update)
         self.max_epoch = max(self.max_epoch, int(r.get("epoch", 0)))
         staleness = int(r.get("staleness") or 0)
