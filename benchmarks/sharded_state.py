@@ -78,6 +78,7 @@ def _held(dask_worker: Any = None) -> list[dict[str, int]]:
         if shard is not None:
             summed = 4 * (shard.edges[shard.rank + 1] - shard.edges[shard.rank])
             waited = int(shard.held)
+            own = int(shard.own)  # its largest stage where the backward pass is staged
         else:
             link = manager.links.get(run_id)
             group = None if link is None else link.group

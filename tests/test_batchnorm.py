@@ -16,7 +16,7 @@ import pytest
 from distributed import get_task_stream
 
 import dasktf
-from dasktf.runtime.replica import (
+from dasktf.runtime.statistics import (
     mean_non_trainable,
     non_trainable_floats,
     non_trainable_values,

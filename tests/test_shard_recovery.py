@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 
+import dask
 import keras
 import numpy as np
 import pytest
@@ -94,6 +95,12 @@ KILLS = {
     # shard_state="gradients" (ZeRO-2): the same apply and all-gather after its
     # bucketed reduce-scatter (the same sums: equal to the ZeRO-1 run)
     "zero2-during-the-all-gather": (1, 2 * STEPS + 7, "allgather", "gradients"),
+    # and its backward pass staged (the 1,010 values of the softmax layer's
+    # gradient sent first, then the first layer's): rank 0 killed once its first
+    # part of the last layer's stage was acknowledged
+    "zero2-staged-during-the-reduce-scatter": (0, 2 * STEPS + 5, "allreduce", "gradients",
+                                               {"dasktf.p2p.shard-bucket": 1024,
+                                                "dasktf.p2p.shard-stage": 0}),
 }
 
 
@@ -101,11 +108,13 @@ KILLS = {
 @pytest.mark.parametrize("case", list(KILLS.values()), ids=list(KILLS))
 @pytest.mark.timeout(300)
 def test_a_sigkilled_worker_loses_no_optimizer_state(digits, uninterrupted, case):
-    rank, update, where, *shard_state = case
-    with own_cluster(3) as (_, client):
+    rank, update, where, *rest = case
+    shard_state = rest[0] if rest else "optimizer"
+    settings = rest[1] if len(rest) > 1 else {}  # the client's: the group reads them
+    with own_cluster(3) as (_, client), dask.config.set(settings):
         workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
         kill_worker_at_update(client, workers[rank], update, where)
-        history = _halved(client, digits, shard_state=(shard_state or ["optimizer"])[0])
+        history = _halved(client, digits, shard_state=shard_state)
     (recovery,) = history.recoveries
     assert recovery["lost"] == [workers[rank]] and recovery["steps_lost"] == 0
     assert len(history.workers) == 2

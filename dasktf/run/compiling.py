@@ -35,7 +35,7 @@ from dasktf.run.options import (
     resolve_metrics,
     resolve_optimizer,
 )
-from dasktf.runtime.replica import non_trainable_floats
+from dasktf.runtime.statistics import non_trainable_floats
 
 if TYPE_CHECKING:
     from dasktf.data.base import Source

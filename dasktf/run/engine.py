@@ -23,7 +23,7 @@ from dasktf.engines.holder.sharded import plan_holders
 from dasktf.engines.p2p import options as p2p_options
 from dasktf.engines.p2p.engine import P2PEngine
 from dasktf.exceptions import EngineHint
-from dasktf.runtime.replica import non_trainable_floats
+from dasktf.runtime.statistics import non_trainable_floats
 
 if TYPE_CHECKING:
     from dasktf.cluster.waits import RunContext

@@ -34,6 +34,15 @@ def weigh_output_losses(trackers: list[Any], before: list[Any], n: Any) -> None:
         tracker.count.assign_add(tf.cast(extra, tracker.count.dtype))
 
 
+def flat_gradient(grads: list[Any], variables: list[Any]) -> Any:
+    """The gradients of ``variables`` as one flat float32 tensor, in order (zeros
+    for a variable the loss does not reach; a TF body)."""
+    import tensorflow as tf
+
+    return tf.concat([tf.reshape(tf.zeros_like(v) if g is None else tf.cast(g, v.dtype), [-1])
+                      for g, v in zip(grads, variables, strict=True)], axis=0)
+
+
 @functools.lru_cache(maxsize=64)
 def step_dtype(dtype: np.dtype) -> np.dtype:
     """The dtype a step takes an array of ``dtype`` as: Keras' data adapters cast

@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,11 +39,13 @@ from dasktf.runtime.keras_step import (
     batch_args,
     batch_signature,
     build_metrics,
+    flat_gradient,
     metric_states,
     weigh_output_losses,
 )
 from dasktf.runtime.manager import RunManager, run_manager
 from dasktf.runtime.rounds import LocalSpec, Rounds
+from dasktf.runtime.statistics import non_trainable_floats, read_values
 from dasktf.runtime.timing import StepTimer, StepTiming
 from dasktf.transport import ModelRef, built_optimizer, seed_states
 from dasktf.wire.messages import GradientSum
@@ -200,6 +201,9 @@ class Replica:
         #: ``shard_state="optimizer"``: this replica's slice of the optimizer
         #: (:class:`dasktf.runtime.p2p.sharding.ShardOptimizer`), made by the first step
         self.shard_optimizer: Any = None
+        #: shard_state="gradients": ``(the least values a stage holds, the backward
+        #: pass's stages or None)`` (:mod:`dasktf.runtime.staged`), found at a first step
+        self.backward_stages: tuple[int, Any] | None = None
 
     # -- compiled bodies (traced here, and into a round's loop by rounds.py) ---
     def batch_gradient(self, x: Any, y: Any, w: Any = None) -> tuple[Any, Any]:
@@ -208,29 +212,35 @@ class Replica:
 
         with tf.GradientTape() as tape:
             y_pred = self.model(x, training=True)
-            # Keras' reduction divides the weighted sum by the batch size, not the
-            # weights' sum: times n below, summed and divided by the global count,
-            # it is Keras' weighted loss of the global batch.
-            before = [m.total + 0.0 for m in self.output_loss_trackers]
-            loss = self.model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=w,
-                                           training=True)
-            n = tf.shape(first_leaf(x))[0]
-            weigh_output_losses(self.output_loss_trackers, before, n)
-            # A LossScaleOptimizer (mixed_float16) scales here and unscales, checks
-            # for overflow and adapts the scale in apply_gradients; every replica
-            # applies the same sum, so their scales stay equal. Else a no-op.
-            scaled = self.model.optimizer.scale_loss(loss)
+            loss, scaled, n = self.batch_loss(x, y, y_pred, w)
         grads = tape.gradient(scaled, self.variables)
+        self.track(x, y, y_pred, w, loss, n)
+        flat = flat_gradient(grads, self.variables)
+        return flat * tf.cast(n, flat.dtype), loss * tf.cast(n, loss.dtype)
+
+    def batch_loss(self, x: Any, y: Any, y_pred: Any, w: Any) -> tuple[Any, Any, Any]:
+        """The batch's loss, the loss the backward pass starts from and its rows
+        (inside the tape; the staged backward pass, :mod:`dasktf.runtime.staged`,
+        shares it)."""
+        import tensorflow as tf
+
+        # Keras' reduction divides the weighted sum by the batch size, not the
+        # weights' sum: times n, summed and divided by the global count, it is
+        # Keras' weighted loss of the global batch.
+        before = [m.total + 0.0 for m in self.output_loss_trackers]
+        loss = self.model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=w,
+                                       training=True)
+        n = tf.shape(first_leaf(x))[0]
+        weigh_output_losses(self.output_loss_trackers, before, n)
+        # A LossScaleOptimizer (mixed_float16) scales here and unscales, checks for
+        # overflow and adapts the scale in apply_gradients; every replica applies
+        # the same sum, so their scales stay equal. Else a no-op.
+        return loss, self.model.optimizer.scale_loss(loss), n
+
+    def track(self, x: Any, y: Any, y_pred: Any, w: Any, loss: Any, n: Any) -> None:
+        """The batch's loss and metrics into the model's trackers."""
         self.loss_tracker.update_state(loss, sample_weight=n)
         self.model.compute_metrics(x, y, y_pred, sample_weight=w)
-        flat = tf.concat(
-            [
-                tf.reshape(tf.zeros_like(v) if g is None else tf.cast(g, v.dtype), [-1])
-                for g, v in zip(grads, self.variables, strict=False)
-            ],
-            axis=0,
-        )
-        return flat * tf.cast(n, flat.dtype), loss * tf.cast(n, loss.dtype)
 
     def apply_mean(self, total: Any, count: Any) -> None:
         """Apply the flat gradient ``total / count`` with the optimizer (a TF body)."""
@@ -458,7 +468,7 @@ class Replica:
     def non_trainable_values(self) -> list[np.ndarray] | None:
         """The model's non-trainable float state (BatchNormalization's moving
         statistics), ``None`` when it has none."""
-        return _read(self.stats_variables)
+        return read_values(self.stats_variables)
 
     def set_non_trainable(self, values: list[np.ndarray] | None) -> None:
         """Assign :meth:`non_trainable_values`' variables (``None``: nothing)."""
@@ -484,40 +494,6 @@ class Replica:
             return None
         with _on(self.device):
             return self.evaluator.states(self.val_shard, self.eval_batch_size)
-
-
-def non_trainable_floats(model: Any) -> list[Any]:
-    """The model's non-trainable float variables: moving statistics that every
-    replica updates from its own batches. Integer ones (a seed generator's state)
-    are no statistic and stay each replica's own."""
-    import keras
-
-    return [v for v in model.non_trainable_variables
-            if keras.backend.is_float_dtype(v.dtype)]
-
-
-def non_trainable_values(model: Any) -> list[np.ndarray] | None:
-    """:func:`non_trainable_floats`' values, ``None`` when the model has none."""
-    return _read(non_trainable_floats(model))
-
-
-def _read(variables: list[Any]) -> list[np.ndarray] | None:
-    return [np.asarray(v.numpy()) for v in variables] or None
-
-
-def mean_non_trainable(values: Sequence[list[np.ndarray]]) -> list[np.ndarray]:
-    """The replicas' statistics averaged, as MirroredStrategy reads a variable
-    aggregated with MEAN: summed in the order given, so every replica averaging the
-    same list gets bitwise the same result. A variable no replica changed (frozen
-    layers, an adapted ``Normalization``) is kept bit for bit: the mean of equal
-    float32 values can be an ulp off."""
-    return [_mean([v[i] for v in values]) for i in range(len(values[0]))]
-
-
-def _mean(arrays: list[np.ndarray]) -> np.ndarray:
-    if all(np.array_equal(a, arrays[0]) for a in arrays[1:]):
-        return arrays[0]
-    return np.mean(arrays, axis=0).astype(arrays[0].dtype)
 
 
 def _on(device: str) -> Any:

@@ -22,12 +22,12 @@ from dasktf.runtime.replica import (
     Replica,
     ReplicaConfig,
     get_replica,
-    mean_non_trainable,
     register_replica,
     straggle,
 )
 from dasktf.runtime.reports import epoch_report
 from dasktf.runtime.servers import set_shards_learning_rate
+from dasktf.runtime.statistics import mean_non_trainable
 from dasktf.transport import forget_model
 from dasktf.wire.packets import release_run
 

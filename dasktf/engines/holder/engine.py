@@ -89,11 +89,8 @@ from dasktf.engines.holder.state import AsyncState, QuorumState, cut_state, resu
 from dasktf.engines.holder.tasks import async_step_task, flush_events
 from dasktf.exceptions import DasktfError, StepTimeoutError
 from dasktf.runtime.reconcile import on_every_worker
-from dasktf.runtime.replica import (
-    EpochReport,
-    ReplicaConfig,
-    mean_non_trainable,
-)
+from dasktf.runtime.replica import EpochReport, ReplicaConfig
+from dasktf.runtime.statistics import mean_non_trainable
 from dasktf.runtime.tasks import set_non_trainable_task
 
 if TYPE_CHECKING:

@@ -72,10 +72,13 @@ def group_spec(gid: str, members: list[str], compression: str) -> GroupSpec:
     to every member, so that they all choose the same algorithm."""
     threshold = config.get("p2p.bandwidth-threshold")
     bucket = config.get("p2p.shard-bucket")
+    stage = config.get("p2p.shard-stage")
     return GroupSpec(
         gid, tuple(members), codec=compression,
         algorithm=str(config.get("p2p.algorithm")),
         threshold=int(parse_bytes(threshold) if isinstance(threshold, str) else threshold),
         timeout=config.get_seconds("p2p.timeout"),
         shard_bucket=int(parse_bytes(bucket) if isinstance(bucket, str) else bucket),
+        shard_stage=(None if stage is False or stage is None else
+                     int(parse_bytes(stage) if isinstance(stage, str) else stage)),
     )

@@ -17,9 +17,11 @@ same bits as the one-round step (each value's N parts added in rank order), and
 the apply and the all-gather are the same
 (:func:`~dasktf.runtime.p2p.sharding.apply_and_gather`).
 
-What it cannot shard: each worker's own gradient, the output of its backward pass
-(one TensorFlow call returns it whole), is a whole buffer on every worker, sharded
-or not; it is only read here (views of it travel).
+Each worker's own gradient, the output of its backward pass, is only read here
+(views of it travel). One TensorFlow call returns it whole; for a large chain
+model the backward pass runs a group of layers at a time instead
+(:mod:`dasktf.runtime.staged`), each group's parts sent in rounds of their own
+before the next group is computed, so no worker holds its whole own gradient.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from dasktf.runtime.p2p.sharding import apply_and_gather
 
 if TYPE_CHECKING:
     from dasktf.runtime.p2p.algorithms import Coding, Transport
+    from dasktf.runtime.staged import StagedBackward
 
 
 def bucket_values(nbytes: int) -> int:
@@ -44,38 +47,52 @@ def bucket_values(nbytes: int) -> int:
 
 def bucketed_update(bucket: int, apply: Callable[..., np.ndarray],
                     t: Transport, buf: np.ndarray, scalars: np.ndarray | None,
-                    coding: Coding, step: int) -> tuple[np.ndarray, np.ndarray | None]:
+                    coding: Coding, step: int, staged: StagedBackward | None = None
+                    ) -> tuple[np.ndarray, np.ndarray | None]:
     """:func:`~dasktf.runtime.p2p.sharding.sharded_update` with its reduce-scatter
-    in rounds of at most ``bucket`` values of each slice (see the module)."""
+    in rounds of at most ``bucket`` values of each slice (see the module).
+
+    ``staged``: this member's gradient comes a group of layers at a time from its
+    backward pass (:mod:`dasktf.runtime.staged`; ``buf`` is not read): each
+    stage's parts go in rounds of their own before the next stage is computed,
+    every member sending every other a message each round (empty where the stage
+    has none of the peer's slice), so the rounds stay in step and the bound holds.
+    """
     n, r = t.size, t.rank
-    edges = chunk_edges(buf.size, n)
-    lengths = [edges[c + 1] - edges[c] for c in range(n)]
-    rounds = max(1, max(-(-length // bucket) for length in lengths))
-    x = np.asarray(buf, np.float32)
+    size = buf.size if staged is None else staged.size
+    edges = chunk_edges(size, n)
     sc = np.zeros(0) if scalars is None else np.array(scalars, np.float64, copy=True)
-
-    def part(c: int, k: int) -> slice:  # bucket k of slice c, in ``buf``
-        a, b = min(k * bucket, lengths[c]), min((k + 1) * bucket, lengths[c])
-        return slice(edges[c] + a, edges[c] + b)
-
-    acc = np.empty(lengths[r], np.float32)
+    parts = [(0, np.asarray(buf, np.float32))] if staged is None else staged.parts()
+    acc = np.empty(edges[r + 1] - edges[r], np.float32)
     total: np.ndarray | None = None
-    for k in range(rounds):
-        for j in range(1, n):  # views of ``buf`` travel: not written before we return
-            dest = (r + j) % n
-            t.send(dest, Key(step, "zb", k, dest), (x[part(dest, k)], sc if k == 0 else None))
-        here = part(r, k)
-        into = acc[here.start - edges[r]:here.stop - edges[r]]
-        for source in range(n):  # in rank order: the one-round step's bits
-            if source == r:
-                values, theirs = x[here], sc
-            else:
-                values, theirs = t.recv(source, Key(step, "zb", k, r))
-            if source == 0:
-                values_of(values, out=into)
-            else:
-                into += values_of(values)
-            if k == 0:
-                total = np.array(theirs, copy=True) if total is None else total + theirs
+    k = 0  # the round, counted across the stages
+    for start, values in parts:
+        # each owner's part of this stage, in the whole buffer (empty: a == b)
+        spans = [(min(max(start, edges[c]), edges[c + 1]),
+                  max(min(start + len(values), edges[c + 1]), edges[c])) for c in range(n)]
+        spans = [(a, max(a, b)) for a, b in spans]
+        rounds = max(1, max(-(-(b - a) // bucket) for a, b in spans))
+        for j in range(rounds):
+            # round j of each slice c's part, in ``values``
+            piece = [slice(min(a + j * bucket, b) - start, min(a + (j + 1) * bucket, b) - start)
+                     for a, b in spans]
+            for i in range(1, n):  # views travel: not written before we return
+                dest = (r + i) % n
+                t.send(dest, Key(step, "zb", k, dest),
+                       (values[piece[dest]], sc if k == 0 else None))
+            here = piece[r]
+            into = acc[here.start + start - edges[r]:here.stop + start - edges[r]]
+            for source in range(n):  # in rank order: the one-round step's bits
+                if source == r:
+                    got, theirs = values[here], sc
+                else:
+                    got, theirs = t.recv(source, Key(step, "zb", k, r))
+                if source == 0:
+                    values_of(got, out=into)
+                else:
+                    into += values_of(got)
+                if k == 0:
+                    total = np.array(theirs, copy=True) if total is None else total + theirs
+            k += 1
     assert total is not None
-    return apply_and_gather(apply, t, acc, total, buf.size, step, scalars is not None)
+    return apply_and_gather(apply, t, acc, total, size, step, scalars is not None)

@@ -39,6 +39,9 @@ class GroupSpec:
     timeout: float = 300.0
     #: shard_state="gradients": the reduce-scatter's bucket, in bytes
     shard_bucket: int = 4 << 20
+    #: shard_state="gradients": the gradient bytes over which a chain model's
+    #: backward pass runs in stages (:mod:`dasktf.runtime.staged`); None: never
+    shard_stage: int | None = 16 << 20
 
 
 class Link:

@@ -43,6 +43,7 @@ from dasktf.runtime.p2p.redundancy import redundant_shard
 from dasktf.runtime.p2p.sharding import ShardOptimizer, sharded_step
 from dasktf.runtime.replica import EpochReport, StepTiming, get_replica, straggle
 from dasktf.runtime.reports import epoch_report
+from dasktf.runtime.staged import StagedBackward, layer_stages
 from dasktf.wire.messages import GradientSum
 from dasktf.wire.packets import record_traffic
 
@@ -202,8 +203,11 @@ def _steps(replica: Replica, group: Group, segment: Segment, peers: Link, here: 
             hook(replica, update)
         began = time.perf_counter()
         shard = replica.shard_optimizer
+        staged = _staged_backward(replica, segment, step)
         if replica.rounds is not None:
             out = replica.rounds.run(segment.epoch, step)
+        elif staged is not None:  # the forward pass; the backward runs in the collective
+            out = GradientSum(None, staged.count, staged.loss_sum)
         elif shard is not None:  # the last step's weights taken in the same call
             out = shard.take_then_gradient(replica, segment.epoch, step)
         elif pending is not None:
@@ -220,11 +224,13 @@ def _steps(replica: Replica, group: Group, segment: Segment, peers: Link, here: 
         sharded = segment.shard_state is not None
         if sharded:  # summed, applied and the weights taken, in one collective
             collective = (functools.partial(bucketed_update,
-                                            bucket_values(segment.group.shard_bucket))
+                                            bucket_values(segment.group.shard_bucket),
+                                            staged=staged)
                           if segment.shard_state == "gradients" else None)
             summed, sums = sharded_step(
                 replica, group, out, update, size, votes,
-                redundant_shard if segment.redundancy else ShardOptimizer, collective)
+                redundant_shard if segment.redundancy else ShardOptimizer, collective,
+                staged=staged)
         else:
             summed, sums = allreduce_step(group, out, update, size=size,
                                           scale=segment.scale, votes=votes)
@@ -250,6 +256,28 @@ def _steps(replica: Replica, group: Group, segment: Segment, peers: Link, here: 
         if stopped is not None:
             return last, stopped, averaged
     return last, None, averaged
+
+
+def _staged_backward(replica: Replica, segment: Segment, step: int
+                     ) -> StagedBackward | None:
+    """With ``shard_state="gradients"`` on a chain model whose gradient is over
+    ``dasktf.p2p.shard-stage``: the step's forward pass done, its backward pass
+    to run a group of layers at a time inside the collective
+    (:mod:`dasktf.runtime.staged`); else ``None`` (one call, before it)."""
+    spec = segment.group
+    if (segment.shard_state != "gradients" or replica.rounds is not None
+            or spec.shard_stage is None or 4 * sum(replica.sizes) <= spec.shard_stage):
+        return None
+    bucket = bucket_values(spec.shard_bucket)
+    if replica.backward_stages is None or replica.backward_stages[0] != bucket:
+        replica.backward_stages = (bucket, layer_stages(replica.model, replica.variables,
+                                                        bucket))
+    stages = replica.backward_stages[1]
+    if stages is None or len(stages) < 2:  # one stage: the one call
+        return None
+    if replica.shard_optimizer is not None:  # the last update's weights, before reading them
+        replica.shard_optimizer.settle(replica)
+    return StagedBackward(replica, stages, replica.batch(segment.epoch, step))
 
 
 def _check_fence(replica: Replica, update: int) -> None:

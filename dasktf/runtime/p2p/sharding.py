@@ -55,6 +55,7 @@ if TYPE_CHECKING:
     from dasktf.runtime.p2p.algorithms import Coding, Transport
     from dasktf.runtime.p2p.group import Group
     from dasktf.runtime.replica import Replica
+    from dasktf.runtime.staged import StagedBackward
 
 #: The values of ``shard_state``: ``"gradients"`` (ZeRO-2) buckets the
 #: reduce-scatter (:mod:`dasktf.runtime.p2p.buckets`).
@@ -164,6 +165,9 @@ class ShardOptimizer:
         self.variables = replica.variables
         #: the most bytes of the peers' gradient parts that waited here (sharded_step)
         self.held = 0
+        #: the most bytes of this worker's own gradient held at once (whole, or
+        #: the largest stage of a staged backward pass)
+        self.own = 0
         self.shapes = list(replica.shapes)
         # the short call path (one concrete function, arguments handed flat): a
         # small model's step is mostly the fixed cost of each TensorFlow call
@@ -495,8 +499,8 @@ def assemble_optimizer(states: list[dict[str, Any]], shapes: list[tuple[int, ...
 def sharded_step(replica: Replica, group: Group, grad: GradientSum, update: int,
                  size: int, votes: np.ndarray,
                  make: Callable[[Replica, int, int], ShardOptimizer] = ShardOptimizer,
-                 collective: Callable[..., tuple[np.ndarray, np.ndarray | None]] | None = None
-                 ) -> tuple[GradientSum, np.ndarray]:
+                 collective: Callable[..., tuple[np.ndarray, np.ndarray | None]] | None = None,
+                 staged: StagedBackward | None = None) -> tuple[GradientSum, np.ndarray]:
     """:func:`~dasktf.runtime.p2p.gradients.allreduce_step` of a sharded run: the
     step's gradient summed, applied slice by slice and the new weights taken, in
     one collective. Returns the sum (without its buffer: no member holds it whole)
@@ -505,7 +509,9 @@ def sharded_step(replica: Replica, group: Group, grad: GradientSum, update: int,
     :func:`dasktf.runtime.p2p.redundancy.redundant_shard`). ``collective``: the
     step's collective, called as :func:`sharded_update` (the default) is
     (``shard_state="gradients"``: its reduce-scatter in buckets,
-    :func:`~dasktf.runtime.p2p.buckets.bucketed_update`)."""
+    :func:`~dasktf.runtime.p2p.buckets.bucketed_update`). ``staged``: the
+    collective computes this member's gradient itself, a group of layers at a
+    time (``grad`` has no buffer, and none is made)."""
     shard = replica.shard_optimizer
     if shard is None:  # the first step: the slice takes over the optimizer
         shard = replica.shard_optimizer = make(replica, group.rank, group.size)
@@ -514,7 +520,7 @@ def sharded_step(replica: Replica, group: Group, grad: GradientSum, update: int,
             f"replica {replica.index} holds slice {shard.rank} of {shard.n} of the "
             f"optimizer, and its group is now rank {group.rank} of {group.size}, with "
             "no state loaded in between to cut the slices again; this is a dasktf bug.")
-    total = (np.zeros(size, np.float32) if grad.total is None
+    total = (np.zeros(0 if staged is not None else size, np.float32) if grad.total is None
              else np.asarray(grad.total, np.float32).ravel())
     scalars = np.concatenate([[grad.count, grad.loss_sum, grad.square_sum],
                               np.asarray(votes, np.float64).ravel()])
@@ -533,6 +539,7 @@ def sharded_step(replica: Replica, group: Group, grad: GradientSum, update: int,
                                  runner=functools.partial(collective, apply))
     assert sums is not None
     shard.held = max(group.mailbox.peak.get(p, 0) for p in ("zs", "zb"))
+    shard.own = max(shard.own, total.nbytes if staged is None else staged.largest)
     if claimed:  # the next step's gradient call, or the segment's end, takes it
         shard.take_later(flat, replica)
     summed = GradientSum(None, round(float(sums[0])), float(sums[1]),

@@ -1,0 +1,153 @@
+"""A replica's backward pass a group of layers at a time, the last group first.
+
+One ``GradientTape.gradient`` call returns the whole gradient: with
+``shard_state="gradients"`` (ZeRO-2) that own gradient, 4 bytes a parameter, is
+the largest gradient buffer a worker holds, sharded or not. A chain of layers
+(a ``keras.Sequential``) can give it in parts instead: the forward pass records
+each group's output on one persistent tape, then each group's gradient is one
+call from that output's gradient (``output_gradients``) back to the group's
+input, so the sharded step sends a group's parts to their owners and drops them
+before the next group's are computed
+(:func:`~dasktf.runtime.p2p.buckets.bucketed_update`). DeepSpeed frees gradient
+buckets from hooks inside the backward pass; Keras on TensorFlow has no such hooks,
+and this is the same bound at a layer's grain.
+
+The values are those of the one-call backward pass (the same ops, run in parts),
+to float32 rounding. A model this cannot cut (not a ``Sequential``, a layer that
+adds losses of its own or masks its output, or variables out of layer order)
+keeps the one call (:func:`layer_stages` returns ``None``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from dasktf.data.shards import Shard
+    from dasktf.runtime.replica import Replica
+
+
+@dataclass(frozen=True)
+class Stage:
+    """Consecutive layers and the flat range ``[start, stop)`` of their trainable
+    variables in the replica's gradient buffer."""
+
+    layers: tuple[Any, ...]
+    start: int
+    stop: int
+    first: int  # the index of the stage's first trainable variable
+    count: int  # how many trainable variables it has
+
+
+def layer_stages(model: Any, variables: list[Any], min_values: int) -> list[Stage] | None:
+    """``model``'s layers cut into stages of at least ``min_values`` parameters
+    each where layers allow (one layer is never cut), in forward order; ``None``
+    when the model is not a chain this module can run in parts."""
+    import keras
+
+    if not isinstance(model, keras.Sequential) or model.losses:
+        return None  # (a regularizer's gradient reaches the weights from the loss)
+    where = {id(v): i for i, v in enumerate(variables)}
+    sizes = [int(np.prod(v.shape)) for v in variables]
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
+    stages: list[Stage] = []
+    layers: list[Any] = []
+    order: list[int] = []
+    first = 0
+    for layer in model.layers:
+        if (getattr(layer, "activity_regularizer", None) is not None
+                or getattr(layer, "mask_zero", False)
+                or isinstance(layer, keras.layers.Masking)):
+            return None
+        layers.append(layer)
+        order += [where.get(id(v), -1) for v in layer.trainable_variables]
+        done = len(order)
+        if done > first and offsets[done] - offsets[first] >= min_values:
+            stages.append(Stage(tuple(layers), int(offsets[first]), int(offsets[done]),
+                                first, done - first))
+            layers, first = [], done
+    if order != list(range(len(variables))):
+        return None  # a variable shared, out of order or not a layer's
+    if layers:  # the last layers: a stage of their own if they have variables
+        if first < len(order) or not stages:
+            stages.append(Stage(tuple(layers), int(offsets[first]), int(offsets[-1]),
+                                first, len(order) - first))
+        else:
+            last = stages.pop()
+            stages.append(Stage(last.layers + tuple(layers), last.start, last.stop,
+                                last.first, last.count))
+    return stages
+
+
+class StagedBackward:
+    """One batch's forward pass, its loss and metrics counted, and its gradient
+    given a stage at a time by :meth:`parts` (each times the batch's rows, as
+    :meth:`Replica.batch_gradient`'s)."""
+
+    def __init__(self, replica: Replica, stages: list[Stage], batch: Shard) -> None:
+        import tensorflow as tf
+
+        from dasktf.runtime.keras_step import batch_args
+
+        self.replica, self.stages = replica, stages
+        self.size = int(sum(replica.sizes))
+        self.count = len(batch)
+        self.loss_sum = 0.0
+        #: the most bytes of the gradient a stage gave at once (what it held)
+        self.largest = 0
+        self.tape: Any = None
+        if not self.count:
+            return
+        x, y, *w = batch_args(batch)
+        with tf.device(replica.device):
+            self.tape = tf.GradientTape(persistent=True)
+            with self.tape:
+                h = x
+                self.outputs = []
+                for stage in stages:
+                    for layer in stage.layers:
+                        h = layer(h, training=True)
+                    self.outputs.append(h)
+                loss, self.scaled, n = replica.batch_loss(x, y, h, w[0] if w else None)
+            replica.track(x, y, h, w[0] if w else None, loss, n)
+            self.loss_sum = float(loss * tf.cast(n, loss.dtype))
+
+    def parts(self) -> Iterator[tuple[int, np.ndarray]]:
+        """Each stage's flat gradient times the rows, the last stage first, with
+        its start in the whole buffer (zeros for a batch without rows). Each is
+        computed only when the one before was taken."""
+        import tensorflow as tf
+
+        from dasktf.runtime.keras_step import flat_gradient
+
+        if self.tape is None:
+            for stage in reversed(self.stages):
+                zeros = np.zeros(stage.stop - stage.start, np.float32)
+                self.largest = max(self.largest, zeros.nbytes)
+                yield stage.start, zeros
+            return
+        variables = self.replica.variables
+        with tf.device(self.replica.device):
+            upstream = None
+            for g in range(len(self.stages) - 1, -1, -1):
+                stage = self.stages[g]
+                mine = variables[stage.first:stage.first + stage.count]
+                sources = mine + ([self.outputs[g - 1]] if g else [])
+                # the last stage from the loss itself: Keras' cross-entropy of a
+                # softmax output reads the logits under it, not the output
+                grads = (self.tape.gradient(self.scaled, sources) if upstream is None
+                         else self.tape.gradient(self.outputs[g], sources,
+                                                 output_gradients=upstream))
+                if g:
+                    upstream = grads[-1]
+                part = (np.asarray(flat_gradient(grads[:stage.count], mine)
+                                   * np.float32(self.count)) if mine
+                        else np.zeros(0, np.float32))
+                del grads
+                self.largest = max(self.largest, part.nbytes)
+                yield stage.start, part
+        self.tape = None  # the activations it holds

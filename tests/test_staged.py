@@ -1,0 +1,106 @@
+"""The staged backward pass (:mod:`dasktf.runtime.staged`): a chain model's gradient
+a group of layers at a time, the last first, equal to the one-call backward pass.
+
+A replica built here, in the test process, as a worker builds it; the sharded
+step that sends each stage's parts is tested on real workers in test_sharding.py.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+
+from dasktf.data.shards import Shard
+from dasktf.models import CompileRecipe
+from dasktf.runtime.keras_step import batch_args
+from dasktf.runtime.replica import Replica, ReplicaConfig
+from dasktf.runtime.staged import StagedBackward, layer_stages
+from dasktf.transport import ModelPackage
+
+
+def _chain() -> keras.Model:
+    keras.utils.set_random_seed(3)
+    # 1,560 + 48 (the BatchNormalization's scale and offset) + 85 trainable values;
+    # a frozen layer between, a dropout drawing from the seed
+    return keras.Sequential([
+        keras.Input((8, 8)), keras.layers.Flatten(),
+        keras.layers.Dense(24, activation="relu"), keras.layers.BatchNormalization(),
+        keras.layers.Dropout(0.3),
+        keras.layers.Dense(16, activation="tanh", trainable=False),
+        keras.layers.Dense(5, activation="softmax")])
+
+
+def _replica(model: keras.Model, rows: int = 32) -> Replica:
+    recipe = CompileRecipe(keras.optimizers.serialize(keras.optimizers.Adam(0.01)),
+                           "sparse_categorical_crossentropy")
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((rows, 8, 8)).astype(np.float32)
+    y = rng.integers(0, 5, rows).astype(np.int64)
+    config = ReplicaConfig(ModelPackage.pack(model).ref(), recipe, 0, publish_metrics=False)
+    return Replica(config, 0, Shard(x, y), np.array([rows]))
+
+
+def test_stages_cut_between_layers_with_at_least_the_least_values():
+    replica = _replica(_chain())
+    stages = layer_stages(replica.model, replica.variables, 32)
+    assert [(s.start, s.stop, s.first, s.count) for s in stages] == [
+        (0, 1560, 0, 2),       # the flatten and the first dense layer
+        (1560, 1608, 2, 2),    # the batch normalization
+        (1608, 1693, 4, 2)]    # the dropout, the frozen layer and the softmax
+    assert [len(s.layers) for s in stages] == [2, 1, 3]
+    # at least 64 values a stage: the normalization's 48 join the last layers
+    assert [(s.start, s.stop) for s in layer_stages(replica.model, replica.variables, 64)
+            ] == [(0, 1560), (1560, 1693)]
+    # more than the model has: one stage, the whole pass
+    assert len(layer_stages(replica.model, replica.variables, 10**6)) == 1
+
+
+@pytest.mark.parametrize("rows", [32, 0])
+def test_the_stages_give_the_one_call_gradient(rows):
+    """Concatenated, the stages' gradients are the one-call backward pass's bit for
+    bit (the same ops, in parts), with the same loss, the same moving statistics
+    and the same dropout mask (the seed generator drawn in the same order); a
+    batch without rows gives zeros."""
+    model = _chain()
+    one, staged = _replica(model, max(rows, 1)), _replica(model, max(rows, 1))
+    stages = layer_stages(staged.model, staged.variables, 32)
+    batch = one.batch(0, 0) if rows else Shard(np.zeros((0, 8, 8), np.float32),
+                                               np.zeros(0, np.int64))
+    keras.utils.set_random_seed(9)
+    backward = StagedBackward(staged, stages, batch)
+    got = np.full(sum(staged.sizes), np.nan, np.float32)
+    order = []
+    for start, part in backward.parts():
+        order.append(start)
+        got[start:start + len(part)] = part
+    assert order == [1608, 1560, 0]  # the last stage first
+    assert backward.largest == 4 * 1560  # the largest stage held, not the whole
+    if not rows:
+        assert not got.any() and backward.count == 0 and backward.loss_sum == 0
+        return
+    keras.utils.set_random_seed(9)
+    flat, loss_sum = one.batch_gradient(*batch_args(batch))
+    np.testing.assert_array_equal(got, np.asarray(flat))
+    assert backward.loss_sum == float(loss_sum) and backward.count == rows
+    for mine, theirs in zip(staged.model.non_trainable_variables,
+                            one.model.non_trainable_variables, strict=True):
+        np.testing.assert_array_equal(np.asarray(mine), np.asarray(theirs))
+    assert float(staged.loss_tracker.result()) == float(one.loss_tracker.result())
+
+
+def test_what_cannot_be_cut_keeps_the_one_call():
+    inputs = keras.Input((8, 8))
+    hidden = keras.layers.Dense(4)(keras.layers.Flatten()(inputs))
+    functional = keras.Model(inputs, keras.layers.Dense(5)(hidden))
+    regularized = keras.Sequential([
+        keras.Input((8, 8)), keras.layers.Flatten(),
+        keras.layers.Dense(4, kernel_regularizer="l2"), keras.layers.Dense(5)])
+    activity = keras.Sequential([
+        keras.Input((8, 8)), keras.layers.Flatten(),
+        keras.layers.Dense(4, activity_regularizer="l2"), keras.layers.Dense(5)])
+    masked = keras.Sequential([
+        keras.Input((6,)), keras.layers.Embedding(10, 4, mask_zero=True),
+        keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(5)])
+    for model in (functional, regularized, activity, masked):
+        assert layer_stages(model, model.trainable_variables, 1) is None, model
