@@ -17,8 +17,10 @@ run of ``--big-steps`` steps for each of unsharded, ``"optimizer"`` and
 ``--unsharded-max`` workers: 8 whole copies of the state do not fit a 24 GiB
 machine; a worker's unsharded slots and gradients do not depend on N). Read on
 every worker at the epoch's end (what it holds, not a
-formula): the bytes of the replica's optimizer variables (TensorFlow's), its own
-gradient (the backward pass's flat output: the model's trainable values x 4), the
+formula): the bytes of the replica's optimizer variables (TensorFlow's), the most
+of its own gradient it held at once (the backward pass's output: whole, or with
+``"gradients"`` on this chain model the largest stage of its staged backward pass,
+``dasktf.runtime.staged``; unsharded, the model's trainable values x 4), the
 summed gradient it keeps (unsharded: the all-reduce's whole output; sharded: its
 slice's sum) and the most bytes of peers' gradient parts that ever waited in its
 mailbox (the group's metering, per phase). Printed per N: the largest worker's
@@ -28,9 +30,13 @@ with redundancy r the slots' target is (1 + r)/N + 5%).
 The load average is printed before and after each part (a shared 2-core machine:
 the workers share the cores).
 
+``--bucket`` and ``--stage`` set ``dasktf.p2p.shard-bucket`` and
+``dasktf.p2p.shard-stage`` (``false``: the one-call backward pass); ``--modes`` picks
+the memory part's modes (``none`` for unsharded).
+
 Usage: ``python benchmarks/sharded_state.py [--part time|memory|all] [--rows 30720]
 [--cnn-rows 2560] [--epochs 3] [--repeats 2] [--workers 2,4,8] [--big-steps 2]
-[--unsharded-max 4]
+[--unsharded-max 4] [--bucket 4MiB] [--stage 16MiB] [--modes none,optimizer,gradients]
 [--data /work/shared/data/mnist.npz]``.
 """
 
@@ -192,7 +198,7 @@ def memory_part(args: argparse.Namespace) -> None:
         # unsharded past --unsharded-max workers: not run (each worker would hold the
         # whole state: 8 of them do not fit this machine); its slots and gradients a
         # worker do not depend on N, so the last N's stand
-        modes = [m for m in MODES if m is not None or n <= args.unsharded_max]
+        modes = [m for m in args.modes if m is not None or n <= args.unsharded_max]
         for mode in modes:
             with dasktf.make_local_cluster(n, tf_threads=1) as cluster, \
                     Client(cluster) as client:
@@ -230,12 +236,26 @@ def main() -> None:
                         default=[2, 4, 8])
     parser.add_argument("--big-steps", type=int, default=2)
     parser.add_argument("--unsharded-max", type=int, default=4)
+    parser.add_argument("--bucket", default=None, help="dasktf.p2p.shard-bucket")
+    parser.add_argument("--stage", default=None,
+                        help="dasktf.p2p.shard-stage (false: never staged)")
+    parser.add_argument("--modes", default=MODES, type=lambda s: [
+        None if m == "none" else m for m in s.split(",")])
     parser.add_argument("--data", default=DATA)
     args = parser.parse_args()
-    if args.part in ("time", "all"):
-        time_part(args)
-    if args.part in ("memory", "all"):
-        memory_part(args)
+    import dask
+
+    settings = {}
+    if args.bucket is not None:
+        settings["dasktf.p2p.shard-bucket"] = args.bucket
+    if args.stage is not None:
+        settings["dasktf.p2p.shard-stage"] = False if args.stage == "false" else args.stage
+    print(f"settings: {settings or 'the defaults'}")
+    with dask.config.set(settings):
+        if args.part in ("time", "all"):
+            time_part(args)
+        if args.part in ("memory", "all"):
+            memory_part(args)
 
 
 if __name__ == "__main__":
