@@ -12,8 +12,8 @@ before the next group's are computed
 buckets from hooks inside the backward pass; Keras on TensorFlow has no such hooks,
 and this is the same bound at a layer's grain.
 
-The values are those of the one-call backward pass (the same ops, run in parts),
-to float32 rounding. A model this cannot cut (not a ``Sequential``, a layer that
+The values are those of the one-call backward pass (the same ops, run in parts;
+the rows' factor applied first rather than last), to float32 rounding. A model this cannot cut (not a ``Sequential``, a layer that
 adds losses of its own or masks its output, or variables out of layer order)
 keeps the one call (:func:`layer_stages` returns ``None``).
 """
@@ -85,7 +85,7 @@ def layer_stages(model: Any, variables: list[Any], min_values: int) -> list[Stag
 
 class StagedBackward:
     """One batch's forward pass, its loss and metrics counted, and its gradient
-    given a stage at a time by :meth:`parts` (each times the batch's rows, as
+    given a stage at a time by :meth:`parts` (times the batch's rows, as
     :meth:`Replica.batch_gradient`'s)."""
 
     def __init__(self, replica: Replica, stages: list[Stage], batch: Shard) -> None:
@@ -97,7 +97,8 @@ class StagedBackward:
         self.size = int(sum(replica.sizes))
         self.count = len(batch)
         self.loss_sum = 0.0
-        #: the most bytes of the gradient a stage gave at once (what it held)
+        #: the most bytes of the gradient a stage gave at once (what it held: its
+        #: parts are views of one backward call's output)
         self.largest = 0
         self.tape: Any = None
         if not self.count:
@@ -112,42 +113,49 @@ class StagedBackward:
                     for layer in stage.layers:
                         h = layer(h, training=True)
                     self.outputs.append(h)
-                loss, self.scaled, n = replica.batch_loss(x, y, h, w[0] if w else None)
-            replica.track(x, y, h, w[0] if w else None, loss, n)
-            self.loss_sum = float(loss * tf.cast(n, loss.dtype))
+                loss, self.scaled, self.n = replica.batch_loss(x, y, h, w[0] if w else None)
+            replica.track(x, y, h, w[0] if w else None, loss, self.n)
+            self.loss_sum = float(loss * tf.cast(self.n, loss.dtype))
 
     def parts(self) -> Iterator[tuple[int, np.ndarray]]:
-        """Each stage's flat gradient times the rows, the last stage first, with
-        its start in the whole buffer (zeros for a batch without rows). Each is
-        computed only when the one before was taken."""
+        """Each trainable variable's flat gradient times the rows, with its start in
+        the whole buffer: the last stage's first, a stage computed only once the
+        one after it was taken (zeros for a batch without rows, in the same
+        order). The parts are views of TensorFlow's output (no copy is made), and
+        the rows' factor rides on the backward pass's first gradient rather than
+        on each part, so a stage's gradient is held once."""
         import tensorflow as tf
 
-        from dasktf.runtime.keras_step import flat_gradient
-
+        variables = self.replica.variables
+        starts = np.concatenate([[0], np.cumsum(self.replica.sizes)]).astype(int)
         if self.tape is None:
             for stage in reversed(self.stages):
-                zeros = np.zeros(stage.stop - stage.start, np.float32)
-                self.largest = max(self.largest, zeros.nbytes)
-                yield stage.start, zeros
+                for j in range(stage.first, stage.first + stage.count):
+                    zeros = np.zeros(starts[j + 1] - starts[j], np.float32)
+                    self.largest = max(self.largest, zeros.nbytes)
+                    yield int(starts[j]), zeros
             return
-        variables = self.replica.variables
         with tf.device(self.replica.device):
             upstream = None
             for g in range(len(self.stages) - 1, -1, -1):
                 stage = self.stages[g]
                 mine = variables[stage.first:stage.first + stage.count]
                 sources = mine + ([self.outputs[g - 1]] if g else [])
-                # the last stage from the loss itself: Keras' cross-entropy of a
-                # softmax output reads the logits under it, not the output
-                grads = (self.tape.gradient(self.scaled, sources) if upstream is None
-                         else self.tape.gradient(self.outputs[g], sources,
-                                                 output_gradients=upstream))
+                # the last stage from the loss itself (Keras' cross-entropy of a
+                # softmax output may read the logits under it, not the output),
+                # times the rows: n dL/dw, as the one-call pass's, to rounding
+                grads = (self.tape.gradient(self.scaled, sources,
+                                            output_gradients=tf.cast(self.n, self.scaled.dtype))
+                         if upstream is None else
+                         self.tape.gradient(self.outputs[g], sources, output_gradients=upstream))
                 if g:
                     upstream = grads[-1]
-                part = (np.asarray(flat_gradient(grads[:stage.count], mine)
-                                   * np.float32(self.count)) if mine
-                        else np.zeros(0, np.float32))
+                parts = [np.zeros(int(np.prod(v.shape)), np.float32) if d is None else
+                         np.asarray(tf.reshape(tf.cast(d, v.dtype), [-1]))
+                         for d, v in zip(grads[:stage.count], mine, strict=True)]
                 del grads
-                self.largest = max(self.largest, part.nbytes)
-                yield stage.start, part
+                self.largest = max(self.largest, sum(p.nbytes for p in parts))
+                for j, part in enumerate(parts):
+                    yield int(starts[stage.first + j]), part
+                del parts
         self.tape = None  # the activations it holds
