@@ -66,12 +66,14 @@ def layer_stages(model: Any, variables: list[Any], min_values: int) -> list[Stag
         layers.append(layer)
         order += [where.get(id(v), -1) for v in layer.trainable_variables]
         done = len(order)
+        if order[first:] != list(range(first, done)):
+            return None  # a variable shared, out of order or not a layer's
         if done > first and offsets[done] - offsets[first] >= min_values:
             stages.append(Stage(tuple(layers), int(offsets[first]), int(offsets[done]),
                                 first, done - first))
             layers, first = [], done
-    if order != list(range(len(variables))):
-        return None  # a variable shared, out of order or not a layer's
+    if len(order) != len(variables):
+        return None  # a trainable variable outside the layers
     if layers:  # the last layers: a stage of their own if they have variables
         if first < len(order) or not stages:
             stages.append(Stage(tuple(layers), int(offsets[first]), int(offsets[-1]),
