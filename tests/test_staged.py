@@ -58,10 +58,10 @@ def test_stages_cut_between_layers_with_at_least_the_least_values():
 
 @pytest.mark.parametrize("rows", [32, 0])
 def test_the_stages_give_the_one_call_gradient(rows):
-    """Put together, the stages' gradients are the one-call backward pass's to
-    float32 rounding (the same ops, in parts), with the same loss, the same moving
-    statistics and the same dropout mask (the seed generator drawn in the same
-    order); a batch without rows gives zeros."""
+    """Put together and times the rows, the stages' gradients are the one-call
+    backward pass's bit for bit (the same ops, in parts), with the same loss, the
+    same moving statistics and the same dropout mask (the seed generator drawn in
+    the same order); a batch without rows gives zeros."""
     model = _chain()
     one, staged = _replica(model, max(rows, 1)), _replica(model, max(rows, 1))
     stages = layer_stages(staged.model, staged.variables, 32)
@@ -83,8 +83,8 @@ def test_the_stages_give_the_one_call_gradient(rows):
     assert backward.largest == 4 * 1560  # the largest stage held, not the whole
     keras.utils.set_random_seed(9)
     flat, loss_sum = one.batch_gradient(*batch_args(batch))
-    # the rows' factor first, not last: the same to float32 rounding
-    np.testing.assert_allclose(got, np.asarray(flat), rtol=1e-6, atol=1e-6)
+    # times the rows (the collective's product): the same bits
+    np.testing.assert_array_equal(got * np.float32(rows), np.asarray(flat))
     assert backward.loss_sum == float(loss_sum) and backward.count == rows
     for mine, theirs in zip(staged.model.non_trainable_variables,
                             one.model.non_trainable_variables, strict=True):

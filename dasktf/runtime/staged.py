@@ -12,8 +12,8 @@ before the next group's are computed
 buckets from hooks inside the backward pass; Keras on TensorFlow has no such hooks,
 and this is the same bound at a layer's grain.
 
-The values are those of the one-call backward pass (the same ops, run in parts;
-the rows' factor applied first rather than last), to float32 rounding. A model this cannot cut (not a ``Sequential``, a layer that
+The values are those of the one-call backward pass (the same ops, run in parts,
+eagerly), to float32 rounding. A model this cannot cut (not a ``Sequential``, a layer that
 adds losses of its own or masks its output, or variables out of layer order)
 keeps the one call (:func:`layer_stages` returns ``None``).
 """
@@ -87,8 +87,8 @@ def layer_stages(model: Any, variables: list[Any], min_values: int) -> list[Stag
 
 class StagedBackward:
     """One batch's forward pass, its loss and metrics counted, and its gradient
-    given a stage at a time by :meth:`parts` (times the batch's rows, as
-    :meth:`Replica.batch_gradient`'s)."""
+    given a stage at a time by :meth:`parts` (the mean's, not yet times the
+    batch's rows ``count``)."""
 
     def __init__(self, replica: Replica, stages: list[Stage], batch: Shard) -> None:
         import tensorflow as tf
@@ -115,17 +115,20 @@ class StagedBackward:
                     for layer in stage.layers:
                         h = layer(h, training=True)
                     self.outputs.append(h)
-                loss, self.scaled, self.n = replica.batch_loss(x, y, h, w[0] if w else None)
-            replica.track(x, y, h, w[0] if w else None, loss, self.n)
-            self.loss_sum = float(loss * tf.cast(self.n, loss.dtype))
+                loss, self.scaled, n = replica.batch_loss(x, y, h, w[0] if w else None)
+            replica.track(x, y, h, w[0] if w else None, loss, n)
+            self.loss_sum = float(loss * tf.cast(n, loss.dtype))
 
     def parts(self) -> Iterator[tuple[int, np.ndarray]]:
-        """Each trainable variable's flat gradient times the rows, with its start in
-        the whole buffer: the last stage's first, a stage computed only once the
-        one after it was taken (zeros for a batch without rows, in the same
-        order). The parts are views of TensorFlow's output (no copy is made), and
-        the rows' factor rides on the backward pass's first gradient rather than
-        on each part, so a stage's gradient is held once."""
+        """Each trainable variable's flat gradient, with its start in the whole
+        buffer: the last stage's first, a stage computed only once the one after it
+        was taken (zeros for a batch without rows, in the same order). The parts
+        are views of TensorFlow's output, so a stage's gradient is held once: *not*
+        times the rows, as :meth:`Replica.batch_gradient`'s are (a copy each); the
+        collective multiplies each bucket it adds by its sender's rows, the same
+        float32 product. (Not on the backward pass's first gradient: a float16
+        layer's gradient would then overflow where the one-call pass's does not,
+        and a loss-scale optimizer skip other steps.)"""
         import tensorflow as tf
 
         variables = self.replica.variables
@@ -144,11 +147,8 @@ class StagedBackward:
                 mine = variables[stage.first:stage.first + stage.count]
                 sources = mine + ([self.outputs[g - 1]] if g else [])
                 # the last stage from the loss itself (Keras' cross-entropy of a
-                # softmax output may read the logits under it, not the output),
-                # times the rows: n dL/dw, as the one-call pass's, to rounding
-                grads = (self.tape.gradient(self.scaled, sources,
-                                            output_gradients=tf.cast(self.n, self.scaled.dtype))
-                         if upstream is None else
+                # softmax output may read the logits under it, not the output)
+                grads = (self.tape.gradient(self.scaled, sources) if upstream is None else
                          self.tape.gradient(self.outputs[g], sources, output_gradients=upstream))
                 if g:
                     upstream = grads[-1]

@@ -57,6 +57,10 @@ def bucketed_update(bucket: int, apply: Callable[..., np.ndarray],
     stage's parts go in rounds of their own before the next stage is computed,
     every member sending every other a message each round (empty where the stage
     has none of the peer's slice), so the rounds stay in step and the bound holds.
+    Its parts are not yet times the rows (a copy each): an owner multiplies each
+    bucket it adds by its sender's rows, the first of the scalars
+    (:func:`~dasktf.runtime.p2p.sharding.sharded_step`'s layout), the float32
+    product the sender would have made.
     """
     n, r = t.size, t.rank
     size = buf.size if staged is None else staged.size
@@ -65,6 +69,7 @@ def bucketed_update(bucket: int, apply: Callable[..., np.ndarray],
     parts = [(0, np.asarray(buf, np.float32))] if staged is None else staged.parts()
     acc = np.empty(edges[r + 1] - edges[r], np.float32)
     total: np.ndarray | None = None
+    rows = np.ones(n, np.float32)  # staged: each member's rows, from round 0's scalars
     k = 0  # the round, counted across the stages
     for start, values in parts:
         # each owner's part of this stage, in the whole buffer (empty: a == b)
@@ -87,12 +92,15 @@ def bucketed_update(bucket: int, apply: Callable[..., np.ndarray],
                     got, theirs = values[here], sc
                 else:
                     got, theirs = t.recv(source, Key(step, "zb", k, r))
-                if source == 0:
-                    values_of(got, out=into)
-                else:
-                    into += values_of(got)
                 if k == 0:
                     total = np.array(theirs, copy=True) if total is None else total + theirs
+                    if staged is not None:
+                        rows[source] = theirs[0]
+                part = values_of(got, out=into if source == 0 else None)
+                if staged is not None:  # (in place where ``part`` is ``into``)
+                    part = np.multiply(part, rows[source], out=into if source == 0 else None)
+                if source:
+                    into += part
             k += 1
     assert total is not None
     return apply_and_gather(apply, t, acc, total, size, step, scalars is not None)
