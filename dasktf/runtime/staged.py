@@ -4,9 +4,10 @@ One ``GradientTape.gradient`` call returns the whole gradient: with
 ``shard_state="gradients"`` (ZeRO-2) that own gradient, 4 bytes a parameter, is
 the largest gradient buffer a worker holds, sharded or not. A chain of layers
 (a ``keras.Sequential``) can give it in parts instead: the forward pass records
-each group's output on one persistent tape, then each group's gradient is one
-call from that output's gradient (``output_gradients``) back to the group's
-input, so the sharded step sends a group's parts to their owners and drops them
+each group on a tape of its own (a gradient call walks back everything its tape
+recorded: on one persistent tape, each group's call would walk back to the first
+layer), then each group's gradient is one call from its output's gradient
+(``output_gradients``) back to its input, so the sharded step sends a group's parts to their owners and drops them
 before the next group's are computed
 (:func:`~dasktf.runtime.p2p.buckets.bucketed_update`). DeepSpeed frees gradient
 buckets from hooks inside the backward pass; Keras on TensorFlow has no such hooks,
@@ -102,20 +103,27 @@ class StagedBackward:
         #: the most bytes of the gradient a stage gave at once (what it held: its
         #: parts are views of one backward call's output)
         self.largest = 0
-        self.tape: Any = None
+        #: per stage: its tape (it records that stage's ops only, so a gradient
+        #: call walks that stage back, no further), its input and its output
+        self.tapes: list[tuple[Any, Any, Any]] = []
         if not self.count:
             return
         x, y, *w = batch_args(batch)
         with tf.device(replica.device):
-            self.tape = tf.GradientTape(persistent=True)
-            with self.tape:
-                h = x
-                self.outputs = []
-                for stage in stages:
+            h = x
+            for g, stage in enumerate(stages):
+                tape = tf.GradientTape()
+                with tape:
+                    if g:
+                        tape.watch(h)
+                    out = h
                     for layer in stage.layers:
-                        h = layer(h, training=True)
-                    self.outputs.append(h)
-                loss, self.scaled, n = replica.batch_loss(x, y, h, w[0] if w else None)
+                        out = layer(out, training=True)
+                    if g == len(stages) - 1:  # the loss on the last stage's tape
+                        loss, self.scaled, n = replica.batch_loss(x, y, out,
+                                                                  w[0] if w else None)
+                self.tapes.append((tape, h, out))
+                h = out
             replica.track(x, y, h, w[0] if w else None, loss, n)
             self.loss_sum = float(loss * tf.cast(n, loss.dtype))
 
@@ -133,7 +141,7 @@ class StagedBackward:
 
         variables = self.replica.variables
         starts = np.concatenate([[0], np.cumsum(self.replica.sizes)]).astype(int)
-        if self.tape is None:
+        if not self.tapes:
             for stage in reversed(self.stages):
                 for j in range(stage.first, stage.first + stage.count):
                     zeros = np.zeros(starts[j + 1] - starts[j], np.float32)
@@ -145,11 +153,13 @@ class StagedBackward:
             for g in range(len(self.stages) - 1, -1, -1):
                 stage = self.stages[g]
                 mine = variables[stage.first:stage.first + stage.count]
-                sources = mine + ([self.outputs[g - 1]] if g else [])
+                tape, given, out = self.tapes.pop()  # (its activations freed after)
+                sources = mine + ([given] if g else [])
                 # the last stage from the loss itself (Keras' cross-entropy of a
                 # softmax output may read the logits under it, not the output)
-                grads = (self.tape.gradient(self.scaled, sources) if upstream is None else
-                         self.tape.gradient(self.outputs[g], sources, output_gradients=upstream))
+                grads = (tape.gradient(self.scaled, sources) if upstream is None else
+                         tape.gradient(out, sources, output_gradients=upstream))
+                del tape, given, out
                 if g:
                     upstream = grads[-1]
                 parts = [np.zeros(int(np.prod(v.shape)), np.float32) if d is None else
@@ -160,4 +170,3 @@ class StagedBackward:
                 for j, part in enumerate(parts):
                     yield int(starts[stage.first + j]), part
                 del parts
-        self.tape = None  # the activations it holds
