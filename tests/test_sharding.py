@@ -347,6 +347,10 @@ def test_refusals_before_the_run_starts(client, small_digits):
     model = _model()
     with pytest.raises(ValueError, match="must be None, 'optimizer' or 'gradients'"):
         TrainOptions(model, engine="p2p", shard_state="slots")
+    for key, value in (("shard-stage", "lots"), ("shard-bucket", -1), ("shard-bucket", False)):
+        with dask.config.set({f"dasktf.p2p.{key}": value}), pytest.raises(
+                ValueError, match=f"dasktf.p2p.{key} must be a size in bytes"):
+            TrainOptions(model, engine="p2p", shard_state="gradients")
     with pytest.raises(ValueError, match="engine='p2p'"):
         TrainOptions(model, shard_state="optimizer")  # engine="auto"
     with pytest.raises(ValueError, match="p2p engine only"):

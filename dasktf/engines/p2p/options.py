@@ -64,21 +64,44 @@ def shard_refusal(options: Any, fault: Any = None) -> str | None:
         return (f"shard_state={options.shard_state!r} sums gradients in float32 only (a codec's "
                 f"error feedback is kept per all-reduce chunk); drop "
                 f"compression={options.comm.compression!r}, or use shard_state=None.")
+    config_bytes("p2p.shard-bucket")  # a bad size said before the cluster is touched
+    config_bytes("p2p.shard-stage", off=True)
     return None
 
 
 def group_spec(gid: str, members: list[str], compression: str) -> GroupSpec:
     """A group's settings, read once here from the client's configuration and sent
     to every member, so that they all choose the same algorithm."""
-    threshold = config.get("p2p.bandwidth-threshold")
-    bucket = config.get("p2p.shard-bucket")
-    stage = config.get("p2p.shard-stage")
     return GroupSpec(
         gid, tuple(members), codec=compression,
         algorithm=str(config.get("p2p.algorithm")),
-        threshold=int(parse_bytes(threshold) if isinstance(threshold, str) else threshold),
+        threshold=config_bytes("p2p.bandwidth-threshold"),
         timeout=config.get_seconds("p2p.timeout"),
-        shard_bucket=int(parse_bytes(bucket) if isinstance(bucket, str) else bucket),
-        shard_stage=(None if stage is False or stage is None else
-                     int(parse_bytes(stage) if isinstance(stage, str) else stage)),
+        shard_bucket=config_bytes("p2p.shard-bucket"),
+        shard_stage=config_bytes("p2p.shard-stage", off=True),
     )
+
+
+def config_bytes(key: str, off: bool = False) -> Any:
+    """The size ``dasktf.<key>`` names, in bytes (an integer, or a string such as
+    ``"4MiB"``); with ``off``, ``None`` for ``false``.
+
+    Raises
+    ------
+    ValueError
+        It is not a size, naming the key and the forms it takes.
+    """
+    value = config.get(key)
+    if off and (value is False or value is None):
+        return None
+    try:
+        if isinstance(value, bool):
+            raise ValueError(value)
+        size = int(parse_bytes(value) if isinstance(value, str) else value)
+        if size < 0:
+            raise ValueError(value)
+    except (TypeError, ValueError):
+        forms = "a size in bytes: an integer or a string such as '4MiB'"
+        raise ValueError(f"dasktf.{key} must be {forms}" + (", or false (off)" if off else "")
+                         + f"; got {value!r}.") from None
+    return size
