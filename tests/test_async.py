@@ -196,16 +196,20 @@ def test_quorum_drops_the_straggler(client, digits):
     """sync_quorum=2 of 3 with worker 2 slowed 4x: steps are made of the two fast
     workers' gradients; the slow worker's late ones are dropped and counted."""
     x, y = digits.x_train[:768], digits.y_train[:768]
-    common = dict(client=client, n_workers=3, epochs=2, batch_size=3 * 64,
+    # 16 updates: the slow worker's gradient is late about every fourth, so at least
+    # 3 dropped holds on a loaded machine too (with 8 updates it was 1 there once)
+    common = dict(client=client, n_workers=3, epochs=2, batch_size=3 * 32,
                   optimizer="sgd", learning_rate=0.05, slow_workers={2: 4}, verbose=0,
                   seed=0)
     quorum = dasktf.fit(_wide(), x, y, sync_quorum=2, **common, loss="sparse_categorical_crossentropy")
     u = quorum.updates
     steps = u.groupby("update")["worker"].apply(frozenset)
-    assert len(steps) == 8 and (u.groupby("update").size() == 2).all()
+    assert len(steps) == 16 and (u.groupby("update").size() == 2).all()
     # The first steps trace the functions (no worker is slowed then); after them the
-    # slow worker's gradient is always late.
-    assert (steps == frozenset({0, 1})).sum() >= len(steps) - 2, steps
+    # slow worker's gradient is late, but for the odd step where a loaded machine
+    # kept a fast worker off the cores longer than the slow one sleeps (with two
+    # CPU burners beside the test: 11 and 13 of 16 steps without it)
+    assert (steps == frozenset({0, 1})).sum() >= len(steps) // 2 + 2, steps
     assert quorum.dropped[2] >= 3 and sum(quorum.history["dropped"]) >= 3
     assert quorum.dropped[2] > quorum.dropped[0] + quorum.dropped[1]
     _check_records(quorum)

@@ -270,10 +270,8 @@ class Replica:
             assert summed is not None and summed.total is not None
             with self.apply_lock:
                 if self._claim(summed.update):
-                    with _on(self.device):
-                        flat, loss_sum = self._apply_gradient_fn(
-                            summed.total, np.float32(summed.count), *batch_args(batch))
-                    return GradientSum(np.asarray(flat), len(batch), float(loss_sum))
+                    return self.gradient_call(self._apply_gradient_fn, batch, summed.total,
+                                              np.float32(summed.count))
         self.apply(summed)
         return self._gradient_of(batch)
 
@@ -396,8 +394,14 @@ class Replica:
     def _gradient_of(self, batch: Shard) -> GradientSum:
         if len(batch) == 0:
             return GradientSum(None, 0, 0.0)
+        return self.gradient_call(self._gradient_fn, batch)
+
+    def gradient_call(self, fn: Any, batch: Shard, *leading: Any) -> GradientSum:
+        """``fn(*leading, *batch)`` on this replica's device, a compiled body that
+        ends with :meth:`batch_gradient`'s ``(flat gradient, loss)``, as the sum of
+        ``batch`` (it has rows)."""
         with _on(self.device):
-            flat, loss_sum = self._gradient_fn(*batch_args(batch))
+            flat, loss_sum = fn(*leading, *batch_args(batch))
         # a read-only view of the tensor, not Tensor.numpy()'s copy: nothing writes
         # into a gradient (the codecs and the sums make new arrays)
         return GradientSum(np.asarray(flat), len(batch), float(loss_sum))

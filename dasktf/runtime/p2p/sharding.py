@@ -260,8 +260,6 @@ class ShardOptimizer:
     def take_then_gradient(self, replica: Replica, epoch: int, step: int) -> GradientSum:
         """The kept weights taken and the gradient of ``(epoch, step)`` at them: in
         one TensorFlow call when the batch has rows and the model is small."""
-        from dasktf.runtime.keras_step import batch_args
-
         flat = self.untaken
         batch = replica.batch(epoch, step)
         if flat is None or not len(batch):
@@ -271,12 +269,9 @@ class ShardOptimizer:
         with replica.apply_lock:
             if not self._current(replica):
                 return replica.gradient(epoch, step)
-            import tensorflow as tf
-
-            with tf.device(replica.device):
-                grad, loss_sum = self._take_gradient(flat, *batch_args(batch))
+            summed = replica.gradient_call(self._take_gradient, batch, flat)
             self.taken()
-        return GradientSum(np.asarray(grad), len(batch), float(loss_sum))
+        return summed
 
     def taken(self) -> None:
         """The model holds the slices' values again (see the redundant slices)."""
