@@ -304,6 +304,15 @@ def test_a_run_that_raises_on_a_loss_names_the_worker_and_the_phase(
     assert killer.victims[0] in str(info.value) and phase in str(info.value)
     assert seconds < LIMIT, seconds
     print(f"\n{mode} {phase}: WorkerLostError {seconds:.2f}s after the kill")
+    # The survivors' one thread each is free for the next run: a gradient task
+    # calling the lost holder gave up (Dask retries a refused connection for 30 s,
+    # which the next run's set-up on that worker waited out)
+    wait_until(lambda: not any(client3.run(_busy_threads).values()), 10,
+               "the survivors' threads to be free")
+
+
+def _busy_threads(dask_worker=None) -> int:
+    return len(dask_worker.state.executing)
 
 
 @pytest.mark.slow

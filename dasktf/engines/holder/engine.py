@@ -277,11 +277,7 @@ class AsyncEngine(Recovery, Engine):
             elif isinstance(ins, AddHelper):
                 self.holder.add_helper(ins.identity, ins.owner).result(timeout=timeout)
             elif isinstance(ins, AbandonHolder):
-                try:  # survivors' threads blocked in a call to the lost holder give up
-                    self.ctx.client.run(abandon_holder_task, *self.holder_ref.keys(),
-                                        workers=list(ins.survivors), on_error="ignore")
-                except Exception:  # noqa: BLE001 - the calls still fail on their own, later
-                    pass
+                self._abandon_holders(list(ins.survivors))
             elif isinstance(ins, RebuildHolder):
                 self._rebuild(ins)
             elif isinstance(ins, RestoreHolder):
@@ -517,7 +513,28 @@ class AsyncEngine(Recovery, Engine):
         except Exception:
             logger.debug("closing the holder of %s failed", self.ctx.run_id, exc_info=True)
         self.in_flight.cancel_all()
+        self._abandon_lost_holders()
         self.release_holders()
+
+    def _abandon_lost_holders(self) -> None:
+        """A run ending with workers lost (raising, or stopped): the gradient tasks
+        still running on the others give up their calls to its holders at once.
+        A call to a holder whose worker is gone otherwise holds the worker's one
+        thread while Dask retries the connection (``distributed.comm.timeouts.connect``,
+        30 s), and the next run's set-up on that worker waited for it."""
+        lost = set(self._lost_now())
+        if lost:
+            self._abandon_holders([w for w in self.run_state.workers() if w not in lost])
+
+    def _abandon_holders(self, survivors: list[str]) -> None:
+        """The threads of ``survivors`` blocked in a call to this run's holders
+        give up (one of them was lost)."""
+        try:
+            self.ctx.client.run(abandon_holder_task, *self.holder_ref.keys(),
+                                workers=survivors, on_error="ignore")
+        except Exception:  # the calls still end on their own, later
+            logger.debug("abandoning the holders of %s failed", self.ctx.run_id,
+                         exc_info=True)
 
 
 class QuorumEngine(AsyncEngine):
