@@ -136,7 +136,7 @@ class KillWorkerAt(_Callback):  # type: ignore[misc]
 
 
 def kill_worker_at_update(client: Client, address: str, update: int,
-                          where: str = "step") -> None:
+                          where: str = "step", sig: int = signal.SIGKILL) -> None:
     """Arm the worker at ``address`` to SIGKILL itself at global update ``update`` of
     the next ``engine="p2p"`` run there (its nanny told first not to restart it):
     ``where="step"`` as that update's step begins, ``"allreduce"`` in the middle of
@@ -145,7 +145,9 @@ def kill_worker_at_update(client: Client, address: str, update: int,
     (``shard_state``: every member has applied its slice by then), ``"ready"`` with
     its first message of the exchange that follows the reduce-scatter (with
     ``redundancy=1`` and no clipping, the round that tells the others it can apply).
-    Deterministic, where a client-side :class:`KillWorkerAt` hears of steps late."""
+    Deterministic, where a client-side :class:`KillWorkerAt` hears of steps late.
+    ``sig=signal.SIGSTOP`` freezes it there instead: its connections stay open and
+    nothing answers (the caller SIGKILLs it once done: :func:`worker_pids` first)."""
     phases = {"allreduce": None, "allgather": "zg", "ready": "zn"}
     if where != "step" and where not in phases:
         raise ValueError("where must be 'step', 'allreduce', 'allgather' or 'ready'; "
@@ -154,14 +156,16 @@ def kill_worker_at_update(client: Client, address: str, update: int,
         client.run(_no_restart, nanny=True, workers=[address])
     except Exception:  # noqa: BLE001 - no nanny: nothing restarts it anyway
         pass
-    client.run(_arm_kill, int(update), where, phases.get(where), workers=[address])
+    client.run(_arm_kill, int(update), where, phases.get(where), int(sig),
+               workers=[address])
 
 
-def _arm_kill(update: int, where: str, phase: str | None, dask_worker: Any = None) -> None:
+def _arm_kill(update: int, where: str, phase: str | None, sig: int = signal.SIGKILL,
+              dask_worker: Any = None) -> None:
     from dasktf.runtime.manager import run_manager
 
     def die() -> None:
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), sig)
 
     def at_step(replica: Any, u: int) -> None:
         if u == update:

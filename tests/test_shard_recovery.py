@@ -7,7 +7,8 @@ On real worker processes, the kills placed by the workers' own hooks
 (:func:`dasktf.testing.kill_worker_at_update`): as a step begins, in the
 reduce-scatter, in the ready round (one survivor applied the update, the other
 completes it in the recovery), and in the all-gather (every member applied its
-slice; with 4 workers one survivor lacks the lost one's new slice). A loss in an
+slice; with 4 workers one survivor lacks the lost one's new slice); and one
+frozen (SIGSTOP) in a staged reduce-scatter, removed by the liveness detector. A loss in an
 earlier epoch (the run then re-forms) and a worker joining equal unsharded p2p
 doing the same; each worker holds 2/3 of the slots with 3 workers and a step moves
 no more bytes than with ``redundancy=0``. With ``redundancy=0`` a lost worker sends
@@ -18,7 +19,10 @@ reason.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 
 import dask
 import keras
@@ -29,7 +33,7 @@ from distributed import Client
 import dasktf
 from dasktf.exceptions import ShardingError
 from dasktf.run.checkpoint import list_checkpoints
-from dasktf.testing import kill_worker_at_update, own_cluster
+from dasktf.testing import kill_worker_at_update, own_cluster, worker_pids
 from tests.conftest import ScaleUpAfterFirstEpoch, relative_error
 
 EPOCHS, BATCH, STEPS = 3, 64, 23  # 1,438 digits at 64: 23 steps an epoch
@@ -77,6 +81,10 @@ def uninterrupted(cluster, digits):
         return _state(_halved(client, digits).model)
 
 
+#: ZeRO-2 with the backward pass staged: the 1,010 values of the softmax layer's
+#: gradient sent first, then the first layer's (buckets of 256 values)
+STAGED = {"dasktf.p2p.shard-bucket": 1024, "dasktf.p2p.shard-stage": 0}
+
 # (rank, update, where): updates of the last epoch (a re-form at an epoch's end
 # places the data again over the survivors: other global batches than the
 # uninterrupted run's; see test_a_reform_after_a_loss_equals_unsharded_p2p)
@@ -95,26 +103,35 @@ KILLS = {
     # shard_state="gradients" (ZeRO-2): the same apply and all-gather after its
     # bucketed reduce-scatter (the same sums: equal to the ZeRO-1 run)
     "zero2-during-the-all-gather": (1, 2 * STEPS + 7, "allgather", "gradients"),
-    # and its backward pass staged (the 1,010 values of the softmax layer's
-    # gradient sent first, then the first layer's): rank 0 killed once its first
-    # part of the last layer's stage was acknowledged
+    # and its backward pass staged: rank 0 killed once its first part of the last
+    # layer's stage was acknowledged
     "zero2-staged-during-the-reduce-scatter": (0, 2 * STEPS + 5, "allreduce", "gradients",
-                                               {"dasktf.p2p.shard-bucket": 1024,
-                                                "dasktf.p2p.shard-stage": 0}),
+                                               STAGED),
+    # the same moment, SIGSTOPped: its connections stay open and nothing answers;
+    # the liveness detector removes it (dasktf.liveness-timeout), the survivors'
+    # collective is called off, and they recover from the copies as from a kill
+    "zero2-staged-frozen-during-the-reduce-scatter": (0, 2 * STEPS + 5, "allreduce",
+                                                      "gradients", STAGED, signal.SIGSTOP),
 }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(KILLS.values()), ids=list(KILLS))
 @pytest.mark.timeout(300)
-def test_a_sigkilled_worker_loses_no_optimizer_state(digits, uninterrupted, case):
+def test_a_lost_worker_loses_no_optimizer_state(digits, uninterrupted, case):
     rank, update, where, *rest = case
     shard_state = rest[0] if rest else "optimizer"
     settings = rest[1] if len(rest) > 1 else {}  # the client's: the group reads them
+    sig = rest[2] if len(rest) > 2 else signal.SIGKILL
     with own_cluster(3) as (_, client), dask.config.set(settings):
         workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
-        kill_worker_at_update(client, workers[rank], update, where)
-        history = _halved(client, digits, shard_state=shard_state)
+        pid, _ = worker_pids(client, workers[rank])
+        kill_worker_at_update(client, workers[rank], update, where, sig)
+        try:
+            history = _halved(client, digits, shard_state=shard_state)
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # (a frozen one: end it)
+                os.kill(pid, signal.SIGKILL)
     (recovery,) = history.recoveries
     assert recovery["lost"] == [workers[rank]] and recovery["steps_lost"] == 0
     assert len(history.workers) == 2
