@@ -10,13 +10,12 @@ the plots are APIs of the process that drives the training.
 
 So in the processes dasktf spawns (an embedded cluster's workers, the collective
 engine's TensorFlow children: their ``sitecustomize``, see :mod:`dasktf.cluster.quiet`,
-installs :class:`LeanKerasFinder`), an import of those packages made by Keras'
-own modules fails as if they were not installed, unless something else imported
-them first. Keras guards both imports (``try: import sklearn except ImportError``),
+installs :class:`LeanKerasFinder`) and in the ``dasktf`` command's own (no
+subcommand uses either), an import of those packages made by Keras' own modules
+fails as if they were not installed, unless something else imported them first. Keras guards both imports (``try: import sklearn except ImportError``),
 so there its scikit-learn wrappers and its image plots say they need the package;
 any other code importing them (a user's, ``dasktf.estimators``, dask-ml) gets them
-as always. A process spawned with ``DASKTF_LEAN_KERAS=0`` in its environment keeps
-all of Keras.
+as always. ``DASKTF_LEAN_KERAS=0`` in the environment keeps all of Keras.
 
 This module imports nothing but the standard library (the ``sitecustomize`` loads it
 by path, without importing dasktf or dask into every process it starts).
