@@ -16,6 +16,7 @@ cannot see fails on the client too.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -231,8 +232,9 @@ def match_inputs(model: Any, x: Nest, found: dict[str, tuple[int, Any, Any]]) ->
     columns = [str(c) for c in x.columns] if is_dask_frame(x) and x.ndim == 2 else None
     if columns is not None and (is_nested(specs) or by_column(specs, columns)):
         position, _, _ = found["x"]
-        fed = {key: _column_feed(position, x, name, kt)
-               for key, name, kt in input_columns(specs, columns)}
+        wanted = input_columns(specs, columns)
+        _warn_unused(columns, [name for _, name, _ in wanted])
+        fed = {key: _column_feed(position, x, name, kt) for key, name, kt in wanted}
         if not is_nested(specs):
             return fed[None]
         return fed if isinstance(specs, dict) else [fed[i] for i in range(len(fed))]
@@ -269,6 +271,18 @@ def match_inputs(model: Any, x: Nest, found: dict[str, tuple[int, Any, Any]]) ->
         f"The model takes {len(wanted)} inputs {list(by_name)}; x is "
         f"{'a list' if isinstance(x, (list, tuple)) else 'one array'}. Give x as a dict "
         "{input name: array} (or a DataFrame with a column per input).")
+
+
+def _warn_unused(columns: list[str], used: list[str]) -> None:
+    """A frame's columns that are no input are left out, and said so (Keras warns
+    of a dict's keys that are no input and leaves them out; ``fit`` refuses them,
+    as a likely mistake in what the model trains on)."""
+    left = [c for c in columns if c not in used]
+    if left:
+        warnings.warn(
+            f"x has columns that are not inputs of the model: {left} (its inputs: "
+            f"{used}); they are left out. Select the inputs' columns (x[{used}]) "
+            "to silence this.", UserWarning, stacklevel=4)
 
 
 def _match_one(spec: Any, x: Nest, found: dict[str, tuple[int, Any, Any]]) -> Feed:
