@@ -57,21 +57,32 @@ residuals, the held-out point's error and the predictions for 100, 256, 1000.
 from __future__ import annotations
 
 import argparse
-import functools
 import itertools
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
-import tempfile
 import time
-from collections import Counter, defaultdict
+from collections import defaultdict
 from typing import Any
 
+import cloudpickle
 import dask
 import numpy as np
+import scheduler_probe
+from scale_report import fit_model, format_row, header
+from scheduler_probe import (
+    CliCluster,
+    idle_rate,
+    install_probe,
+    process_cpu,
+    read_probe,
+    worker_rss,
+)
+
+# The probe runs on the scheduler, which cannot import this directory's modules
+cloudpickle.register_pickle_by_value(scheduler_probe)
 
 MODES = {
     "p2p": {"engine": "p2p"},
@@ -96,127 +107,6 @@ ROWS_PER_WORKER = 16
 STEPS = 32
 FEATURES = 16
 KEY = re.compile(r"^dasktf-(?P<kind>[a-z-]+?)-(?P<run>[0-9a-f]{10})-(?P<rest>[0-9g-]+)$")
-
-
-# -- the scheduler side (run there with client.run_on_scheduler) ---------------------
-def install_probe(dask_scheduler: Any = None) -> int:
-    """Counters and a timing plugin on the scheduler; returns its pid."""
-    import inspect
-
-    from distributed.diagnostics.plugin import SchedulerPlugin
-
-    s = dask_scheduler
-    if getattr(s, "scale_probe", None) is not None:
-        return os.getpid()
-    probe: dict[str, Any] = {"in": Counter(), "records": 0, "tasks": 0,
-                             "timing": False, "t": defaultdict(dict)}
-
-    def wrap(op: str, fn: Any) -> Any:
-        if inspect.iscoroutinefunction(fn):
-            @functools.wraps(fn)
-            async def counted_async(*args: Any, **kwargs: Any) -> Any:
-                probe["in"][op] += 1
-                return await fn(*args, **kwargs)
-            return counted_async
-
-        @functools.wraps(fn)
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            probe["in"][op] += 1
-            if op in ("log-event", "log_event"):  # a worker's, the client's (issue 39)
-                msg = kwargs.get("msg")
-                if isinstance(msg, dict):
-                    probe["records"] += len(msg.get("records", ())) + sum(
-                        t["n"] for t in msg.get("tables", ()))
-            return fn(*args, **kwargs)
-        return counted
-
-    for table in (s.stream_handlers, s.handlers):
-        for op, fn in list(table.items()):
-            table[op] = wrap(op, fn)
-
-    class Timing(SchedulerPlugin):
-        name = "dasktf-scale-probe"
-
-        def update_graph(self, scheduler: Any, *, tasks: Any = (), keys: Any = (),
-                         **kwargs: Any) -> None:
-            if probe["timing"]:
-                now = time.time()
-                for k in tasks or keys:
-                    probe["t"][k].setdefault("submitted", now)
-
-        def transition(self, key: Any, start: str, finish: str, *args: Any,
-                       **kwargs: Any) -> None:
-            if start == "processing" and finish == "memory":
-                probe["tasks"] += 1  # a task computed
-            if not probe["timing"]:
-                return
-            if finish == "processing":  # the scheduler sends it to its worker now
-                probe["t"][key]["processing_at"] = time.time()
-                return
-            if finish != "memory" or start != "processing":
-                return
-            probe["t"][key]["memory_at"] = time.time()  # the scheduler knows it is done
-            for ss in kwargs.get("startstops") or ():
-                if ss.get("action") == "compute":
-                    probe["t"][key].update(start=ss["start"], stop=ss["stop"])
-
-    s.add_plugin(Timing())
-    s.scale_probe = probe
-    return os.getpid()
-
-
-def read_probe(dask_scheduler: Any = None, timing: bool | None = None) -> dict[str, Any]:
-    s = dask_scheduler
-    probe = s.scale_probe
-    streams = [*s.stream_comms.values(), *s.client_comms.values()]
-    out_msgs = sum(getattr(b, "message_count", 0) for b in streams)
-    out_bytes = sum(getattr(b, "byte_count", 0) for b in streams)
-    snap = {"in": sum(probe["in"].values()), "in_ops": dict(probe["in"]),
-            "out": out_msgs, "out_bytes": out_bytes, "records": probe["records"], "tasks": probe["tasks"]}
-    if timing is not None:
-        if not timing:
-            snap["times"] = {str(k): v for k, v in probe["t"].items()}
-        probe["t"] = defaultdict(dict)
-        probe["timing"] = timing
-    return snap
-
-
-# -- the cluster -----------------------------------------------------------------------
-class CliCluster:
-    """``dask scheduler`` + ``dask worker --nworkers N --nthreads 1`` on loopback."""
-
-    def __init__(self, n: int) -> None:
-        self.dir = tempfile.mkdtemp(prefix="dasktf-scale-")
-        self.file = os.path.join(self.dir, "scheduler.json")
-        env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "OMP_NUM_THREADS": "1"}
-        log = open(os.path.join(self.dir, "log"), "w")
-        bindir = os.path.dirname(sys.executable)
-        self.scheduler = subprocess.Popen(
-            [f"{bindir}/dask", "scheduler", "--host", "127.0.0.1", "--port", "0",
-             "--no-dashboard", "--scheduler-file", self.file],
-            env=env, stdout=log, stderr=log, start_new_session=True)
-        deadline = time.time() + 60
-        while not os.path.exists(self.file):
-            if time.time() > deadline:
-                raise TimeoutError("dask scheduler did not start")
-            time.sleep(0.2)
-        self.workers = subprocess.Popen(
-            [f"{bindir}/dask", "worker", "--scheduler-file", self.file,
-             "--nworkers", str(n), "--nthreads", "1", "--host", "127.0.0.1",
-             "--no-dashboard", "--memory-limit", "0", "--death-timeout", "60"],
-            env=env, stdout=log, stderr=log, start_new_session=True)
-
-    def close(self) -> None:
-        for p in (self.workers, self.scheduler):
-            try:
-                os.killpg(p.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        for p in (self.workers, self.scheduler):
-            try:
-                p.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
 
 
 # -- one run ------------------------------------------------------------------------
@@ -458,6 +348,8 @@ def step_times(times: dict[str, dict[str, float]], unit: str) -> dict[str, Any]:
             "scheduler_dispatch_ms": float(np.median(scheduled) * 1e3)}
 
 
+# (a task: defined here, pickled with the script, not by a module name the
+# workers cannot import)
 def _noop(i: int) -> int:
     return i
 
@@ -477,42 +369,6 @@ def calibrate(client: Any, sched_pid: int, n_tasks: int = 2000) -> float:
     del futures
     time.sleep(0.5)  # the releases
     return (sum(sched.cpu_times()[:2]) - c0) * 1e3 / n_tasks
-
-
-def process_cpu(pid: int) -> float:
-    """CPU seconds process ``pid`` has run, all its threads, to the nanosecond
-    (``/proc/PID/task/*/schedstat``; its ``utime`` + ``stime``, which psutil reads,
-    count 10 ms ticks: one fit of a short-epoch run is a few ticks, and a tick was
-    0.01 of the 0.05 ms per step per worker the figures are held to). Falls back
-    to psutil where there is no schedstat. A thread that ended is no longer
-    counted: the scheduler's are its event loop and pools, which last."""
-    total = 0
-    try:
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
-                total += int(f.read().split()[0])
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        import psutil
-
-        return float(sum(psutil.Process(pid).cpu_times()[:2]))
-    return total / 1e9
-
-
-def idle_rate(sched_pid: int, seconds: float = 6.0) -> float:
-    """The scheduler's CPU seconds per second with its workers connected and idle."""
-    c0 = process_cpu(sched_pid)
-    time.sleep(seconds)
-    return (process_cpu(sched_pid) - c0) / seconds
-
-
-def worker_rss(client: Any) -> float:
-    """Mean resident memory of a worker process with TensorFlow and a replica, GB."""
-    def rss() -> int:
-        import psutil
-
-        return psutil.Process().memory_info().rss
-    sizes = list(client.run(rss).values())
-    return float(np.mean(sizes) / 1e9)
 
 
 def cli_run(n: int) -> str:
@@ -589,84 +445,6 @@ def run_all(ns: list[int], modes: list[str], out_path: str | None,
         finally:
             cluster.close()
     return results
-
-
-COLUMNS = [("n", "N", "{:d}"), ("mode", "mode", "{}"), ("wall_ms", "wall ms", "{:.1f}"),
-           ("sched_cpu_ms", "sched CPU ms", "{:.2f}"),
-           ("sched_cpu_per_worker", "per worker", "{:.3f}"),
-           ("sched_net_per_worker", "net of idle, per worker", "{:.3f}"),
-           ("client_cpu_ms", "client CPU ms", "{:.2f}"),
-           ("submit_cpu_ms", "of it submit", "{:.2f}"), ("sched_tasks", "tasks", "{:.1f}"),
-           ("sched_msgs_in", "msgs in", "{:.1f}"), ("sched_msgs_out", "msgs out", "{:.1f}"),
-           ("sched_kb", "sched. sends kB", "{:.1f}"), ("records", "records", "{:.2f}"),
-           ("dispatch_ms", "dispatch ms", "{:.1f}"), ("critical_ms", "critical ms", "{:.1f}"),
-           ("submit_to_started_ms", "submit→started ms", "{:.1f}"),
-           ("scheduler_dispatch_ms", "sched. dispatch ms", "{:.2f}"),
-           ("holder_cpu_ms", "holder CPU ms", "{:.2f}"),
-           ("worker_cpu_ms", "worker CPU ms", "{:.2f}"), ("knee_n", "knee N*", "{:.1f}")]
-
-
-def format_row(r: dict[str, Any]) -> str:
-    r = {**r, "sched_cpu_per_worker": r["sched_cpu_ms"] / r["n"]}
-    cells = []
-    for key, _, fmt in COLUMNS:
-        v = r.get(key)
-        cells.append("-" if v is None else fmt.format(v))
-    return "| " + " | ".join(cells) + " |"
-
-
-def header() -> str:
-    names = [name for _, name, _ in COLUMNS]
-    return "| " + " | ".join(names) + " |\n|" + "---|" * len(names)
-
-
-# -- the cost model ------------------------------------------------------------------
-QUANTITIES = ("sched_cpu_ms", "sched_net_ms", "client_cpu_ms", "scheduler_dispatch_ms", "dispatch_ms",
-              "sched_msgs_in")
-
-
-def _polyfit(ns: np.ndarray, vs: np.ndarray, degree: int) -> np.ndarray:
-    """The polynomial fit, or the mean where the data fall with N (a cost that does
-    not grow: a negative slope would only extrapolate noise below zero)."""
-    coef = np.polyfit(ns, vs, degree)
-    if coef[0] <= 0:
-        return np.array([vs.mean()])
-    return coef
-
-
-def fit_model(results: list[dict[str, Any]], holdout: int | None = None) -> str:
-    """Per mode and quantity: least squares ``a + b·N`` (``+ c·N²`` for the ring,
-    whose tasks grow with N²). The check: fitted without the largest N measured
-    (or ``holdout``), then that point predicted. The predictions for 100, 256 and
-    1,000 workers come from the fit on every point; its largest residual is shown."""
-    lines = ["| mode | quantity | fit on all points | max residual | held-out N: measured"
-             " / predicted | N=100 | N=256 | N=1000 |", "|" + "---|" * 8]
-    by_mode: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for r in results:
-        by_mode[r["mode"]].append(r)
-    for mode, rows in by_mode.items():
-        degree = 2 if mode == "ring" else 1
-        for q in QUANTITIES:
-            pts = sorted((r["n"], r[q]) for r in rows if r.get(q) is not None)
-            if len(pts) < degree + 2:
-                continue
-            ns = np.array([n for n, _ in pts], float)
-            vs = np.array([v for _, v in pts], float)
-            held = holdout if holdout in ns else ns.max()
-            train = ns != held
-            coef = _polyfit(ns[train], vs[train], degree)
-            check = f"{vs[~train][0]:.2f} / {np.polyval(coef, held):.2f} (N={held:.0f})"
-            coef = _polyfit(ns, vs, degree)
-            resid = np.abs(vs - np.polyval(coef, ns)).max()
-            terms = [f"{coef[-1]:.3g}"] + [
-                f"{c:.3g}·N{'²' if p == 2 else ''}"
-                for p, c in zip(range(len(coef) - 1, 0, -1), coef[:-1], strict=True)]
-            if len(coef) == 1:
-                terms[0] += " (flat)"
-            preds = " | ".join(f"{np.polyval(coef, m):.4g}" for m in (100, 256, 1000))
-            lines.append(f"| {mode} | {q} | {' + '.join(terms)} | {resid:.2f} | {check} "
-                         f"| {preds} |")
-    return "\n".join(lines)
 
 
 def main() -> None:
