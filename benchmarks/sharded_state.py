@@ -24,8 +24,9 @@ of its own gradient it held at once (the backward pass's output: whole, or with
 summed gradient it keeps (unsharded: the all-reduce's whole output; sharded: its
 slice's sum) and the most bytes of peers' gradient parts that ever waited in its
 mailbox (the group's metering, per phase). Printed per N: the largest worker's
-figures and their ratio to unsharded, against the target 1/N + 5% (redundancy 0;
-with redundancy r the slots' target is (1 + r)/N + 5%).
+figures and their ratio to unsharded, against the target (1 + r)/N + 5%
+(``--redundancy`` r, 0 by default; with 1 a worker's slots and sums include its
+copy of a neighbour's slice and the sum relayed for it).
 
 The load average is printed before and after each part (a shared 2-core machine:
 the workers share the cores).
@@ -37,6 +38,7 @@ the memory part's modes (``none`` for unsharded).
 Usage: ``python benchmarks/sharded_state.py [--part time|memory|all] [--rows 30720]
 [--cnn-rows 2560] [--epochs 3] [--repeats 2] [--workers 2,4,8] [--big-steps 2]
 [--unsharded-max 4] [--bucket 4MiB] [--stage 16MiB] [--modes none,optimizer,gradients]
+[--redundancy 0]
 [--data /work/shared/data/mnist.npz]``.
 """
 
@@ -85,6 +87,12 @@ def _held(dask_worker: Any = None) -> list[dict[str, int]]:
             summed = 4 * (shard.edges[shard.rank + 1] - shard.edges[shard.rank])
             waited = int(shard.held)
             own = int(shard.own)  # its largest stage where the backward pass is staged
+            backup = getattr(shard, "backup", None)  # redundancy 1: a neighbour's slice
+            if backup is not None:
+                slots += int(sum(np.prod(v.shape) * np.dtype(v.dtype).itemsize
+                                 for v in backup.optimizer.variables))
+                # the relayed sum of that slice, held until both are applied
+                summed += 4 * (backup.edges[backup.rank + 1] - backup.edges[backup.rank])
         else:
             link = manager.links.get(run_id)
             group = None if link is None else link.group
@@ -99,7 +107,7 @@ def _held(dask_worker: Any = None) -> list[dict[str, int]]:
 
 
 def run(client: Any, model: Any, x: np.ndarray, y: np.ndarray, epochs: int, batch: int,
-        n: int, shard_state: str | None) -> dict[str, Any]:
+        n: int, shard_state: str | None, redundancy: int = 0) -> dict[str, Any]:
     """One run: seconds per step of each epoch after the first, bytes per step, and
     what each worker held at the last epoch's end."""
     import keras
@@ -121,9 +129,9 @@ def run(client: Any, model: Any, x: np.ndarray, y: np.ndarray, epochs: int, batc
                          batch_size=batch, optimizer="adam", learning_rate=1e-3,
                          loss="sparse_categorical_crossentropy", shuffle=False, seed=0,
                          verbose=0, engine="p2p", shard_state=shard_state,
-                         # one copy of each slice: the figures and targets below
-                         # (benchmarks/shard_redundancy.py weighs redundancy=1)
-                         **({"redundancy": 0} if shard_state else {}),
+                         # one copy of each slice unless --redundancy 1 (the
+                         # slots' and sums' target is then (1 + r)/N + 5%)
+                         **({"redundancy": redundancy} if shard_state else {}),
                          callbacks=[Clock()])
     return {"step": [s / steps for s in seen["epochs"][1:]], "held": seen["held"],
             "bytes": float(np.mean(history.history["bytes_per_step"]))}
@@ -185,9 +193,10 @@ def memory_part(args: argparse.Namespace) -> None:
     import dasktf
 
     rng = np.random.default_rng(0)
+    r = args.redundancy
     print(f"per-worker bytes, ~50M-parameter model, Adam, {args.big_steps} steps a run, "
-          "a fresh cluster a run (the largest worker's; ratio to unsharded; target "
-          "1/N + 5% at redundancy 0)")
+          f"a fresh cluster a run, redundancy {r} (the largest worker's; ratio to "
+          f"unsharded; target {1 + r}/N + 5%)")
     base: dict[str, int] | None = None
     for n in args.workers:
         batch = 8 * n
@@ -203,13 +212,14 @@ def memory_part(args: argparse.Namespace) -> None:
             with dasktf.make_local_cluster(n, tf_threads=1) as cluster, \
                     Client(cluster) as client:
                 client.wait_for_workers(n, timeout=300)
-                got = run(client, big_model(), x, y, 1, batch, n, mode)["held"]
+                got = run(client, big_model(), x, y, 1, batch, n, mode,
+                          args.redundancy)["held"]
                 held[mode] = {k: max(h[k] for h in got) for k in got[0]}
         if None in held:
             base = held[None]
         assert base is not None
         print(f"  N={n} (load average before {before}, after {_load()}); target "
-              f"{1 / n + 0.05:.3f}" + ("" if None in held else
+              f"{(1 + r) / n + 0.05:.3f}" + ("" if None in held else
                                        "; unsharded: the last N's figures"))
         base_grad = base["own"] + base["summed"] + base["waited"]
         for mode in held:
@@ -241,6 +251,8 @@ def main() -> None:
                         help="dasktf.p2p.shard-stage (false: never staged)")
     parser.add_argument("--modes", default=MODES, type=lambda s: [
         None if m == "none" else m for m in s.split(",")])
+    parser.add_argument("--redundancy", type=int, default=0, choices=[0, 1],
+                        help="the memory part's sharded runs (a backup slice a worker)")
     parser.add_argument("--data", default=DATA)
     args = parser.parse_args()
     import dask
