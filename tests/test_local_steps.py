@@ -148,13 +148,16 @@ def test_three_workers_average_their_rounds_like_the_reference(client):
     assert 1.5 < ratio < 2.5, ratio
 
 
-def test_a_resumed_run_in_rounds_equals_the_uninterrupted_one(client, tmp_path):
-    """Adam inner steps and the Nesterov outer step both carry state: a run stopped
-    after a mid-epoch checkpoint and resumed reaches the uninterrupted weights."""
+@pytest.mark.parametrize("compression", [None, "topk:0.1"])
+def test_a_resumed_run_in_rounds_equals_the_uninterrupted_one(client, tmp_path,
+                                                              compression):
+    """Adam inner steps and the Nesterov outer step both carry state, and with a
+    sparse codec so does each worker's change not sent yet: a run stopped after a
+    mid-epoch checkpoint and resumed reaches the uninterrupted weights."""
     x, y = _data(480)
     model = _mlp()
     kw = dict(optimizer=keras.optimizers.Adam(0.01), local_steps=2,
-              outer_optimizer="nesterov", epochs=3)
+              outer_optimizer="nesterov", epochs=3, compression=compression)
     full = _fit(client, model, x, y, **kw)
     part = tmp_path / "part"
     _fit(client, model, x, y, checkpoint_dir=str(part), checkpoint_every=2,

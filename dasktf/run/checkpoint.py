@@ -97,6 +97,8 @@ def save_checkpoint(
     arrays.update({f"u{i}": np.asarray(v) for i, v in enumerate(outer)})
     for index, variables in inner.items():
         arrays.update({f"i{index}_{j}": np.asarray(v) for j, v in enumerate(variables)})
+    unsent = state.get("unsent") or {}  # rounds with a sparse codec: per worker
+    arrays.update({f"n{index}": np.asarray(v) for index, v in unsent.items()})
     data = stem.with_suffix(".npz")
     _write_atomic(data, lambda f: np.savez(f, **arrays))
     files: dict[str, Any] = {"format": 1}
@@ -109,7 +111,8 @@ def save_checkpoint(
         **files, "file": data.name, "sha256": _sha256(data),
         "applied": update, "n_weights": len(state["weights"]),
         "n_optimizer": len(state["optimizer"]), "n_outer": len(outer),
-        "n_inner": {str(index): len(v) for index, v in inner.items()}, **meta,
+        "n_inner": {str(index): len(v) for index, v in inner.items()},
+        "unsent": sorted(int(index) for index in unsent), **meta,
     }
     path = stem.with_suffix(".json")
     _write_atomic(path, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
@@ -177,6 +180,8 @@ def read_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
         if manifest.get("n_inner"):
             state["inner"] = {int(k): [z[f"i{k}_{j}"] for j in range(n)]
                               for k, n in manifest["n_inner"].items()}
+        if manifest.get("unsent"):
+            state["unsent"] = {int(k): z[f"n{k}"] for k in manifest["unsent"]}
     return state, manifest
 
 

@@ -224,8 +224,9 @@ def applied_logs(ctx: RunContext) -> dict[int, list[int]]:
 
 def round_state(ctx: RunContext, update: int | None, kept_by: list[Any]) -> dict[str, Any]:
     """Rounds of local steps: the first replica's state (weights, outer optimizer)
-    with every replica's inner optimizer state, ``{index: variables}``, all at the
-    same round start (``update``: the one each kept, ``kept_by`` its step tasks)."""
+    with every replica's inner optimizer state, ``{index: variables}``, and change
+    its sparse codec has not sent, ``{index: flat}``, all at the same round start
+    (``update``: the one each kept, ``kept_by`` its step tasks)."""
     client = ctx.client
     batch = TaskBatch(client)  # one message (see pinned_each)
     futures = batch.send([batch.add(replica_state_task, ctx.run_id, update, after,
@@ -237,4 +238,8 @@ def round_state(ctx: RunContext, update: int | None, kept_by: list[Any]) -> dict
     if len(applied) != 1:
         raise RuntimeError(f"replicas read at updates {sorted(applied)}; this is a "
                            "dasktf bug (a round-start cut must be one update).")
-    return {**states[0], "inner": {int(s["index"]): s["optimizer"] for s in states}}
+    unsent: dict[int, Any] = {}
+    for s in states:
+        unsent.update(s.get("unsent") or {})
+    return {**states[0], "inner": {int(s["index"]): s["optimizer"] for s in states},
+            "unsent": unsent}
