@@ -86,17 +86,3 @@ def test_the_real_keras_in_a_spawned_process(tmp_path):
     assert _run(code, **quiet.spawn_env("1")) == ["False", "False", "8", "True",
                                                    "sklearn.base"]
 
-
-@pytest.mark.parametrize("setting, installed", [(None, "True"), ("0", "False")])
-def test_the_dasktf_command_leaves_them_out_too_unless_told(setting, installed):
-    """``dasktf fit`` and the other subcommands (``configure_logging`` runs first in
-    each) use neither."""
-    code = ("import sys; from dasktf.cli.common import configure_logging; "
-            "configure_logging(); print(any(type(f).__name__ == 'LeanKerasFinder' "
-            "for f in sys.meta_path))")
-    env = {k: v for k, v in os.environ.items() if k != lean_keras.ENABLE_ENV}
-    if setting is not None:
-        env[lean_keras.ENABLE_ENV] = setting
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120, env=env)
-    assert proc.stdout.split() == [installed], proc.stderr[-2000:]

@@ -86,17 +86,13 @@ def configure_logging(verbose: bool = False) -> None:
     """
     import os
 
-    from dasktf.cluster import lean_keras, quiet
+    from dasktf.cluster import quiet
     from dasktf.cluster.local import QUIET_TF_LOG_LEVEL
 
     # Before anything imports TensorFlow: it reads the level once, at import, and
     # the lines it prints before its logging is up are held to the level here.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "0" if verbose else QUIET_TF_LOG_LEVEL)
     quiet.install()
-    # No subcommand uses Keras' scikit-learn wrappers or its image plots: about 1 s
-    # of CPU off the command's own Keras import (dasktf/cluster/lean_keras.py)
-    if os.environ.get(lean_keras.ENABLE_ENV, "1") == "1":
-        lean_keras.install()
     # distributed configures its loggers (INFO) when first imported; with the lazy
     # public API that can happen after this function, so import it first.
     import distributed  # noqa: F401

@@ -1,19 +1,18 @@
 """Keras without its optional scikit-learn and matplotlib integrations, in the
-processes dasktf starts and in the ``dasktf`` command's own.
+worker processes dasktf starts.
 
 ``import keras`` imports scikit-learn (for ``keras.wrappers``) and matplotlib (for
 ``keras.visualization``) whenever they are installed, and dasktf's estimators need
 scikit-learn installed: together they were 2.0 s of Keras' 5.7 s import here (about
 1 s of its 4.2 s of CPU), paid by every worker process at its first replica, and
-by 3 workers at once on a 2-core machine. No worker uses either (the wrappers and
-the plots are APIs of the process that drives the training), nor does any
-``dasktf`` subcommand.
+by 3 workers at once on a 2-core machine. No worker uses either: the wrappers and
+the plots are APIs of the process that drives the training.
 
 So in the processes dasktf spawns (an embedded cluster's workers, the collective
 engine's TensorFlow children: their ``sitecustomize``, see :mod:`dasktf.cluster.quiet`,
-installs :class:`LeanKerasFinder`) and in the ``dasktf`` command's process, an
-import of those packages made by Keras' own modules fails as if they were not
-installed, unless something else imported them first. Keras guards both imports
+installs :class:`LeanKerasFinder`), an import of those packages made by Keras'
+own modules fails as if they were not installed, unless something else imported
+them first. Keras guards both imports
 (``try: import sklearn except ImportError``), so there its scikit-learn wrappers
 and its image plots say they need the package; any other code importing them (a
 user's, ``dasktf.estimators``, dask-ml) gets them as always.
