@@ -33,6 +33,7 @@ import time
 import dask
 import keras
 import numpy as np
+import psutil
 import pytest
 from distributed import Client
 
@@ -173,7 +174,6 @@ def test_sync_run_recovers_a_worker_lost_in_each_phase(client3, small_digits, ph
     _bounded(recovery, killer)
 
 
-
 class FreezeAt:
     """A phase hook: SIGSTOP the run's worker ``index`` as ``phase`` begins, once: a
     frozen host, whose connections stay open. Its nanny, asked by the liveness
@@ -194,8 +194,25 @@ class FreezeAt:
         self.frozen_at = time.time()
 
     def thaw(self):
-        with contextlib.suppress(ProcessLookupError, TypeError):
+        """Once its nanny has killed it: thawed before, it would read the scheduler's
+        ``close`` and close its nanny with it (no restart), leaving the shared cluster
+        a worker short (a run that ended within the nanny's 0.8 s grace after the
+        removal used to thaw it first). Never left stopped, whatever happened."""
+        if self.pid is None:
+            return
+        with contextlib.suppress(AssertionError):
+            wait_until(lambda: not _alive(self.pid), 30,
+                       f"the nanny to kill the frozen worker {self.victim}")
+        with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, signal.SIGCONT)
+
+
+def _alive(pid: int) -> bool:
+    """Running or stopped (a killed child its parent has not reaped yet is not)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 SETUP_LIVENESS = 6.0  # dasktf.liveness-setup-timeout in these tests (20 s by default)
