@@ -403,6 +403,33 @@ def functional_class() -> type:
     return Functional
 
 
+def functional_calls(model: Any) -> list[tuple[Any, tuple[Any, ...], dict[str, Any],
+                                              list[Any]]] | None:
+    """A functional model's operations in the order it runs them, each with the
+    arguments of its call in the model's graph and its outputs (Keras'
+    ``Functional._operations``, ``Operation._inbound_nodes`` and ``Node.arguments``):
+    how the staged backward pass tells a functional model that is a chain of layers
+    (:func:`dasktf.runtime.staged.chain_layers`). ``None`` for any other model, an
+    operation called more than once (its calls are not told apart here), or where
+    the names are gone: then only a ``keras.Sequential`` is staged."""
+    try:
+        functional = functional_class()
+    except RuntimeError:
+        return None
+    operations = getattr(model, "_operations", None)
+    if not isinstance(model, functional) or operations is None:
+        return None
+    calls = []
+    for operation in operations:
+        nodes = getattr(operation, "_inbound_nodes", None)
+        if not nodes or len(nodes) != 1 or not hasattr(nodes[0], "arguments"):
+            return None
+        arguments = nodes[0].arguments
+        calls.append((operation, tuple(arguments.args), dict(arguments.kwargs),
+                      list(nodes[0].output_tensors)))
+    return calls
+
+
 def keras_saving_lib() -> Any:
     """Keras' saving library where it writes and reads file objects
     (``keras.src.saving.saving_lib`` with ``_save_model_to_fileobj``): a model's

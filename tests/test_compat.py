@@ -207,6 +207,16 @@ def test_models_functional(keras):
     assert compat.functional_class() is Functional and type(model) is Functional
 
 
+def test_functional_calls(keras, nested):
+    calls = compat.functional_calls(nested)
+    assert calls is not None, gone(
+        "keras", "Functional._operations, Operation._inbound_nodes or Node.arguments")
+    (_, none, _, (tensor,)), inner, head = calls
+    assert [c[0].name for c in calls[1:]] == ["inner", "head"] and none == ()
+    assert inner[1] == (tensor,) and head[1] == tuple(inner[3]) and head[3] == nested.outputs
+    assert compat.functional_calls(nested.layers[1]) is None  # a Sequential
+
+
 def test_model_compile_config(keras):
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
 
@@ -246,6 +256,7 @@ def test_the_fallbacks_where_a_name_is_gone():
     assert compat.constructor_arguments(bare) == {}
     assert compat.compile_arguments(bare) == {}
     assert compat.output_loss_metrics(bare) == []
+    assert compat.functional_calls(bare) is None  # only a Sequential is staged
     assert not compat.holds_learning_rate(bare)
     assert compat.weight_decay_excluded(bare, [1, 2]) == ()
     with pytest.raises(RuntimeError, match=rf"distributed {version('distributed')}"):

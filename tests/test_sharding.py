@@ -343,6 +343,30 @@ def test_gradients_bucketed_bound_what_a_worker_holds(client, digits, stage):
     assert own["gradients"] == [4 * (2410 if stage is False else 2080)] * N_WORKERS
 
 
+def test_a_functional_chain_is_staged_and_equals_keras(client, small_digits):
+    """A functional model whose graph is a chain runs its backward pass in stages
+    as a ``Sequential`` does (a worker's own gradient: the first dense layer's 2,080
+    values at most, of 2,410) and trains the weights and slots Keras and unsharded
+    p2p train."""
+    x, y = small_digits
+    keras.utils.set_random_seed(7)
+    inputs = keras.Input((8, 8))
+    hidden = keras.layers.Dense(32, activation="sigmoid")(keras.layers.Flatten()(inputs))
+    reference = keras.Model(inputs, keras.layers.Dense(10, activation="softmax")(hidden))
+    sharded_model, plain_model = _twin(reference), _twin(reference)
+    reference.compile(optimizer=keras.optimizers.Adam(0.01),
+                      loss="sparse_categorical_crossentropy")
+    reference.fit(x, y, batch_size=48, epochs=2, shuffle=False, verbose=0)
+    reader = _ReadPeaks(client)
+    with dask.config.set(STAGED):
+        sharded = _fit(sharded_model, x, y, client, keras.optimizers.Adam(0.01),
+                       shard_state="gradients", callbacks=[reader])
+    plain = _fit(plain_model, x, y, client, keras.optimizers.Adam(0.01))
+    assert [own for _, own in reader.seen] == [4 * 2080] * N_WORKERS
+    _assert_same(sharded.model, reference, "sharded vs Keras")
+    _assert_same(sharded.model, plain.model, "sharded vs unsharded p2p")
+
+
 def test_refusals_before_the_run_starts(client, small_digits):
     model = _model()
     with pytest.raises(ValueError, match="must be None, 'optimizer' or 'gradients'"):

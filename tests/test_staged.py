@@ -1,4 +1,5 @@
 """The staged backward pass (:mod:`dasktf.runtime.staged`): a chain model's gradient
+(a ``Sequential``, or a functional model whose graph is a chain)
 a group of layers at a time, the last first, equal to the one-call backward pass.
 
 A replica built here, in the test process, as a worker builds it; the sharded
@@ -19,16 +20,26 @@ from dasktf.runtime.staged import StagedBackward, layer_stages
 from dasktf.transport import ModelPackage
 
 
-def _chain() -> keras.Model:
+def _chain(kind: str = "sequential") -> keras.Model:
+    """1,560 + 48 (the BatchNormalization's scale and offset) + 85 trainable values;
+    a frozen layer between, a dropout drawing from the seed: a ``Sequential``, or
+    the same chain built functionally."""
     keras.utils.set_random_seed(3)
-    # 1,560 + 48 (the BatchNormalization's scale and offset) + 85 trainable values;
-    # a frozen layer between, a dropout drawing from the seed
-    return keras.Sequential([
-        keras.Input((8, 8)), keras.layers.Flatten(),
-        keras.layers.Dense(24, activation="relu"), keras.layers.BatchNormalization(),
-        keras.layers.Dropout(0.3),
-        keras.layers.Dense(16, activation="tanh", trainable=False),
-        keras.layers.Dense(5, activation="softmax")])
+    layers = [keras.layers.Flatten(),
+              keras.layers.Dense(24, activation="relu"), keras.layers.BatchNormalization(),
+              keras.layers.Dropout(0.3),
+              keras.layers.Dense(16, activation="tanh", trainable=False),
+              keras.layers.Dense(5, activation="softmax")]
+    if kind == "sequential":
+        return keras.Sequential([keras.Input((8, 8)), *layers])
+    inputs = keras.Input((8, 8))
+    outputs = inputs
+    for layer in layers:
+        outputs = layer(outputs)
+    return keras.Model(inputs, outputs)
+
+
+KINDS = ["sequential", "functional"]
 
 
 def _replica(model: keras.Model, rows: int = 32) -> Replica:
@@ -41,8 +52,9 @@ def _replica(model: keras.Model, rows: int = 32) -> Replica:
     return Replica(config, 0, Shard(x, y), np.array([rows]))
 
 
-def test_stages_cut_between_layers_with_at_least_the_least_values():
-    replica = _replica(_chain())
+@pytest.mark.parametrize("kind", KINDS)
+def test_stages_cut_between_layers_with_at_least_the_least_values(kind):
+    replica = _replica(_chain(kind))
     stages = layer_stages(replica.model, replica.variables, 32)
     assert [(s.start, s.stop, s.first, s.count) for s in stages] == [
         (0, 1560, 0, 2),       # the flatten and the first dense layer
@@ -56,13 +68,14 @@ def test_stages_cut_between_layers_with_at_least_the_least_values():
     assert len(layer_stages(replica.model, replica.variables, 10**6)) == 1
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("rows", [32, 0])
-def test_the_stages_give_the_one_call_gradient(rows):
+def test_the_stages_give_the_one_call_gradient(rows, kind):
     """Put together and times the rows, the stages' gradients are the one-call
     backward pass's bit for bit (the same ops, in parts), with the same loss, the
     same moving statistics and the same dropout mask (the seed generator drawn in
     the same order); a batch without rows gives zeros."""
-    model = _chain()
+    model = _chain(kind)
     one, staged = _replica(model, max(rows, 1)), _replica(model, max(rows, 1))
     stages = layer_stages(staged.model, staged.variables, 32)
     batch = one.batch(0, 0) if rows else Shard(np.zeros((0, 8, 8), np.float32),
@@ -95,7 +108,31 @@ def test_the_stages_give_the_one_call_gradient(rows):
 def test_what_cannot_be_cut_keeps_the_one_call():
     inputs = keras.Input((8, 8))
     hidden = keras.layers.Dense(4)(keras.layers.Flatten()(inputs))
-    functional = keras.Model(inputs, keras.layers.Dense(5)(hidden))
+    residual = keras.Model(inputs, keras.layers.Dense(5)(
+        keras.layers.Add()([hidden, keras.layers.Dense(4)(hidden)])))
+    shared = keras.layers.Dense(4)
+    twice = keras.Model(inputs, keras.layers.Dense(5)(shared(shared(hidden))))
+
+    class Scale(keras.layers.Layer):
+        def call(self, x, factor=1.0):
+            return x * factor
+
+    argument = keras.Model(inputs, keras.layers.Dense(5)(Scale()(hidden, factor=2.0)))
+    an_op = keras.Model(inputs, keras.layers.Dense(5)(keras.ops.relu(hidden)))
+    two_inputs = keras.Input((4,))
+    branches = keras.Model([inputs, two_inputs], keras.layers.Dense(5)(
+        keras.layers.Concatenate()([hidden, two_inputs])))
+
+    class Subclassed(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(5)
+
+        def call(self, x):
+            return self.dense(x)
+
+    subclassed = Subclassed()
+    subclassed.build((None, 4))
     regularized = keras.Sequential([
         keras.Input((8, 8)), keras.layers.Flatten(),
         keras.layers.Dense(4, kernel_regularizer="l2"), keras.layers.Dense(5)])
@@ -105,5 +142,6 @@ def test_what_cannot_be_cut_keeps_the_one_call():
     masked = keras.Sequential([
         keras.Input((6,)), keras.layers.Embedding(10, 4, mask_zero=True),
         keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(5)])
-    for model in (functional, regularized, activity, masked):
+    for model in (residual, twice, argument, an_op, branches, subclassed, regularized,
+                  activity, masked):
         assert layer_stages(model, model.trainable_variables, 1) is None, model

@@ -3,7 +3,8 @@
 One ``GradientTape.gradient`` call returns the whole gradient: with
 ``shard_state="gradients"`` (ZeRO-2) that own gradient, 4 bytes a parameter, is
 the largest gradient buffer a worker holds, sharded or not. A chain of layers
-(a ``keras.Sequential``) can give it in parts instead: the forward pass records
+(a ``keras.Sequential``, or a functional model whose graph is a chain:
+:func:`chain_layers`) can give it in parts instead: the forward pass records
 each group on a tape of its own (a gradient call walks back everything its tape
 recorded: on one persistent tape, each group's call would walk back to the first
 layer), then each group's gradient is one call from its output's gradient
@@ -14,7 +15,7 @@ buckets from hooks inside the backward pass; Keras on TensorFlow has no such hoo
 and this is the same bound at a layer's grain.
 
 The values are those of the one-call backward pass (the same ops, run in parts,
-eagerly), to float32 rounding. A model this cannot cut (not a ``Sequential``, a layer that
+eagerly), to float32 rounding. A model this cannot cut (not a chain, a layer that
 adds losses of its own or masks its output, or variables out of layer order)
 keeps the one call (:func:`layer_stages` returns ``None``).
 """
@@ -50,7 +51,8 @@ def layer_stages(model: Any, variables: list[Any], min_values: int) -> list[Stag
     when the model is not a chain this module can run in parts."""
     import keras
 
-    if not isinstance(model, keras.Sequential) or model.losses:
+    chain = chain_layers(model)
+    if chain is None or model.losses:
         return None  # (a regularizer's gradient reaches the weights from the loss)
     where = {id(v): i for i, v in enumerate(variables)}
     sizes = [int(np.prod(v.shape)) for v in variables]
@@ -59,7 +61,7 @@ def layer_stages(model: Any, variables: list[Any], min_values: int) -> list[Stag
     layers: list[Any] = []
     order: list[int] = []
     first = 0
-    for layer in model.layers:
+    for layer in chain:
         if (getattr(layer, "activity_regularizer", None) is not None
                 or getattr(layer, "mask_zero", False)
                 or isinstance(layer, keras.layers.Masking)):
@@ -84,6 +86,38 @@ def layer_stages(model: Any, variables: list[Any], min_values: int) -> list[Stag
             stages.append(Stage(last.layers + tuple(layers), last.start, last.stop,
                                 last.first, last.count))
     return stages
+
+
+def chain_layers(model: Any) -> list[Any] | None:
+    """``model``'s layers in forward order when each takes the output of the one
+    before and nothing else: a ``keras.Sequential``'s, or a functional model's
+    whose graph is such a chain (one input, one output, every layer called once,
+    with no argument but that tensor; a call's ``training=``, which the model's own
+    ``training`` overrides in Keras' functional call, and a ``None`` are no
+    arguments). ``None`` for any other graph (a branch, a residual sum, a shared
+    layer, an op of ``keras.ops``, a call's argument of its own) or a subclassed
+    model, whose ``call`` is its own."""
+    import keras
+
+    from dasktf import compat
+
+    if isinstance(model, keras.Sequential):
+        return list(model.layers)
+    calls = compat.functional_calls(model)
+    if (calls is None or type(model).call is not compat.functional_class().call
+            or len(model.inputs) != 1 or len(model.outputs) != 1):
+        return None
+    tensor, chain = model.inputs[0], []
+    for layer, args, kwargs, outputs in calls:
+        if isinstance(layer, keras.layers.InputLayer):
+            continue
+        if (not isinstance(layer, keras.layers.Layer) or len(args) != 1
+                or args[0] is not tensor or len(outputs) != 1
+                or any(kwargs[k] is not None for k in set(kwargs) - {"training"})):
+            return None
+        tensor = outputs[0]
+        chain.append(layer)
+    return chain if tensor is model.outputs[0] else None
 
 
 class StagedBackward:
