@@ -408,8 +408,8 @@ def functional_calls(model: Any) -> list[tuple[Any, tuple[Any, ...], dict[str, A
     """A functional model's operations in the order it runs them, each with the
     arguments of its call in the model's graph and its outputs (Keras'
     ``Functional._operations``, ``Operation._inbound_nodes`` and ``Node.arguments``):
-    how the staged backward pass tells a functional model that is a chain of layers
-    (:func:`dasktf.runtime.staged.chain_layers`). ``None`` for any other model, an
+    how the staged backward pass finds where a functional model can be cut
+    (:func:`dasktf.runtime.staged.model_blocks`). ``None`` for any other model, an
     operation called more than once (its calls are not told apart here), or where
     the names are gone: then only a ``keras.Sequential`` is staged."""
     try:

@@ -2,9 +2,10 @@
 
 One ``GradientTape.gradient`` call returns the whole gradient: with
 ``shard_state="gradients"`` (ZeRO-2) that own gradient, 4 bytes a parameter, is
-the largest gradient buffer a worker holds, sharded or not. A chain of layers
-(a ``keras.Sequential``, or a functional model whose graph is a chain:
-:func:`chain_layers`) can give it in parts instead: the forward pass records
+the largest gradient buffer a worker holds, sharded or not. A model with cuts
+(tensors every path from its input to its output goes through: after each layer of
+a ``keras.Sequential``, between a functional model's blocks: :func:`model_blocks`)
+can give it in parts instead: the forward pass records
 each group on a tape of its own (a gradient call walks back everything its tape
 recorded: on one persistent tape, each group's call would walk back to the first
 layer), then each group's gradient is one call from its output's gradient
@@ -15,7 +16,7 @@ buckets from hooks inside the backward pass; Keras on TensorFlow has no such hoo
 and this is the same bound at a layer's grain.
 
 The values are those of the one-call backward pass (the same ops, run in parts,
-eagerly), to float32 rounding. A model this cannot cut (not a chain, a layer that
+eagerly), to float32 rounding. A model this cannot cut (no cut, a layer that
 adds losses of its own or masks its output, or variables out of layer order)
 keeps the one call (:func:`layer_stages` returns ``None``).
 """
@@ -34,11 +35,48 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class Block:
+    """What runs between two cuts of the model (tensors that every path from its
+    input to its output goes through): a chain's one layer, or a functional graph's
+    calls from one cut to the next (a residual block, say: a residual sum is never
+    cut). Called on the value at the cut before, it gives the value at the next."""
+
+    #: the layers it calls, in the model's order (their variables its gradient's)
+    layers: tuple[Any, ...]
+    #: a functional graph's calls, each ``(operation, args, kwargs, outputs)``
+    #: (:func:`dasktf.compat.functional_calls`); none: ``layers[0]`` alone
+    calls: tuple[tuple[Any, ...], ...] = ()
+    #: the symbolic tensors at the cut before and at the cut after (functional)
+    source: Any = None
+    sink: Any = None
+
+    def __call__(self, value: Any) -> Any:
+        import keras
+
+        if not self.calls:
+            return self.layers[0](value, training=True)
+        # as Keras' functional call runs its graph: each call's own arguments, the
+        # graph's tensors given their values, and the run's training=
+        values = {id(self.source): value}
+
+        def given(x: Any) -> Any:
+            return values[id(x)] if isinstance(x, keras.KerasTensor) else x
+
+        for operation, args, kwargs, outputs in self.calls:
+            args, kwargs = keras.tree.map_structure(given, (args, kwargs))
+            if isinstance(operation, keras.layers.Layer):
+                kwargs["training"] = True
+            result = operation(*args, **kwargs)
+            values.update(zip(map(id, outputs), keras.tree.flatten(result), strict=True))
+        return values[id(self.sink)]
+
+
+@dataclass(frozen=True)
 class Stage:
-    """Consecutive layers and the flat range ``[start, stop)`` of their trainable
+    """Consecutive blocks and the flat range ``[start, stop)`` of their trainable
     variables in the replica's gradient buffer."""
 
-    layers: tuple[Any, ...]
+    blocks: tuple[Block, ...]
     start: int
     stop: int
     first: int  # the index of the stage's first trainable variable
@@ -46,78 +84,93 @@ class Stage:
 
 
 def layer_stages(model: Any, variables: list[Any], min_values: int) -> list[Stage] | None:
-    """``model``'s layers cut into stages of at least ``min_values`` parameters
-    each where layers allow (one layer is never cut), in forward order; ``None``
-    when the model is not a chain this module can run in parts."""
+    """``model``'s blocks (:func:`model_blocks`) grouped into stages of at least
+    ``min_values`` parameters each where blocks allow (a block is never cut), in
+    forward order; ``None`` when the model cannot be run in parts here."""
     import keras
 
-    chain = chain_layers(model)
-    if chain is None or model.losses:
+    blocks = model_blocks(model)
+    if blocks is None or model.losses:
         return None  # (a regularizer's gradient reaches the weights from the loss)
     where = {id(v): i for i, v in enumerate(variables)}
     sizes = [int(np.prod(v.shape)) for v in variables]
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
     stages: list[Stage] = []
-    layers: list[Any] = []
+    group: list[Block] = []
     order: list[int] = []
     first = 0
-    for layer in chain:
-        if (getattr(layer, "activity_regularizer", None) is not None
-                or getattr(layer, "mask_zero", False)
-                or isinstance(layer, keras.layers.Masking)):
-            return None
-        layers.append(layer)
-        order += [where.get(id(v), -1) for v in layer.trainable_variables]
+    for block in blocks:
+        for layer in block.layers:
+            if (getattr(layer, "activity_regularizer", None) is not None
+                    or getattr(layer, "mask_zero", False)
+                    or isinstance(layer, keras.layers.Masking)):
+                return None
+            order += [where.get(id(v), -1) for v in layer.trainable_variables]
+        group.append(block)
         done = len(order)
         if order[first:] != list(range(first, done)):
             return None  # a variable shared, out of order or not a layer's
         if done > first and offsets[done] - offsets[first] >= min_values:
-            stages.append(Stage(tuple(layers), int(offsets[first]), int(offsets[done]),
+            stages.append(Stage(tuple(group), int(offsets[first]), int(offsets[done]),
                                 first, done - first))
-            layers, first = [], done
+            group, first = [], done
     if len(order) != len(variables):
         return None  # a trainable variable outside the layers
-    if layers:  # the last layers: a stage of their own if they have variables
+    if group:  # the last blocks: a stage of their own if they have variables
         if first < len(order) or not stages:
-            stages.append(Stage(tuple(layers), int(offsets[first]), int(offsets[-1]),
+            stages.append(Stage(tuple(group), int(offsets[first]), int(offsets[-1]),
                                 first, len(order) - first))
         else:
             last = stages.pop()
-            stages.append(Stage(last.layers + tuple(layers), last.start, last.stop,
+            stages.append(Stage(last.blocks + tuple(group), last.start, last.stop,
                                 last.first, last.count))
     return stages
 
 
-def chain_layers(model: Any) -> list[Any] | None:
-    """``model``'s layers in forward order when each takes the output of the one
-    before and nothing else: a ``keras.Sequential``'s, or a functional model's
-    whose graph is such a chain (one input, one output, every layer called once,
-    with no argument but that tensor; a call's ``training=``, which the model's own
-    ``training`` overrides in Keras' functional call, and a ``None`` are no
-    arguments). ``None`` for any other graph (a branch, a residual sum, a shared
-    layer, an op of ``keras.ops``, a call's argument of its own) or a subclassed
+def model_blocks(model: Any) -> list[Block] | None:
+    """``model`` cut where one tensor carries everything on to the output, in
+    forward order: a ``keras.Sequential`` after each layer; a functional model (one
+    input, one output, every operation called once) wherever, in the order Keras
+    runs its graph, the value just computed is the only one a later call or the
+    output still needs. ``None`` for a graph with no such order or a subclassed
     model, whose ``call`` is its own."""
     import keras
 
     from dasktf import compat
 
     if isinstance(model, keras.Sequential):
-        return list(model.layers)
+        return [Block((layer,)) for layer in model.layers]
     calls = compat.functional_calls(model)
     if (calls is None or type(model).call is not compat.functional_class().call
             or len(model.inputs) != 1 or len(model.outputs) != 1):
         return None
-    tensor, chain = model.inputs[0], []
-    for layer, args, kwargs, outputs in calls:
-        if isinstance(layer, keras.layers.InputLayer):
-            continue
-        if (not isinstance(layer, keras.layers.Layer) or len(args) != 1
-                or args[0] is not tensor or len(outputs) != 1
-                or any(kwargs[k] is not None for k in set(kwargs) - {"training"})):
-            return None
-        tensor = outputs[0]
-        chain.append(layer)
-    return chain if tensor is model.outputs[0] else None
+    calls = [c for c in calls if not isinstance(c[0], keras.layers.InputLayer)]
+
+    def tensors(args: Any, kwargs: Any) -> list[Any]:
+        return [t for t in keras.tree.flatten((args, kwargs))
+                if isinstance(t, keras.KerasTensor)]
+
+    uses: dict[int, int] = {id(model.outputs[0]): 1}  # the output is needed at the end
+    for _, args, kwargs, _ in calls:
+        for t in tensors(args, kwargs):
+            uses[id(t)] = uses.get(id(t), 0) + 1
+    source = model.inputs[0]
+    live = {id(source)}  # values computed that a later call (or the output) needs
+    blocks: list[Block] = []
+    pending: list[tuple[Any, ...]] = []
+    for call in calls:
+        _, args, kwargs, outputs = call
+        for t in tensors(args, kwargs):
+            uses[id(t)] -= 1
+            if not uses[id(t)]:
+                live.discard(id(t))
+        live |= {id(t) for t in outputs if uses.get(id(t))}
+        pending.append(call)
+        if len(outputs) == 1 and live == {id(outputs[0])}:  # a cut
+            layers = tuple(c[0] for c in pending if isinstance(c[0], keras.layers.Layer))
+            blocks.append(Block(layers, tuple(pending), source, outputs[0]))
+            source, pending = outputs[0], []
+    return blocks if not pending and source is model.outputs[0] else None
 
 
 class StagedBackward:
@@ -151,8 +204,8 @@ class StagedBackward:
                     if g:
                         tape.watch(h)
                     out = h
-                    for layer in stage.layers:
-                        out = layer(out, training=True)
+                    for block in stage.blocks:
+                        out = block(out)
                     if g == len(stages) - 1:  # the loss on the last stage's tape
                         loss, self.scaled, n = replica.batch_loss(x, y, out,
                                                                   w[0] if w else None)
