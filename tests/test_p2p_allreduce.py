@@ -638,3 +638,43 @@ def test_a_direct_message_carries_arrays_raw_and_anything_else_pickled():
             assert a.flags.writeable
     assert type(got[5][2][0]) is type(payloads[5][0])
     links.close()
+
+
+def test_messages_read_whole_however_the_bytes_arrive():
+    """Messages cut anywhere by the kernel (a byte at a time, a frame split from its
+    head, several in one read, a large array in pieces) come back whole and in
+    order."""
+    import socket
+
+    from dasktf.runtime.p2p.direct import Channel, Links, frames
+
+    ours, theirs = socket.socketpair()
+    theirs.setblocking(False)
+    got: list[tuple[Key, object]] = []
+    links = Links(lambda rank: None, lambda s, k, p: got.append((k, p)),
+                  lambda rank, error: pytest.fail(f"lost {rank}: {error}"))
+    links.arrived(0, Channel(theirs))
+    rng = np.random.default_rng(1)
+    sizes = [1, 0, 3, 16_385, 5, 49_159, 2, 65_539, 1]
+    payloads = [(rng.standard_normal(n).astype(np.float32), np.array([float(n)]))
+                for n in sizes] + [{"a pickled": [1, 2]}]
+    stream = b"".join(bytes(f) for k, p in enumerate(payloads)
+                      for f in frames(Key(4, "rs", 0, k), p))
+    cuts, at = [], 0
+    while at < len(stream):  # a byte at a time first, then ever larger pieces
+        n = 1 if at < 64 else int(rng.integers(1, 200_000))
+        cuts.append(stream[at:at + n])
+        at += n
+    for piece in cuts:
+        ours.sendall(piece)
+        links.progress(0)
+    end = time.monotonic() + 10
+    while len(got) < len(payloads) and time.monotonic() < end:
+        links.progress(0.1)
+    assert [k.chunk for k, _ in got] == list(range(len(payloads)))
+    for (_, out), sent in zip(got[:-1], payloads[:-1], strict=True):
+        for a, b in zip(out, sent, strict=True):
+            np.testing.assert_array_equal(a, b)
+    assert got[-1][1] == payloads[-1]
+    links.close()
+    ours.close()
