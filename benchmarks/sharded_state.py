@@ -31,6 +31,9 @@ copy of a neighbour's slice and the sum relayed for it).
 The load average is printed before and after each part (a shared 2-core machine:
 the workers share the cores).
 
+``--architecture residual`` makes the memory part's model functional, the same
+layers with two residual blocks (a staged backward pass cuts around each block).
+
 ``--bucket`` and ``--stage`` set ``dasktf.p2p.shard-bucket`` and
 ``dasktf.p2p.shard-stage`` (``false``: the one-call backward pass); ``--modes`` picks
 the memory part's modes (``none`` for unsharded).
@@ -38,7 +41,7 @@ the memory part's modes (``none`` for unsharded).
 Usage: ``python benchmarks/sharded_state.py [--part time|memory|all] [--rows 30720]
 [--cnn-rows 2560] [--epochs 3] [--repeats 2] [--workers 2,4,8] [--big-steps 2]
 [--unsharded-max 4] [--bucket 4MiB] [--stage 16MiB] [--modes none,optimizer,gradients]
-[--redundancy 0]
+[--redundancy 0] [--architecture sequential|residual]
 [--data /work/shared/data/mnist.npz]``.
 """
 
@@ -177,14 +180,23 @@ def time_part(args: argparse.Namespace) -> None:
                   f"({sent[model, mode] / sent[model, None]:.3f}x)")
 
 
-def big_model() -> Any:
-    """About 50M parameters of dense layers (50,397,194)."""
+def big_model(architecture: str = "sequential") -> Any:
+    """About 50M parameters of dense layers (50,397,194): a ``Sequential``, or
+    (``"residual"``) the same layers as a functional model whose two middle layers
+    each add their input back (residual blocks: no parameter more)."""
     import keras
 
     keras.utils.set_random_seed(0)
-    return keras.Sequential([keras.Input((2048,))] + [
-        keras.layers.Dense(u, activation="relu") for u in (4096, 4096, 4096, 2048)
-    ] + [keras.layers.Dense(10, activation="softmax")])
+    if architecture == "sequential":
+        return keras.Sequential([keras.Input((2048,))] + [
+            keras.layers.Dense(u, activation="relu") for u in (4096, 4096, 4096, 2048)
+        ] + [keras.layers.Dense(10, activation="softmax")])
+    inputs = keras.Input((2048,))
+    h = keras.layers.Dense(4096, activation="relu")(inputs)
+    for _ in range(2):
+        h = keras.layers.Add()([h, keras.layers.Dense(4096, activation="relu")(h)])
+    h = keras.layers.Dense(2048, activation="relu")(h)
+    return keras.Model(inputs, keras.layers.Dense(10, activation="softmax")(h))
 
 
 def memory_part(args: argparse.Namespace) -> None:
@@ -194,7 +206,7 @@ def memory_part(args: argparse.Namespace) -> None:
 
     rng = np.random.default_rng(0)
     r = args.redundancy
-    print(f"per-worker bytes, ~50M-parameter model, Adam, {args.big_steps} steps a run, "
+    print(f"per-worker bytes, ~50M-parameter {args.architecture} model, Adam, {args.big_steps} steps a run, "
           f"a fresh cluster a run, redundancy {r} (the largest worker's; ratio to "
           f"unsharded; target {1 + r}/N + 5%)")
     base: dict[str, int] | None = None
@@ -212,7 +224,7 @@ def memory_part(args: argparse.Namespace) -> None:
             with dasktf.make_local_cluster(n, tf_threads=1) as cluster, \
                     Client(cluster) as client:
                 client.wait_for_workers(n, timeout=300)
-                got = run(client, big_model(), x, y, 1, batch, n, mode,
+                got = run(client, big_model(args.architecture), x, y, 1, batch, n, mode,
                           args.redundancy)["held"]
                 held[mode] = {k: max(h[k] for h in got) for k in got[0]}
         if None in held:
@@ -251,6 +263,9 @@ def main() -> None:
                         help="dasktf.p2p.shard-stage (false: never staged)")
     parser.add_argument("--modes", default=MODES, type=lambda s: [
         None if m == "none" else m for m in s.split(",")])
+    parser.add_argument("--architecture", choices=["sequential", "residual"],
+                        default="sequential",
+                        help="the memory part's model: a Sequential, or residual blocks")
     parser.add_argument("--redundancy", type=int, default=0, choices=[0, 1],
                         help="the memory part's sharded runs (a backup slice a worker)")
     parser.add_argument("--data", default=DATA)
