@@ -175,12 +175,13 @@ def test_sync_run_recovers_a_worker_lost_in_each_phase(client3, small_digits, ph
 
 
 class FreezeAt:
-    """A phase hook: SIGSTOP the run's worker ``index`` as ``phase`` begins, once: a
-    frozen host, whose connections stay open. Its nanny, asked by the liveness
-    detector that removes it, kills it and starts a fresh worker."""
+    """A phase hook: SIGSTOP the run's worker ``index`` (``outside``: a worker of the
+    cluster the run does not use) as ``phase`` begins, once: a frozen host, whose
+    connections stay open. Its nanny, asked by the liveness detector that removes
+    it, kills it and starts a fresh worker."""
 
-    def __init__(self, client, phase, index=1):
-        self.client, self.phase, self.index = client, phase, index
+    def __init__(self, client, phase, index=1, outside=False):
+        self.client, self.phase, self.index, self.outside = client, phase, index, outside
         self.victim: str | None = None
         self.pid: int | None = None
         self.frozen_at: float | None = None
@@ -188,7 +189,9 @@ class FreezeAt:
     def __call__(self, phase, workers):
         if phase != self.phase or self.frozen_at is not None:
             return
-        self.victim = workers[self.index]
+        alive = self.client.scheduler_info(n_workers=-1)["workers"]
+        self.victim = (sorted(set(alive) - set(workers))[0] if self.outside
+                       else workers[self.index])
         self.pid = worker_pids(self.client, self.victim)[0]
         os.kill(self.pid, signal.SIGSTOP)
         self.frozen_at = time.time()
@@ -556,3 +559,32 @@ def test_a_worker_outside_the_run_killed_while_plugins_register_costs_nothing(
                                  epochs=1, batch_size=48, verbose=0)
         assert killer.killed_at is not None and killer.victims[0] not in history.workers
     assert history.recoveries == [] and len(history.workers) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_worker_outside_the_run_frozen_while_plugins_register_is_removed(small_digits):
+    """The scheduler sends the plugin to every worker of the cluster and waits for
+    each: while it does, the liveness detector watches those the run does not use
+    too, so one frozen meanwhile is removed and the registration made again for the
+    others; the run is not affected. Before, the set-up waited on it until
+    ``dasktf.step-timeout`` (600 s)."""
+    x, y = small_digits
+    with own_cluster(2) as (_cluster, client):
+        freezer = FreezeAt(client, "registering plugins", outside=True)
+        try:
+            with dask.config.set({"dasktf.liveness-setup-timeout": f"{SETUP_LIVENESS}s"}), \
+                    hooked(freezer):
+                history = dasktf.fit("mnist-mlp", x, y, client=client, n_workers=1,
+                                     epochs=1, batch_size=48, verbose=0)
+            done = time.time()
+        finally:
+            freezer.thaw()
+        removed = [e for _, e in client.get_events("dasktf-membership")
+                   if e.get("action") == "unresponsive"]
+    assert history.recoveries == [] and history.workers != [freezer.victim]
+    assert [e["worker"] for e in removed] == [freezer.victim]
+    assert removed[0]["silent"] >= SETUP_LIVENESS  # the set-up's timeout, not the run's
+    assert removed[0]["time"] - freezer.frozen_at < SETUP_LIVENESS + 5
+    print(f"\nremoved {removed[0]['time'] - freezer.frozen_at:.2f}s after the freeze, "
+          f"trained {done - removed[0]['time']:.2f}s later")

@@ -19,9 +19,7 @@ from dasktf.callbacks import (
 )
 from dasktf.cluster.calls import CallsPlugin, call_on_workers, tell_workers
 from dasktf.cluster.liveness import LivenessWatch
-from dasktf.cluster.local import (
-    listed_workers,
-)
+from dasktf.cluster.local import alive_workers, listed_workers
 from dasktf.cluster.membership import MembershipWatcher
 from dasktf.cluster.waits import RunContext, WatchedClient, wait_for
 from dasktf.data.base import PlacedData
@@ -130,8 +128,15 @@ class Run:
                         self.ctx.watcher = MembershipWatcher(self.client)
                     self._watch(setting_up=True)  # a frozen worker, too
                 with setup.phase("registering plugins"):
+                    # the scheduler sends a worker plugin to every worker of the
+                    # cluster and waits for each: meanwhile the detector watches
+                    # those outside the run too, so a frozen one is removed (and
+                    # the call made again without it), not waited on until
+                    # dasktf.step-timeout
+                    self._watch(setting_up=True, workers=alive_workers(self.client))
                     for each in [CallsPlugin(), *([] if plugin is None else [plugin])]:
                         register_worker_plugin(self.ctx, each, "registering plugins")
+                    self._watch(setting_up=True)
                 plugin = None  # stored by the scheduler for every worker
                 with setup.phase("placing data"):
                     self._place()
@@ -167,17 +172,19 @@ class Run:
         self.run_id = self.ctx.run_id = uuid.uuid4().hex[:10]
         self._use_workers(survivors)
 
-    def _watch(self, setting_up: bool = False) -> None:
+    def _watch(self, setting_up: bool = False, workers: list[str] | None = None) -> None:
         """Arm the scheduler's failure detector for the run's workers now (its id
-        too: a set-up done again has a new one), with the set-up's timeout while
-        ``setting_up``, and the run's clean-up should this client be lost."""
+        too: a set-up done again has a new one), or ``workers`` (a call that waits
+        on others), with the set-up's timeout while ``setting_up``, and the run's
+        clean-up should this client be lost."""
         if self.liveness is not None and self.liveness.run != self.run_id:
             self.liveness.close()
             self.liveness = None
         if self.liveness is None:
             self.liveness = LivenessWatch(self.client, self.run_id)
         key = self.shared.ref.key if self.shared is not None else None
-        self.liveness.watch(self.ctx.workers, setting_up=setting_up,
+        self.liveness.watch(self.ctx.workers if workers is None else workers,
+                            setting_up=setting_up,
                             on_client_lost=(release_replicas, (self.run_id, key)))
 
     def _use_workers(self, workers: list[str]) -> None:
