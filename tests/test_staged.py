@@ -167,3 +167,33 @@ def test_what_cannot_be_cut_keeps_the_one_call():
         keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(5)])
     for model in (twice, branches, subclassed, regularized, activity, masked):
         assert layer_stages(model, model.trainable_variables, 1) is None, model
+
+
+def test_a_keras_application_is_staged_and_gives_the_one_call_gradient():
+    """MobileNetV2 as ``keras.applications`` builds it (inverted residual blocks,
+    batch normalization, padding): cut between its blocks, its parts are the
+    one-call backward pass's bit for bit, and a worker holds at most its largest
+    stage's gradient."""
+    keras.utils.set_random_seed(1)
+    model = keras.applications.MobileNetV2(input_shape=(32, 32, 3), weights=None,
+                                           classes=5, alpha=0.35)
+    recipe = CompileRecipe(keras.optimizers.serialize(keras.optimizers.Adam(0.01)),
+                           "sparse_categorical_crossentropy")
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((16, 32, 32, 3)).astype(np.float32)
+    y = rng.integers(0, 5, 16).astype(np.int64)
+    package = ModelPackage.pack(model).ref()
+    one, staged = (Replica(ReplicaConfig(package, recipe, 0, publish_metrics=False), 0,
+                           Shard(x, y), np.array([16])) for _ in range(2))
+    stages = layer_stages(staged.model, staged.variables, 1000)
+    assert stages is not None and len(stages) > 10
+    batch = one.batch(0, 0)
+    keras.utils.set_random_seed(9)
+    backward = StagedBackward(staged, stages, batch)
+    got = np.full(sum(staged.sizes), np.nan, np.float32)
+    for start, part in backward.parts():
+        got[start:start + len(part)] = part
+    keras.utils.set_random_seed(9)
+    flat, _ = one.batch_gradient(*batch_args(batch))
+    np.testing.assert_array_equal(got * np.float32(16), np.asarray(flat))
+    assert backward.largest < 0.5 * got.nbytes
