@@ -133,7 +133,10 @@ class Run:
                     # those outside the run too, so a frozen one is removed (and
                     # the call made again without it), not waited on until
                     # dasktf.step-timeout
-                    self._watch(setting_up=True, workers=alive_workers(self.client))
+                    outside = [w for w in alive_workers(self.client)
+                               if w not in self.ctx.workers]
+                    if outside:  # (else the run's own watch stands: no message)
+                        self._watch(setting_up=True, workers=self.ctx.workers + outside)
                     for each in [CallsPlugin(), *([] if plugin is None else [plugin])]:
                         register_worker_plugin(self.ctx, each, "registering plugins")
                     self._watch(setting_up=True)
