@@ -42,6 +42,8 @@ import signal
 import sys
 import time
 
+from dasktf.cluster.membership import alive_workers
+
 GRAPH = {"engine": "graph"}
 CASES: list[tuple[str, dict]] = [
     ("none (tree, fan-in 4 = all-to-one)", GRAPH),
@@ -196,7 +198,7 @@ def main() -> None:
                 Client(cluster) as client:
             client.wait_for_workers(3, timeout=120)
             if args.link_mbit is not None:
-                addresses = sorted(client.scheduler_info()["workers"])
+                addresses = alive_workers(client)
                 outside = [a for a in addresses if int(a.rsplit(":", 1)[1]) not in ports]
                 if outside:
                     raise SystemExit(f"workers {outside} are not on --worker-ports")

@@ -43,6 +43,8 @@ from typing import Any
 
 import numpy as np
 
+from dasktf.cluster.membership import alive_workers
+
 CODECS = ("none", "fp16", "bf16", "int8", "topk:0.01")
 SIZES = (2, 3, 4, 8)
 #: the MNIST MLP's parameters (784-100-10)
@@ -105,7 +107,7 @@ def bytes_part(steps: int) -> list[dict[str, Any]]:
         # waits on a member importing it (tens of seconds on a loaded machine)
         client.run(_import_tensorflow)
         register(client)
-        workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        workers = alive_workers(client)
         for codec in CODECS:
             for n in SIZES:
                 members = workers[:n]

@@ -20,6 +20,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 from distributed import Client
 
 import dasktf
+from dasktf.cluster.membership import alive_workers
 from dasktf.diagnostics.events import unpack
 from dasktf.testing import KillWorkerAt
 
@@ -30,7 +31,7 @@ def run(mode: str, kill: bool, victim: int = 2, num_ps: int = 1) -> dict[str, fl
     data = dasktf.load_dataset("digits")
     with dasktf.make_local_cluster(3, tf_threads=1) as cluster, Client(cluster) as client:
         client.wait_for_workers(3, timeout=120)
-        workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        workers = alive_workers(client)
         steps = -(-len(data.x_train) // BATCH) * (3 if mode == "async" else 1) * EPOCHS
         cbs = [KillWorkerAt(client, workers[victim], step=steps // 2)] if kill else []
         history = dasktf.fit(

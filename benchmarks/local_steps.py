@@ -35,6 +35,7 @@ import time
 from typing import Any
 
 from dasktf.cli.bench import keras_run, load_data, mwms_run
+from dasktf.cluster.membership import alive_workers
 
 TARGETS = {"mnist-mlp": 0.97, "cnn": 0.98}
 VARIANTS: list[tuple[str, dict[str, Any]]] = [
@@ -121,7 +122,7 @@ def main() -> None:
     began = time.perf_counter()
     with dasktf.make_local_cluster(3) as cluster, Client(cluster) as client:
         client.wait_for_workers(3, timeout=120)
-        workers = sorted(client.scheduler_info()["workers"])
+        workers = alive_workers(client)
         for model in args.models.split(","):
             target = TARGETS.get(model, 0.9)
 

@@ -25,6 +25,8 @@ import time
 
 import numpy as np
 
+from dasktf.cluster.membership import alive_workers
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
@@ -75,7 +77,7 @@ def main() -> None:
         model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
     with dasktf.make_local_cluster(args.workers, tf_threads=1) as cluster, \
             Client(cluster) as client:
-        worker = next(iter(client.scheduler_info()["workers"]))
+        worker = alive_workers(client)[0]
         rows = []
         for name, model in models.items():
             trained = keras.models.clone_model(model)

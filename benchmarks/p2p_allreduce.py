@@ -36,6 +36,8 @@ import uuid
 
 import numpy as np
 
+from dasktf.cluster.membership import alive_workers
+
 #: (label, float32 values): 4 B to ~20 MB, the MLP's 101,770 (~400 KB) and the
 #: cnn's 1,199,882 (4.8 MB) among them.
 SIZES = [("4 B", 1), ("64 B", 16), ("1 KiB", 256), ("16 KiB", 4096),
@@ -144,7 +146,7 @@ def main() -> None:
             Client(cluster) as client, shaper:
         client.wait_for_workers(args.workers)
         register(client)
-        members = sorted(client.scheduler_info()["workers"])
+        members = alive_workers(client)
         gid = f"bench-{uuid.uuid4().hex}"
         futures = [client.submit(sweep_task, gid, members, sizes, args.reps, args.codec,
                                  workers=[w], pure=False) for w in members]

@@ -2,9 +2,9 @@
 
 Kill a worker at a given step, or slow one down, on a real cluster::
 
-    from dasktf.testing import KillWorkerAt, delay_worker
+    from dasktf.testing import KillWorkerAt, alive_workers, delay_worker
 
-    killer = KillWorkerAt(client, client.scheduler_info()["workers"].keys()[1], step=10)
+    killer = KillWorkerAt(client, alive_workers(client)[1], step=10)
     trainer.fit(x, y, epochs=4, callbacks=[killer])      # SIGKILLs it at step 10
     assert killer.killed_at is not None
 
@@ -21,8 +21,10 @@ machine). The process that started a worker (a nanny's, which may host a whole
 never signalled. It needs the worker on this host.
 
 :func:`own_cluster` starts a cluster of one's own (for a test that kills its
-workers), and :func:`wait_until` is the one bounded poll for an event that has no
-hook to wait on.
+workers), :func:`wait_until` is the one bounded poll for an event that has no
+hook to wait on, and :func:`alive_workers` lists the workers the scheduler knows now
+(``client.scheduler_info()["workers"]`` may list none: the client's periodic refresh,
+which asks for no workers, can overwrite its answer before it is returned).
 """
 
 from __future__ import annotations
@@ -40,10 +42,12 @@ try:  # a Keras callback when Keras is there (it is wherever dasktf trains)
 except ImportError:  # pragma: no cover
     _Callback = object  # type: ignore[misc,assignment]
 
+from dasktf.cluster.membership import alive_workers
+
 if TYPE_CHECKING:
     from distributed import Client
 
-__all__ = ["KillWorkerAt", "delay_worker", "kill_worker", "kill_worker_at_update",
+__all__ = ["KillWorkerAt", "alive_workers", "delay_worker", "kill_worker", "kill_worker_at_update",
            "own_cluster", "wait_until", "worker_pids"]
 
 

@@ -25,6 +25,7 @@ import pandas as pd
 from distributed import Client, LocalCluster
 
 import dasktf
+from dasktf.cluster.membership import alive_workers
 
 
 def write_parquet(directory: pathlib.Path, partitions: int) -> int:
@@ -56,7 +57,7 @@ def main() -> None:
                 df = df.persist()  # the partitions now live on the workers
             train, val = df.partitions[:-1], df.partitions[-1:]
             print(f"{rows} rows in {df.npartitions} partitions on "
-                  f"{len(client.scheduler_info()['workers'])} workers "
+                  f"{len(alive_workers(client))} workers "
                   f"({'streamed' if args.stream else 'resident'})")
 
             model = keras.Sequential([

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 
 import keras
 
+from dasktf.cluster.membership import alive_workers
 from dasktf.testing import wait_until
 
 SUBNET = "198.18.0"
@@ -306,7 +307,7 @@ class HostCluster:
                      *self.security_args], host=host, env=_ENV)
 
     def workers(self, client) -> list[str]:
-        return sorted(client.scheduler_info(n_workers=-1)["workers"])
+        return alive_workers(client)
 
     def worker_of(self, client, host: Host) -> str:
         return next(w for w in self.workers(client) if f"//{host.address}:" in w)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import dasktf
+from dasktf.cluster.membership import alive_workers
 from dasktf.diagnostics.events import TOPIC, unpack
 from dasktf.testing import own_cluster
 
@@ -36,7 +37,7 @@ def test_async_run_grows_from_two_to_three_workers_at_once(digits):
     start = time.monotonic()
     epochs = 4
     with own_cluster(2) as (cluster, client):
-        before = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        before = alive_workers(client)
         history = dasktf.fit(
             "mnist-mlp", digits.x_train, digits.y_train, client=client, n_workers=2,
             mode="async", slow_workers={1: 3}, validation_data=(digits.x_test, digits.y_test),

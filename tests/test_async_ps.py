@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import dasktf
+from dasktf.cluster.membership import alive_workers
 from dasktf.data.base import interleaved_indices, interleaved_schedule
 from dasktf.diagnostics.events import unpack
 from dasktf.run.checkpoint import list_checkpoints
@@ -315,7 +316,7 @@ def test_num_ps_2_recovers_from_losing_any_worker(digits, victim):
     batch of every shard's passes is applied exactly once."""
     epochs = 3
     with own_cluster(3) as (_, client):
-        workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        workers = alive_workers(client)
         steps = -(-len(digits.x_train) // 64)
         # mid-way through the second epoch, after the first epoch end's cut
         killer = KillWorkerAt(client, workers[victim], step=steps // 2, epoch=epochs // 2)

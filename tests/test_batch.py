@@ -8,6 +8,7 @@ import gc
 from distributed import get_worker
 
 from dasktf.cluster.batch import TaskBatch
+from dasktf.cluster.membership import alive_workers
 
 
 def _where(*args, **kwargs):
@@ -19,7 +20,7 @@ def _one(offset):
 
 
 def test_a_batch_keeps_its_tasks_keys_arguments_and_placement(client):
-    workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+    workers = alive_workers(client)
     batch = TaskBatch(client)
     first = batch.add(_where, ("a-tuple", 1), "dasktf-test-a", key="dasktf-test-a",
                       workers=[workers[0]])

@@ -13,7 +13,7 @@ from distributed import get_worker
 
 from dasktf import testing
 from dasktf.cluster import calls
-from dasktf.cluster.membership import MembershipWatcher
+from dasktf.cluster.membership import MembershipWatcher, alive_workers
 from dasktf.cluster.waits import RunContext
 from dasktf.exceptions import ReplicaError, WorkerLostError
 
@@ -94,7 +94,7 @@ def _context(client, workers):
 
 
 def test_a_call_runs_in_each_worker_s_thread_pool_and_costs_the_scheduler_nothing(client):
-    workers = sorted(client.scheduler_info()["workers"])
+    workers = alive_workers(client)
     client.register_plugin(calls.CallsPlugin(), name=calls.PLUGIN_NAME)
     shards = [client.scatter(np.full(4, i, dtype="float32"), workers=[w], direct=True)
               for i, w in enumerate(workers)]
@@ -116,7 +116,7 @@ def test_a_call_runs_in_each_worker_s_thread_pool_and_costs_the_scheduler_nothin
 
 
 def test_data_not_held_by_the_worker_called_is_an_error_naming_it(client):
-    workers = sorted(client.scheduler_info()["workers"])
+    workers = alive_workers(client)
     client.register_plugin(calls.CallsPlugin(), name=calls.PLUGIN_NAME)
     elsewhere = client.scatter(np.ones(3), workers=[workers[1]], direct=True)
     with pytest.raises(ReplicaError, match=rf"the test's call failed on worker "
@@ -126,7 +126,7 @@ def test_data_not_held_by_the_worker_called_is_an_error_naming_it(client):
 
 
 def test_what_a_call_raises_is_named_with_its_worker_and_traceback(client):
-    workers = sorted(client.scheduler_info()["workers"])
+    workers = alive_workers(client)
     client.register_plugin(calls.CallsPlugin(), name=calls.PLUGIN_NAME)
     with pytest.raises(ReplicaError) as info:
         calls.call_on_workers(_context(client, workers), "the test's call", _fails,
@@ -138,7 +138,7 @@ def test_what_a_call_raises_is_named_with_its_worker_and_traceback(client):
 
 
 def test_tell_workers_runs_on_their_event_loops_and_ignores_a_failure(client):
-    workers = sorted(client.scheduler_info()["workers"])
+    workers = alive_workers(client)
     client.register_plugin(calls.CallsPlugin(), name=calls.PLUGIN_NAME)
     client.run_on_scheduler(_count)
     calls.tell_workers(client, _note, ["hello"], workers, 30)
@@ -150,7 +150,7 @@ def test_tell_workers_runs_on_their_event_loops_and_ignores_a_failure(client):
 
 def test_a_worker_lost_during_a_call_is_named_at_once():
     with testing.own_cluster(2) as (_, client):
-        workers = sorted(client.scheduler_info()["workers"])
+        workers = alive_workers(client)
         client.register_plugin(calls.CallsPlugin(), name=calls.PLUGIN_NAME)
         ctx = _context(client, workers)
         ctx.watcher = MembershipWatcher(client)
@@ -172,7 +172,7 @@ def test_a_worker_without_the_handler_is_named():
     """A worker the plugin never reached (here: a cluster it was not registered on)
     is a clear error naming the worker and the handler, not a bare failure."""
     with testing.own_cluster(1) as (_, client):
-        worker = sorted(client.scheduler_info()["workers"])[0]
+        worker = alive_workers(client)[0]
         with pytest.raises(RuntimeError, match=rf"worker {worker} has no dasktf_call"):
             calls.call_on_workers(_context(client, [worker]), "the test's call", _where,
                                   [(worker, (0,))])

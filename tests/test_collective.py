@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import dasktf
+from dasktf.cluster.membership import alive_workers
 from dasktf.diagnostics.events import TOPIC, unpack
 from dasktf.engines.collective.child import child_count
 from dasktf.exceptions import WorkerLostError
@@ -135,7 +136,7 @@ def test_a_killed_worker_gives_a_clear_error_fast(digits, tmp_path):
 
     with dask.config.set({"distributed.scheduler.allowed-failures": 0}):
         with own_cluster(2, timeout=60) as (_, c):
-            victim = sorted(c.scheduler_info()["workers"])[1]
+            victim = alive_workers(c)[1]
             pid = c.run(os.getpid, workers=[victim])[victim]
             killed: list[float] = []
 

@@ -13,6 +13,7 @@ import keras
 import pytest
 
 import dasktf
+from dasktf.cluster.membership import alive_workers, described_workers
 from dasktf.diagnostics.events import unpack
 from dasktf.testing import KillWorkerAt, own_cluster
 from tests.conftest import ScaleUpAfterFirstEpoch
@@ -54,7 +55,7 @@ def test_sync_run_survives_sigkill_of_one_of_three_workers(digits, layout):
     start = time.monotonic()
     failed_ops = _SchedulerOpErrors()
     with own_cluster(3) as (_cluster, client), failed_ops:
-        workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        workers = alive_workers(client)
         steps = -(-len(digits.x_train) // 64)
         epoch = 3 if "num_ps" in layout else 2
         killer = KillWorkerAt(client, workers[2], step=epoch * steps + steps // 2)
@@ -111,7 +112,7 @@ def test_async_run_survives_sigkill_of_one_of_three_workers(digits):
     start = time.monotonic()
     epochs = 3
     with own_cluster(3) as (_cluster, client):
-        workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        workers = alive_workers(client)
         steps = -(-len(digits.x_train) // 64)
         killer = KillWorkerAt(client, workers[2], step=3 * steps * epochs // 2)
         history = dasktf.fit(
@@ -139,7 +140,7 @@ def test_async_run_survives_sigkill_of_the_parameter_holders_worker(digits, tmp_
     start = time.monotonic()
     epochs = 3
     with own_cluster(3) as (_cluster, client):
-        workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        workers = alive_workers(client)
         steps = -(-len(digits.x_train) // 64)
         # halfway: mid-way through the second epoch, after the first epoch end's cut
         # (a step counted over the run can land in a long first epoch, under load)
@@ -185,7 +186,7 @@ def test_a_rebuilt_holder_takes_the_learning_rate_set_after_its_cut(digits, tmp_
 
     epochs = 3
     with own_cluster(3) as (_cluster, client):
-        workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        workers = alive_workers(client)
         steps = -(-len(digits.x_train) // 64)
         # in the second epoch, after its learning rate is set (counted over the run,
         # the step could land in the first: under load it can run well past 3 * steps)
@@ -216,7 +217,7 @@ def test_quorum_run_survives_sigkill(digits, victim):
     start = time.monotonic()
     epochs = 3
     with own_cluster(3) as (_cluster, client):
-        workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        workers = alive_workers(client)
         steps = -(-len(digits.x_train) // 64)
         killer = KillWorkerAt(client, workers[victim], step=steps * epochs // 2)
         history = dasktf.fit(
@@ -242,7 +243,7 @@ def test_sync_run_grows_from_two_to_three_workers_with_scaled_lr(digits):
     epoch boundary; with scale_lr the global batch and learning rate follow."""
     start = time.monotonic()
     with own_cluster(2) as (cluster, client):
-        before = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        before = alive_workers(client)
         history = dasktf.fit(
             "mnist-mlp", digits.x_train, digits.y_train, client=client,
             validation_data=(digits.x_test, digits.y_test), scale_lr=True,
@@ -269,7 +270,7 @@ def test_sync_run_grows_from_two_to_three_workers_with_scaled_lr(digits):
 @pytest.mark.slow
 def test_losing_the_last_worker_names_the_last_checkpoint(digits, tmp_path):
     with own_cluster(1) as (_cluster, client):
-        (worker,) = client.scheduler_info(n_workers=-1)["workers"]
+        (worker,) = described_workers(client)
         steps = -(-len(digits.x_train) // 64)
         with pytest.raises(dasktf.AllWorkersLostError, match="ckpt-") as info:
             dasktf.fit("mnist-mlp", digits.x_train, digits.y_train, client=client,
@@ -302,7 +303,7 @@ def test_lost_shard_is_reloaded_from_its_source(digits, source):
     start = time.monotonic()
     x_all, y_all = digits.x_train, digits.y_train
     with own_cluster(3) as (_cluster, client):
-        workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        workers = alive_workers(client)
         if source == "loader":
             def load(index, count):
                 return x_all[index::count], y_all[index::count]

@@ -23,6 +23,7 @@ import dasktf
 from dasktf.cli import main
 from dasktf.cluster.devices import GPU, parse_gpus, select_gpus, simulated_gpus
 from dasktf.cluster.local import GPUCluster, choose_run_workers
+from dasktf.cluster.membership import described_workers
 
 
 def _tf_sees_gpu() -> bool:
@@ -187,7 +188,7 @@ def test_each_worker_is_pinned_to_its_gpu():
             client.wait_for_workers(2, timeout=60)
             env = client.run(lambda: (os.environ["CUDA_VISIBLE_DEVICES"],
                                       os.environ["TF_FORCE_GPU_ALLOW_GROWTH"]))
-            info = client.scheduler_info(n_workers=-1)["workers"]
+            info = described_workers(client)
             by_name = {info[a]["name"]: (env[a], info[a]["resources"]) for a in info}
             assert by_name == {
                 "gpu-0": (("0", "true"), {"GPU": 1}),
@@ -220,7 +221,7 @@ def test_steps_run_only_on_gpu_workers(digits, caplog):
     with dask.config.set({"distributed.scheduler.allowed-failures": 0}):
         with _mixed_cluster() as cluster, Client(cluster) as client:
             client.wait_for_workers(3, timeout=60)
-            info = client.scheduler_info(n_workers=-1)["workers"]
+            info = described_workers(client)
             gpu_workers = sorted(a for a, w in info.items() if w["resources"].get("GPU"))
             cpu_worker = next(a for a in info if a not in gpu_workers)
             with caplog.at_level("WARNING", logger="dasktf.cluster.local"):

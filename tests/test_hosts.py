@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 import dasktf
+from dasktf.cluster.membership import described_workers
 from dasktf.diagnostics.events import unpack
 from dasktf.testing import wait_until
 from tests.conftest import MNIST, relative_error
@@ -298,7 +299,7 @@ def test_tls_across_hosts_trains_the_plain_runs_weights(cluster, tls_client, mni
     with _connect(cluster) as plain:
         want = _uninterrupted(plain, mnist, "p2p")
     assert all(w.startswith("tls://") for w in
-               tls_client.scheduler_info(n_workers=-1)["workers"])
+               described_workers(tls_client))
     history = _fit(tls_client, mnist)
     assert history.recoveries == []
     got = _flat(history.model.get_weights())

@@ -15,6 +15,7 @@ import time
 import pytest
 
 import dasktf
+from dasktf.cluster.membership import alive_workers, described_workers
 from dasktf.testing import (
     KillWorkerAt,
     kill_worker,
@@ -53,12 +54,12 @@ def test_kill_worker_spares_the_python_parent_of_a_worker_without_nanny(small_di
     start = time.monotonic()
     dask = os.path.join(os.path.dirname(sys.executable), "dask")
     with own_cluster(1) as (cluster, client):
-        (nannied,) = client.scheduler_info(n_workers=-1)["workers"]
+        (nannied,) = described_workers(client)
         harness = subprocess.Popen([sys.executable, "-c", HARNESS, dask,
                                     cluster.scheduler_address])
         try:
             client.wait_for_workers(2, timeout=120)
-            (bare,) = set(client.scheduler_info(n_workers=-1)["workers"]) - {nannied}
+            (bare,) = set(alive_workers(client)) - {nannied}
             # the scenario: a Python parent that is not a nanny
             assert worker_pids(client, bare)[1] == harness.pid
             assert not client.run(os.getpid, nanny=True, workers=[bare])  # no nanny
@@ -84,14 +85,14 @@ def test_kill_worker_leaves_no_nanny_to_restart_it_unless_told_to():
     start = time.monotonic()
     dask = os.path.join(os.path.dirname(sys.executable), "dask")
     with own_cluster(1) as (cluster, client):
-        (local,) = client.scheduler_info(n_workers=-1)["workers"]
+        (local,) = described_workers(client)
         procs = [subprocess.Popen([dask, "worker", cluster.scheduler_address,
                                    "--nthreads", "1", "--no-dashboard", "--host",
                                    "127.0.0.1"], stdout=subprocess.DEVNULL,
                                   stderr=subprocess.DEVNULL) for _ in range(2)]
         try:
             client.wait_for_workers(3, timeout=120)
-            workers = client.scheduler_info(n_workers=-1)["workers"]
+            workers = described_workers(client)
             parent = {w: worker_pids(client, w)[1] for w in workers}
             stopped, restarted = (next(w for w in workers if parent[w] == p.pid)
                                   for p in procs)
@@ -112,11 +113,11 @@ def test_kill_worker_leaves_no_nanny_to_restart_it_unless_told_to():
             kill_worker(client, restarted, restart=True)
             wait_until(lambda: not _alive(pid), 30, "the worker gone")
             (fresh,) = wait_until(
-                lambda: set(client.scheduler_info(n_workers=-1)["workers"])
+                lambda: set(alive_workers(client))
                 - {stopped, local, restarted}, 120, "the nanny's fresh worker")
             assert worker_pids(client, fresh)[1] == procs[1].pid
             assert procs[1].poll() is None
-            wait_until(lambda: set(client.scheduler_info(n_workers=-1)["workers"])
+            wait_until(lambda: set(alive_workers(client))
                        == {fresh}, 30, "the killed workers dropped")
         finally:
             for p in procs:

@@ -242,6 +242,22 @@ def test_only_compat_touches_other_libraries_private_names():
     assert not foreign, "use dasktf.compat (docs/compat.md):\n" + "\n".join(foreign)
 
 
+def test_worker_lists_come_from_the_scheduler_not_the_clients_cache():
+    """``client.scheduler_info()["workers"]`` returns the client's cached identity,
+    which its periodic refresh (asking for no workers) can overwrite between the
+    fetch and the return: a check that a killed worker has gone then passes at once
+    (CI: a kill hook went on before the kill was noticed). Lists of workers come from
+    ``dasktf.cluster.membership`` (``alive_workers``, ``described_workers``)."""
+    subscripted = re.compile(r"scheduler_info\([^)]*\)\s*\[")
+    found = [f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
+             for folder in ("dasktf", "tests", "benchmarks", "examples", "dashboards")
+             for path in sorted((ROOT / folder).rglob("*.py"))
+             for n, line in enumerate(path.read_text().splitlines(), 1)
+             if subscripted.search(line) and "``" not in line
+             and not line.lstrip().startswith("#")]
+    assert not found, "use dasktf.cluster.membership.alive_workers:\n" + "\n".join(found)
+
+
 def test_one_writer_per_state():
     """Engines report a change of the run's workers (``RunHooks.workers_changed``)
     and run/run.py assigns it; the ``worker_lost`` and ``recovered`` records come

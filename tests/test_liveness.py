@@ -14,6 +14,7 @@ import pytest
 
 import dasktf
 from dasktf.cluster.liveness import MAX_PROBES, SilenceTracker, heartbeat_interval
+from dasktf.cluster.membership import alive_workers
 from dasktf.testing import delay_worker, own_cluster, worker_pids
 
 TICK = 0.25
@@ -121,7 +122,7 @@ def test_a_frozen_worker_is_removed_within_the_timeout(digits):
                 os.kill(self.pid, signal.SIGSTOP)
 
     with own_cluster(3) as (_cluster, client):
-        workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        workers = alive_workers(client)
         pid, _nanny = worker_pids(client, workers[2])
         steps = -(-len(digits.x_train) // 64)
         freeze = Freeze(pid, steps + 3)
@@ -152,14 +153,14 @@ def test_a_long_step_is_not_a_loss(client, small_digits):
     that heard the training thread rather than the event loop, which answers while
     the step computes, would declare it lost half-way through): nobody is."""
     x, y = small_digits
-    worker = sorted(client.scheduler_info(n_workers=-1)["workers"])[1]
+    worker = alive_workers(client)[1]
     start = time.monotonic()
     with delay_worker(client, worker, seconds=9):  # its steps after the first
         history = dasktf.fit("mnist-mlp", x[:96], y[:96], client=client, n_workers=3,
                              epochs=1, batch_size=48, verbose=0)
     assert time.monotonic() - start > 9  # the second step was long
     assert history.recoveries == []
-    assert len(client.scheduler_info(n_workers=-1)["workers"]) == 3
+    assert len(alive_workers(client)) == 3
 
 
 @pytest.mark.parametrize("key,value", [("liveness-timeout", "abc"),

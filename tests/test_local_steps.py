@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import dasktf
+from dasktf.cluster.membership import alive_workers
 from dasktf.run.checkpoint import list_checkpoints
 from dasktf.testing import own_cluster
 
@@ -218,7 +219,7 @@ def test_sync_rounds_survive_sigkill_mid_round(digits):
     from dasktf.testing import KillWorkerAt
 
     with own_cluster(3) as (_cluster, client):
-        workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        workers = alive_workers(client)
         steps = -(-len(digits.x_train) // 64)
         rounds = -(-steps // 4)
         killer = KillWorkerAt(client, workers[2], step=rounds + rounds // 2)

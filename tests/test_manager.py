@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 from distributed import Client, LocalCluster
 
+from dasktf.cluster.membership import alive_workers
 from dasktf.testing import delay_worker
 
 
@@ -62,7 +63,7 @@ def test_a_workers_state_is_its_own_and_closes_with_it():
 
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
                       dashboard_address=":0") as cluster, Client(cluster) as client:
-        slow, other = sorted(client.scheduler_info()["workers"])
+        slow, other = alive_workers(client)
         with delay_worker(client, slow, seconds=0.5):
             on_slow, on_other = _timed(client, [slow, other])
         assert on_slow >= 0.5 and on_other < 0.25, (on_slow, on_other)

@@ -19,6 +19,7 @@ import pytest
 from distributed import Client, LocalCluster
 
 import dasktf
+from dasktf.cluster.membership import described_workers
 from tests.test_keras_examples import MyModel
 
 RTOL = 1e-4
@@ -92,7 +93,7 @@ def test_a_refused_model_never_reaches_the_workers(fresh_client, case, dask):
     assert client.run_on_scheduler(_untouched) == untouched
     assert untouched[:2] == (0, 0)
     assert client.run(lambda: "tensorflow" in sys.modules) == {
-        w: False for w in client.scheduler_info()["workers"]}
+        w: False for w in described_workers(client)}
 
 
 def test_without_a_client_a_refused_model_starts_no_cluster():

@@ -25,6 +25,7 @@ import pytest
 from distributed import Client
 
 import dasktf
+from dasktf.cluster.membership import alive_workers
 from dasktf.diagnostics.events import TOPIC, unpack
 from dasktf.run.checkpoint import list_checkpoints
 from dasktf.run.engine import resolve_engine
@@ -132,7 +133,7 @@ def test_a_segment_leaves_its_workers_free_for_other_tasks(client, digits):
     for a task on its own worker and waits for it."""
     x, y = digits.x_train, digits.y_train
     steps = -(-len(x) // 16)  # one epoch of 90 steps
-    workers = sorted(client.scheduler_info()["workers"])
+    workers = alive_workers(client)
     client.run(_probe_at_step, 5, workers=workers)
     try:
         history = dasktf.fit("mnist-mlp", x, y, client=client, n_workers=3, epochs=1,
@@ -299,7 +300,7 @@ def _remove_test_hooks(dask_worker: Any = None) -> None:
 
 
 def test_stop_training_stops_every_replica_after_the_same_update(client, digits):
-    workers = sorted(client.scheduler_info()["workers"])
+    workers = alive_workers(client)
     client.run(_wait_for_stop_at, 40, workers=workers)
     try:
         history = dasktf.fit("mnist-mlp", digits.x_train, digits.y_train, client=client,
@@ -386,7 +387,7 @@ KILLS = {
 def test_a_sigkilled_worker_costs_no_update(digits, uninterrupted, case):
     rank, update, where = case
     with own_cluster(3) as (_, client):
-        workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        workers = alive_workers(client)
         kill_worker_at_update(client, workers[rank], update, where)
         history = _fault_fit(client, digits)
         (recovery,) = history.recoveries
@@ -479,7 +480,7 @@ def test_a_round_in_flight_is_redone_from_its_start(digits):
     """local_steps=4: a worker killed as round 14 (epoch 2's third) begins; the
     survivors had begun it too, and redo it from its start (weights, inner state)."""
     with own_cluster(3) as (_, client):
-        workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        workers = alive_workers(client)
         kill_worker_at_update(client, workers[2], 14, "step")
         history = _fault_fit(client, digits, local_steps=4)
         (recovery,) = history.recoveries

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import dasktf
+from dasktf.cluster.membership import alive_workers, described_workers
 from dasktf.testing import kill_worker, own_cluster, wait_until
 from tests.conftest import relative_error
 from tests.test_p2p_engine import BATCH, EPOCHS, _fault_fit, _flat, uninterrupted
@@ -134,7 +135,7 @@ class KillAtEpochEnd(keras.callbacks.Callback):
         if epoch == self.epoch:
             kill_worker(self.client, self.address)
             wait_until(lambda: self.address not in
-                       self.client.scheduler_info(n_workers=-1)["workers"], 60,
+                       described_workers(self.client), 60,
                        f"the scheduler to remove {self.address}")
 
 
@@ -143,7 +144,7 @@ class KillAtEpochEnd(keras.callbacks.Callback):
 def test_a_worker_killed_between_epochs_of_a_span_costs_no_update(digits, uninterrupted):
     steps = -(-len(digits.x_train) // BATCH)
     with own_cluster(3) as (_, client):
-        workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        workers = alive_workers(client)
         history = _fault_fit(client, digits,
                              callbacks=[KillAtEpochEnd(client, workers[1], EPOCHS - 2)])
         (recovery,) = history.recoveries

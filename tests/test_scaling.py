@@ -13,6 +13,7 @@ import pytest
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 import dasktf
+from dasktf.cluster.membership import alive_workers
 from dasktf.diagnostics.events import LOSS_TOPIC, TOPIC, MetricsBuffer, unpack
 
 STEPS = 12  # 3 workers x 8 rows x 12 steps
@@ -176,9 +177,9 @@ def test_a_waiting_client_checks_its_workers_without_the_schedulers_identity(cli
     of the run's workers it lists (a small query), not for its identity (every
     worker described, O(cluster)): a p2p epoch of many polls costs no identity call,
     and a worker gone is still named."""
-    from dasktf.cluster.local import listed_workers
+    from dasktf.cluster.membership import listed_workers
 
-    workers = sorted(client.scheduler_info()["workers"])
+    workers = alive_workers(client)
     assert listed_workers(client, [*workers, "tcp://127.0.0.1:9"]) == set(workers)
     client.run_on_scheduler(_count_identity)
     before = client.run_on_scheduler(_identity_calls)
@@ -255,7 +256,7 @@ def test_a_fit_s_set_up_sends_each_per_worker_phase_as_one_graph(client):
     assert graphs["dasktf-segment"] == [graphs["dasktf-segment"][0]] * 3, graphs
     assert not {"dasktf-replica", "create_replica_task", "applied_log_task"} & set(graphs)
     assert [r["worker"] for r in history.replica_info] == history.workers
-    workers = sorted(client.scheduler_info()["workers"])
+    workers = alive_workers(client)
     for prefix in ("load_shard", "stats_of"):
         placed = [v for k, v in where.items() if key_split(k) == prefix]
         assert sorted(w for (w,), loose in placed if not loose) == workers, (prefix, placed)

@@ -38,6 +38,7 @@ import pytest
 from distributed import Client
 
 import dasktf
+from dasktf.cluster.membership import alive_workers, described_workers
 from dasktf.exceptions import SecurityWarning
 from dasktf.run.setup import PHASES, phase_hooks
 from dasktf.testing import kill_worker, own_cluster, wait_until, worker_pids
@@ -81,7 +82,7 @@ class KillAt:
         return when - self.killed_at - self.waited
 
     def _alive(self):
-        return set(self.client.scheduler_info(n_workers=-1)["workers"])
+        return set(alive_workers(self.client))
 
     def _until(self, ready):
         wait_until(lambda: ready(self._alive()), 60,
@@ -189,7 +190,7 @@ class FreezeAt:
     def __call__(self, phase, workers):
         if phase != self.phase or self.frozen_at is not None:
             return
-        alive = self.client.scheduler_info(n_workers=-1)["workers"]
+        alive = described_workers(self.client)
         self.victim = (sorted(set(alive) - set(workers))[0] if self.outside
                        else workers[self.index])
         self.pid = worker_pids(self.client, self.victim)[0]

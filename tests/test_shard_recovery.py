@@ -31,6 +31,7 @@ import pytest
 from distributed import Client
 
 import dasktf
+from dasktf.cluster.membership import alive_workers
 from dasktf.exceptions import ShardingError
 from dasktf.run.checkpoint import list_checkpoints
 from dasktf.testing import kill_worker_at_update, own_cluster, worker_pids
@@ -124,7 +125,7 @@ def test_a_lost_worker_loses_no_optimizer_state(digits, uninterrupted, case):
     settings = rest[1] if len(rest) > 1 else {}  # the client's: the group reads them
     sig = rest[2] if len(rest) > 2 else signal.SIGKILL
     with own_cluster(3) as (_, client), dask.config.set(settings):
-        workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        workers = alive_workers(client)
         pid, _ = worker_pids(client, workers[rank])
         kill_worker_at_update(client, workers[rank], update, where, sig)
         try:
@@ -157,7 +158,7 @@ def test_a_reform_after_a_loss_equals_unsharded_p2p(digits):
     states, recoveries = {}, {}
     for shard_state in ("optimizer", None):
         with own_cluster(3) as (_, client):
-            workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+            workers = alive_workers(client)
             kill_worker_at_update(client, workers[2], STEPS + 9, "step")
             history = _fit(client, digits, shard_state=shard_state)
         states[shard_state] = _state(history.model)
@@ -175,7 +176,7 @@ def test_redundancy_0_without_a_checkpoint_stops_with_the_reason(digits):
     the run with a ShardingError that says to keep checkpoints or use
     ``redundancy=1``."""
     with own_cluster(3) as (_, client):
-        workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        workers = alive_workers(client)
         kill_worker_at_update(client, workers[2], STEPS + 5, "step")
         with pytest.raises(ShardingError, match="no other copy") as info:
             _fit(client, digits, epochs=2, redundancy=0)
@@ -202,7 +203,7 @@ def test_redundancy_0_goes_back_to_the_last_checkpoint(digits, uninterrupted, tm
     optimizer variable of the uninterrupted run."""
     update, every, restore = case
     with own_cluster(3) as (_, client):
-        workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        workers = alive_workers(client)
         kill_worker_at_update(client, workers[2], update, "step")
         history = _halved(client, digits, redundancy=0, checkpoint_dir=str(tmp_path),
                           checkpoint_every=every)
@@ -231,7 +232,7 @@ def test_two_neighbours_lost_go_back_to_the_last_checkpoint(digits, tmp_path):
     update = 2 * STEPS + 12
     with own_cluster(4) as (_, client):
         uninterrupted = _state(_halved(client, digits, n_workers=4).model)
-        workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        workers = alive_workers(client)
         for rank in (1, 2):
             kill_worker_at_update(client, workers[rank], update, "step")
         history = _halved(client, digits, n_workers=4, checkpoint_dir=str(tmp_path))
@@ -330,7 +331,7 @@ def test_four_workers_a_replica_torn_in_the_all_gather_is_made_whole(digits):
     update = 2 * STEPS + 7
     with own_cluster(4) as (_, client):
         want = _state(_halved(client, digits, n_workers=4).model)
-        workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        workers = alive_workers(client)
         kill_worker_at_update(client, workers[1], update, "allgather")
         history = _halved(client, digits, n_workers=4)
     (recovery,) = history.recoveries

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 import dasktf
+from dasktf.cluster.membership import alive_workers
 from dasktf.exceptions import ShardingError
 from dasktf.run.options import TrainOptions
 from dasktf.testing import kill_worker_at_update, own_cluster
@@ -406,7 +407,7 @@ def test_a_lost_worker_is_refused_with_the_reason(digits):
     (redundancy=1, the default: tests/test_shard_recovery.py)."""
     x, y = digits.x_train[:600], digits.y_train[:600]
     with own_cluster(N_WORKERS) as (_, client):
-        workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        workers = alive_workers(client)
         kill_worker_at_update(client, workers[2], 5, "step")
         with pytest.raises(ShardingError, match="no other copy"):
             _fit(_model(), x, y, client, "adam", epochs=2, shard_state="optimizer",

@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from dasktf.cluster.membership import alive_workers
 from dasktf.exceptions import DasktfError
 from dasktf.tf.bridge import (
     _run_child_task,
@@ -18,7 +19,7 @@ from dasktf.tf.bridge import (
 
 
 def test_tf_config_gives_each_worker_a_valid_config(client):
-    workers = sorted(client.scheduler_info()["workers"])
+    workers = alive_workers(client)
     configs = tf_config(client)
     assert list(configs) == workers
     hosts = configs[workers[0]]["cluster"]["worker"]
@@ -31,7 +32,7 @@ def test_tf_config_gives_each_worker_a_valid_config(client):
 
 
 def test_tf_config_lays_out_a_parameter_server_cluster(client):
-    workers = sorted(client.scheduler_info()["workers"])
+    workers = alive_workers(client)
     configs = tf_config(client, chief=True, ps=1)
     assert [configs[w]["task"] for w in workers] == [
         {"type": "chief", "index": 0}, {"type": "ps", "index": 0},
@@ -44,7 +45,7 @@ def test_tf_config_lays_out_a_parameter_server_cluster(client):
 
 @pytest.mark.timeout(180)
 def test_a_multiworker_mirrored_step_runs_through_the_bridge(client):
-    workers = sorted(client.scheduler_info()["workers"])[:2]
+    workers = alive_workers(client)[:2]
     out = run_tf_distributed(client, mwms_probe, workers=workers, timeout=120)
     # Each worker fed its index + 1; the ring summed 1 + 2 on both.
     assert [o["index"] for o in out] == [0, 1]
@@ -54,7 +55,7 @@ def test_a_multiworker_mirrored_step_runs_through_the_bridge(client):
 
 @pytest.mark.timeout(120)
 def test_a_peer_that_never_joins_is_reported_within_the_timeout(client):
-    workers = sorted(client.scheduler_info()["workers"])[:2]
+    workers = alive_workers(client)[:2]
     configs = tf_config(client, workers)
     # Only worker 0's child starts: MWMS waits for worker 1, which never comes.
     future = client.submit(_run_child_task, configs[workers[0]], mwms_probe, (), 8.0,

@@ -10,6 +10,7 @@ import keras
 import numpy as np
 import pytest
 
+from dasktf.cluster.membership import alive_workers
 from dasktf.models import CompileRecipe
 from dasktf.transport import ModelPackage, ModelRef, forget_model, share_model
 
@@ -110,7 +111,7 @@ def _build_here(ref: ModelRef) -> tuple[int, int, float]:
 def test_a_shared_package_reaches_a_worker_that_was_not_given_a_copy(client):
     keras.utils.set_random_seed(3)
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
-    workers = list(client.scheduler_info()["workers"])
+    workers = alive_workers(client)
     shared = share_model(client, ModelPackage.pack(model), workers[:1])
     try:
         # a task carries the key, never the model; the second worker fetches it

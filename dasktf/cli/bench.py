@@ -42,6 +42,7 @@ import click
 import numpy as np
 
 from dasktf.cli.common import CONTEXT
+from dasktf.cluster.membership import alive_workers
 
 RUNNERS = ("keras", "mwms", "graph", "p2p", "collective", "async", "async-k2",
            "p2p-sharded", "p2p-zero2")
@@ -372,7 +373,7 @@ def run_benchmark(models: str, workers: str, runners: str, data: str, train_size
     for n in counts:
         with dasktf.make_local_cluster(n) as cluster, Client(cluster) as client:
             client.wait_for_workers(n, timeout=120)
-            workers = sorted(client.scheduler_info()["workers"])
+            workers = alive_workers(client)
             for model in models:
                 for runner in runners:
                     if runner == "keras":

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dasktf import config
+from dasktf.cluster.membership import described_workers
 from dasktf.cluster.tfbuild import gpu_problem, installed_build
 
 logger = logging.getLogger(__name__)
@@ -260,7 +261,8 @@ def gpu_worker_env(gpu: GPU | None) -> dict[str, str]:
 
 
 def split_gpu_workers(workers: dict[str, dict[str, Any]]) -> tuple[list[str], list[str]]:
-    """``(with_gpu, without_gpu)`` addresses, from ``scheduler_info()["workers"]``."""
+    """``(with_gpu, without_gpu)`` addresses, from the scheduler's description of each worker
+    (:func:`dasktf.cluster.membership.described_workers`)."""
     with_gpu = sorted(
         a for a, w in workers.items() if (w.get("resources") or {}).get("GPU")
     )
@@ -376,7 +378,7 @@ def cluster_info(client: Any, with_tensorflow: bool = True) -> list[WorkerInfo]:
     ``CUDA_VISIBLE_DEVICES`` it was spawned with, its GPUs (from ``nvidia-smi``,
     restricted to that variable) and the physical devices TensorFlow lists there.
     """
-    sched = client.scheduler_info(n_workers=-1)["workers"]
+    sched = described_workers(client)
     probes = client.run(probe_worker, with_tensorflow, on_error="return")
     rows = []
     for address in sorted(sched):

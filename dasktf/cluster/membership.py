@@ -114,3 +114,28 @@ class MembershipWatcher:
 
     def close(self) -> None:
         self._unsubscribe()
+
+
+# -- who the scheduler lists now -------------------------------------------
+def alive_workers(client: Client) -> list[str]:
+    """Addresses of the workers the scheduler knows now, sorted."""
+    # Not client.scheduler_info(): it returns the client's cached identity, which
+    # the client's periodic refresh (n_workers=0: no workers listed) can overwrite
+    # between the fetch and the return; under load every worker then looks lost.
+    return sorted(described_workers(client))
+
+
+def described_workers(client: Client) -> dict[str, Any]:
+    """``{address: the scheduler's description}`` of every worker it knows now
+    (their resources among it): the scheduler's identity, asked for once (see
+    :func:`alive_workers`)."""
+    info = client.sync(client.scheduler.identity, n_workers=-1)
+    return info["workers"]  # type: ignore[no-any-return]
+
+
+def listed_workers(client: Client, workers: list[str]) -> set[str]:
+    """Which of ``workers`` the scheduler lists now: one small query (their thread
+    counts), where :func:`alive_workers` has the scheduler describe every worker
+    (its identity: O(cluster) of metrics, a few ms at 32 workers, which a waiting
+    client's every poll would cost the scheduler)."""
+    return set(client.sync(client.scheduler.ncores, workers=list(workers)))

@@ -23,7 +23,7 @@ from distributed import wait
 
 from dasktf import compat, config
 from dasktf.cluster.deadline import Deadline, poll_until
-from dasktf.cluster.local import listed_workers
+from dasktf.cluster.membership import listed_workers
 from dasktf.exceptions import (
     CollectiveAbortedError,
     ReplicaError,

@@ -205,7 +205,7 @@ class RunGuard:
             # (before asking the scheduler to describe every worker: an epoch end
             # with nothing to re-form costs it nothing)
             return False
-        from dasktf.cluster.local import alive_workers
+        from dasktf.cluster.membership import alive_workers
 
         alive = set(alive_workers(run.ctx.client))
         joined = [w for w in joined if w in alive]

@@ -19,8 +19,7 @@ from dasktf.callbacks import (
 )
 from dasktf.cluster.calls import CallsPlugin, call_on_workers, tell_workers
 from dasktf.cluster.liveness import LivenessWatch
-from dasktf.cluster.local import alive_workers, listed_workers
-from dasktf.cluster.membership import MembershipWatcher
+from dasktf.cluster.membership import MembershipWatcher, alive_workers, listed_workers
 from dasktf.cluster.waits import RunContext, WatchedClient, wait_for
 from dasktf.data.base import PlacedData
 from dasktf.data.validation import place_validation

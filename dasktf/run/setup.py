@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from dasktf import compat, config
 from dasktf.cluster.deadline import poll_until
-from dasktf.cluster.local import alive_workers
+from dasktf.cluster.membership import alive_workers
 from dasktf.cluster.plugins import register_once
 from dasktf.cluster.waits import call_watched, lost_workers
 from dasktf.diagnostics.events import recovered_record, worker_lost_records

@@ -95,7 +95,7 @@ def tf_config(
     from distributed import wait
 
     from dasktf.cluster.deadline import Deadline
-    from dasktf.cluster.local import alive_workers
+    from dasktf.cluster.membership import alive_workers
 
     seconds = config.get_seconds("tf-cluster-timeout", timeout)
     alive = alive_workers(client)

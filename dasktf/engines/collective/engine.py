@@ -213,7 +213,7 @@ class CollectiveEngine(Engine):
 
     def close(self) -> None:
         """Kill every child of the run on the workers still alive; never raises."""
-        from dasktf.cluster.local import alive_workers
+        from dasktf.cluster.membership import alive_workers
 
         try:
             alive = set(alive_workers(self.ctx.client))

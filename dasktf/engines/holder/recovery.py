@@ -224,7 +224,7 @@ class Recovery:
     def _grow(self) -> None:
         """Give every worker that joined since the last look a shard to help
         (:meth:`~dasktf.engines.holder.state.AsyncState.worker_joined`)."""
-        from dasktf.cluster.local import alive_workers
+        from dasktf.cluster.membership import alive_workers
 
         ctx, state = self.ctx, self.run_state
         if ctx.watcher is None or state.stopped:
