@@ -197,10 +197,15 @@ def uninstall() -> None:
 def spawn_env(tf_level: str) -> dict[str, str]:
     """Environment for a process dasktf spawns: TensorFlow's level, and the
     ``sitecustomize`` that filters its start-up lines from the first instruction
-    on (ahead of any ``PYTHONPATH`` the process would have had)."""
+    on (ahead of any ``PYTHONPATH`` the process would have had) and leaves Keras'
+    optional integrations out (:mod:`dasktf.cluster.lean_keras`, unless this
+    process's environment says ``0``)."""
+    from dasktf.cluster import lean_keras  # (not at the top: see the module)
+
     path = [STARTUP_DIR, *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
                            if p and p != STARTUP_DIR]]
-    return {LEVEL_ENV: tf_level, ENABLE_ENV: "1", "PYTHONPATH": os.pathsep.join(path)}
+    return {LEVEL_ENV: tf_level, ENABLE_ENV: "1", "PYTHONPATH": os.pathsep.join(path),
+            lean_keras.ENABLE_ENV: os.environ.get(lean_keras.ENABLE_ENV, "1")}
 
 
 def dask_setup(worker: Any) -> None:

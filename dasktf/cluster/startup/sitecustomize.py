@@ -4,7 +4,8 @@
 Python's ``site`` imports this module before the process runs anything else: before
 ``multiprocessing`` re-imports a user script that imports keras at its top. It
 installs the filter of TensorFlow's start-up lines (loading ``quiet.py`` by path:
-no dasktf, no dask), spares it the last garbage collection at exit (below), then
+no dasktf, no dask), spares it the last garbage collection at exit (below), leaves
+Keras' optional integrations out (``lean_keras.py``, loaded the same way), then
 hands over to the ``sitecustomize`` it shadows, if any.
 Nothing here may fail a process: the variable may reach other Pythons.
 """
@@ -13,6 +14,21 @@ import os
 import sys
 
 _here = os.path.dirname(os.path.abspath(__file__))
+
+
+def _install(filename, name):
+    """Load ``dasktf/cluster/<filename>`` by path and call its ``install()``."""
+    try:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location(
+            name, os.path.join(os.path.dirname(_here), filename))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        module.install()
+    except Exception:  # noqa: BLE001 - never fail a process over quiet logs or speed
+        pass
+
 
 if os.environ.get("DASKTF_QUIET_TF_IMPORT") == "1":
     # At exit, after every other exit handler (registered first, run last): keep
@@ -26,17 +42,10 @@ if os.environ.get("DASKTF_QUIET_TF_IMPORT") == "1":
     import gc
 
     atexit.register(gc.freeze)
+    _install("quiet.py", "_dasktf_tf_quiet")
 
-    try:
-        import importlib.util
-
-        _spec = importlib.util.spec_from_file_location(
-            "_dasktf_tf_quiet", os.path.join(os.path.dirname(_here), "quiet.py"))
-        _quiet = importlib.util.module_from_spec(_spec)
-        _spec.loader.exec_module(_quiet)
-        _quiet.install()
-    except Exception:  # noqa: BLE001 - never fail a process over quiet logs
-        pass
+if os.environ.get("DASKTF_LEAN_KERAS") == "1":
+    _install("lean_keras.py", "_dasktf_lean_keras")
 
 # This directory served its purpose; the next sitecustomize on the path (a
 # distribution's own, a user's) runs as it would have.
