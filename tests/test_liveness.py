@@ -6,16 +6,25 @@ Faults across hosts (a vanished host, link down, a flap) are in tests/test_hosts
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
 
+import dask
+import psutil
 import pytest
+from distributed.diagnostics.plugin import SchedulerPlugin
 
 import dasktf
-from dasktf.cluster.liveness import MAX_PROBES, SilenceTracker, heartbeat_interval
+from dasktf.cluster.liveness import (
+    MAX_PROBES,
+    LivenessWatch,
+    SilenceTracker,
+    heartbeat_interval,
+)
 from dasktf.cluster.membership import alive_workers
-from dasktf.testing import delay_worker, own_cluster, worker_pids
+from dasktf.testing import delay_worker, own_cluster, wait_until, worker_pids
 
 TICK = 0.25
 
@@ -144,6 +153,56 @@ def test_a_frozen_worker_is_removed_within_the_timeout(digits):
         assert 4.5 <= records[0]["silent"] < 6
         for log in history.applied_updates.values():
             assert log == list(range(2 * steps))
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+class ThawWhenRemoved(SchedulerPlugin):
+    """On the scheduler: SIGCONT the process ``pid`` the moment the worker at
+    ``address`` is removed (a pause that ends just then: the worst moment)."""
+
+    def __init__(self, address: str, pid: int) -> None:
+        self.address, self.pid = address, pid
+
+    def remove_worker(self, scheduler, worker, **kwargs):
+        if worker == self.address:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGCONT)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_removed_worker_thawed_at_once_never_runs_again_and_is_replaced():
+    """Frozen, declared lost, and thawed as the scheduler removes it: its nanny
+    SIGKILLed it first, so it never reads the scheduler's close, and the nanny
+    starts a fresh worker. (Killed after the removal by the nanny's graceful stop,
+    which gives a process 0.8 s, the thawed worker read that close and shut its
+    nanny down with it: the cluster was a worker short for good.)"""
+    with dask.config.set({"dasktf.liveness-timeout": "2s"}), \
+            own_cluster(2) as (_cluster, client):
+        workers = alive_workers(client)
+        pid, _nanny = worker_pids(client, workers[1])
+        client.register_plugin(ThawWhenRemoved(workers[1], pid), name="thaw-when-removed")
+        watch = LivenessWatch(client, "thawed-at-once")
+        watch.watch(workers)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            wait_until(lambda: workers[1] not in alive_workers(client), 30,
+                       "the frozen worker's removal")
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)  # never left stopped
+        watch.close()
+        wait_until(lambda: _gone(pid), 10, f"process {pid} to end")
+        fresh = wait_until(lambda: set(alive_workers(client)) - set(workers), 60,
+                           "the nanny's fresh worker")
+        time.sleep(2)  # and the cluster stays whole
+        assert set(alive_workers(client)) == {workers[0], *fresh}
 
 
 @pytest.mark.slow

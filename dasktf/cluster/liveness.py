@@ -28,13 +28,15 @@ calls (the package's copy, the replicas' build) would otherwise wait for Dask's
   the link is back;
 - a worker with no sign of life for ``dasktf.liveness-timeout`` is *declared lost*:
   an ``unresponsive`` record on :data:`~dasktf.cluster.membership.TOPIC`, then
-  ``Scheduler.remove_worker(close=True)`` (its nanny, if it has one, is asked to kill
-  it, as Dask's own worker-ttl restarts it). The run hears of it through its
+  ``Scheduler.remove_worker(close=True)``, its nanny (if it has one) first asked to
+  SIGKILL it at once and start a fresh worker (Dask's worker-ttl asks the nanny too,
+  but for a graceful stop, whose window lets a process thawed within it shut its
+  nanny down). The run hears of it through its
   :class:`~dasktf.cluster.membership.MembershipWatcher` as of a SIGKILLed worker and
-  recovers the same way. If the process wakes up, it is told it was removed (its
-  next heartbeat answers ``missing`` and the queued ``close`` arrives) and shuts
-  down; what it sends meanwhile is refused by the run's identities (a p2p group id,
-  a holder's list of lost workers).
+  recovers the same way. A process with a nanny never runs again; one without, if
+  it wakes up, is told it was removed (its next heartbeat answers ``missing`` and
+  the queued ``close`` arrives) and shuts down; what it sends meanwhile is refused
+  by the run's identities (a p2p group id, a holder's list of lost workers).
 
 Silence only counts while the detector itself runs: a scheduler whose event loop
 was held (a large graph, a loaded machine) does not declare its workers lost for the
@@ -77,6 +79,10 @@ PLUGIN_NAME = "dasktf-liveness"
 HANDLER = "dasktf_liveness"
 #: probes in flight to one worker at most (each bounded by its own timeout)
 MAX_PROBES = 4
+#: seconds a lost worker's removal waits for its nanny to have killed it
+KILL_FIRST = 0.25
+#: seconds the nanny's kill may take in all
+NANNY_TIMEOUT = 3.0
 
 
 def heartbeat_interval(n_workers: int) -> float:
@@ -348,14 +354,42 @@ class LivenessPlugin(SchedulerPlugin):
         scheduler.log_event(TOPIC, {
             "action": "unresponsive", "worker": worker, "silent": silent,
             "runs": runs, "time": time.time()})
+        killing = None
+        if nanny:  # its nanny SIGKILLs it (and starts a fresh worker), first
+            # Not Nanny.kill, which asks the process to stop and gives it 0.8 s
+            # before the SIGKILL: a process thawed in that window reads the
+            # scheduler's close (below) and shuts its nanny down with it, and the
+            # cluster is a worker short for good. A SIGKILL ends a stopped process.
+            killing = asyncio.ensure_future(asyncio.wait_for(scheduler.rpc(nanny).run(
+                function=pickle.dumps(kill_at_once), args=pickle.dumps((worker,))),
+                NANNY_TIMEOUT))
+            # done in milliseconds where the nanny answers; a nanny that does not
+            # (its host frozen or cut off) delays the removal by this much at most
+            await asyncio.wait([killing], timeout=KILL_FIRST)
         await scheduler.remove_worker(
             worker, stimulus_id=f"dasktf-liveness-{time.time()}", close=True)
-        if nanny:  # as Dask's worker-ttl does: the nanny kills it (and restarts one)
+        if killing is not None:
             try:
-                await asyncio.wait_for(scheduler.rpc(nanny).kill(timeout=1), 3)
+                await killing
             except Exception:
                 logger.debug("dasktf: the nanny of %s did not answer", worker,
                              exc_info=True)
+
+
+def kill_at_once(address: str, dask_worker: Any = None) -> bool:
+    """Run in the nanny of the worker at ``address`` (``dask_worker`` is the nanny):
+    SIGKILL that worker process now, with no graceful stop first, and let the nanny
+    start a fresh one. False where the nanny runs another worker by now (the one
+    removed left by itself and was replaced: that one is not to be killed)."""
+    import os
+    import signal
+
+    process = getattr(dask_worker, "process", None)
+    pid = getattr(process, "pid", None)
+    if getattr(dask_worker, "worker_address", None) != address or pid is None:
+        return False
+    os.kill(pid, signal.SIGKILL)
+    return True
 
 
 class LivenessWatch:
