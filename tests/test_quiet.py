@@ -79,17 +79,17 @@ def test_verbose_sets_the_level_workers_are_spawned_with(monkeypatch):
     import dask
 
     from dasktf.cli.common import configure_logging
-    from dasktf.cluster.local import quiet_tf_at_spawn
+    from dasktf.cluster.local import spawn_environment
 
     monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)
     configure_logging(verbose=True)
     assert os.environ["TF_CPP_MIN_LOG_LEVEL"] == "0"
-    with quiet_tf_at_spawn():
+    with spawn_environment():
         spawn = dask.config.get("distributed.nanny.pre-spawn-environ")
     assert spawn["TF_CPP_MIN_LOG_LEVEL"] == "0"
     monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "3")
     configure_logging(verbose=True)
-    with quiet_tf_at_spawn():
+    with spawn_environment():
         assert dask.config.get("distributed.nanny.pre-spawn-environ")[
             "TF_CPP_MIN_LOG_LEVEL"] == "3"
 

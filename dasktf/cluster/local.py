@@ -51,10 +51,27 @@ def tf_log_level() -> str:
     return os.environ.get("TF_CPP_MIN_LOG_LEVEL", QUIET_TF_LOG_LEVEL)
 
 
+#: glibc's malloc variables and the ``dasktf.local-cluster.malloc`` keys they come from
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "mmap-threshold",
+              "MALLOC_TRIM_THRESHOLD_": "trim-threshold"}
+
+
+def malloc_env() -> dict[str, str | None]:
+    """glibc's malloc thresholds for the workers dasktf spawns, in bytes, from
+    ``dasktf.local-cluster.malloc`` (``None``: distributed's, see
+    :func:`spawn_environment`)."""
+    out: dict[str, str | None] = {}
+    for variable, key in MALLOC_ENV.items():
+        value = config.get(f"local-cluster.malloc.{key}")
+        out[variable] = None if value is None else str(dask.utils.parse_bytes(value))
+    return out
+
+
 @contextmanager
-def quiet_tf_at_spawn() -> Iterator[None]:
-    """Start the worker processes spawned inside this context quiet from their first
-    instruction on (:mod:`dasktf.cluster.quiet`).
+def spawn_environment() -> Iterator[None]:
+    """Spawn the worker processes started inside this context with TensorFlow quiet
+    from their first instruction on (:mod:`dasktf.cluster.quiet`) and glibc's malloc
+    keeping TensorFlow's tensors of up to :data:`MMAP_THRESHOLD` in its heap.
 
     A Nanny applies its ``env=`` only once the spawned process is running, after
     ``multiprocessing`` re-imported the user's ``__main__``; a script that imports
@@ -67,11 +84,23 @@ def quiet_tf_at_spawn() -> Iterator[None]:
     there; a variable already in the environment wins over the config, so
     ``PYTHONPATH`` is extended here, ahead of what it held). A level the user set
     wins.
+
+    The same ``pre-spawn-environ`` of distributed's sets ``MALLOC_TRIM_THRESHOLD_``
+    to 64 KiB (freed memory goes back to the system at once), and setting any of
+    glibc's thresholds turns its adaptive mmap threshold off: every buffer of 128
+    KiB or more is then mapped afresh, or trimmed and grown again, and its pages
+    faulted in and zeroed by the kernel, each step, for every tensor TensorFlow
+    allocates that large. The workers dasktf spawns get the adaptive policy's
+    ceilings instead (``dasktf.local-cluster.malloc``: tensors up to 32 MiB stay in
+    the heap, 64 MiB of free memory kept at its top): a p2p step of the MNIST MLP
+    took 2.2-2.3 ms instead of 3.6-3.8 (benchmarks/RESULTS.md). A variable set in
+    the environment wins, as for every entry there.
     """
     key = "distributed.nanny.pre-spawn-environ"
     spawn = quiet.spawn_env(tf_log_level())
     os.environ["PYTHONPATH"] = spawn["PYTHONPATH"]
-    with dask.config.set({key: {**(dask.config.get(key, None) or {}), **spawn}}):
+    malloc = {k: v for k, v in malloc_env().items() if v is not None}
+    with dask.config.set({key: {**(dask.config.get(key, None) or {}), **malloc, **spawn}}):
         yield
 
 
@@ -147,7 +176,7 @@ def make_local_cluster(
         security=security,
         protocol="tls://" if security is not None and security.require_encryption else None,
     )
-    with quiet_tf_at_spawn():
+    with spawn_environment():
         if chosen:
             logger.info("Starting one worker per GPU: %s", "; ".join(map(str, chosen)))
             return GPUCluster(chosen, **options, **kwargs)
