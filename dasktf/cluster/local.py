@@ -71,7 +71,7 @@ def malloc_env() -> dict[str, str | None]:
 def spawn_environment() -> Iterator[None]:
     """Spawn the worker processes started inside this context with TensorFlow quiet
     from their first instruction on (:mod:`dasktf.cluster.quiet`) and glibc's malloc
-    keeping TensorFlow's tensors of up to :data:`MMAP_THRESHOLD` in its heap.
+    keeping TensorFlow's tensors in its heap (:func:`malloc_env`).
 
     A Nanny applies its ``env=`` only once the spawned process is running, after
     ``multiprocessing`` re-imported the user's ``__main__``; a script that imports
