@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import json
 import os
 import tempfile
 import threading
@@ -121,7 +122,7 @@ class ModelPackage:
                 "arguments (keras.io/guides/serialization_and_saving)."
             ) from exc
         seeds = tuple(np.asarray(v.numpy()) for v in seed_states(model))
-        digest = hashlib.sha256(archive)
+        digest = content_digest(archive)
         for seed in seeds:
             digest.update(seed.tobytes())
         package = cls(f"dasktf-model-{digest.hexdigest()[:20]}", archive,
@@ -418,6 +419,28 @@ def keras_archive(model: Any) -> bytes:
             model.save(path)
             with open(path, "rb") as f:
                 return f.read()
+
+
+def content_digest(archive: bytes) -> Any:
+    """A sha256 of what a ``.keras`` archive holds, not of when it was written:
+    Keras stamps its ``metadata.json`` with the second it saved, and the zip its
+    members with their times, so two saves of one model a second apart differ in
+    bytes, and a key made of those would have the workers fetch and build the same
+    model again (or a cached one looked for under another key)."""
+    digest = hashlib.sha256()
+    try:
+        with zipfile.ZipFile(io.BytesIO(archive)) as z:
+            for name in sorted(z.namelist()):
+                data = z.read(name)
+                if name == "metadata.json":
+                    meta = json.loads(data)
+                    meta.pop("date_saved", None)
+                    data = json.dumps(meta, sort_keys=True).encode()
+                digest.update(f"{name}\0{len(data)}\0".encode())
+                digest.update(data)
+    except (zipfile.BadZipFile, ValueError):  # not a zip: its bytes, as they are
+        return hashlib.sha256(archive)
+    return digest
 
 
 def _read(archive: bytes, objects: dict[str, Any]) -> Any:

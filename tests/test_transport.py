@@ -146,3 +146,21 @@ def test_a_trained_models_optimizer_goes_on_in_holders_and_servers(client, optio
                          verbose=0, seed=0, **options)
     steps = len(history.updates) if options.get("mode") == "async" else 2 * 3
     assert int(model.optimizer.iterations) == 12 + steps
+
+
+def test_a_packages_key_is_what_the_model_holds_not_when_it_was_saved():
+    """Keras stamps a ``.keras`` archive with the second it saved it (metadata.json,
+    the zip's member times): two packs of one model seconds apart differ in bytes
+    and have one key (so the workers' caches find it: test_predict's
+    test_models_are_built_once_per_worker failed when a pack crossed a second);
+    other weights, another key."""
+    import time
+
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    first = ModelPackage.pack(model)
+    time.sleep(2.1)  # past the zip's two-second resolution
+    again = ModelPackage.pack(model)
+    assert first.archive != again.archive
+    assert first.key == again.key
+    model.layers[0].kernel.assign(model.layers[0].kernel + 1.0)
+    assert ModelPackage.pack(model).key != first.key
