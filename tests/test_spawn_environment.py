@@ -13,6 +13,7 @@ environment is tests/test_quiet.py's.
 from __future__ import annotations
 
 import dask
+import pytest
 
 from dasktf.cluster.local import spawn_environment
 
@@ -34,6 +35,13 @@ def test_workers_are_spawned_with_the_adaptive_ceilings_and_the_users_values_win
     assert spawn["MALLOC_MMAP_THRESHOLD_"] == str(1 << 20)
     assert spawn["MALLOC_TRIM_THRESHOLD_"] == 65536  # null: distributed's left
     # (a variable in the environment wins: distributed reads it over the config)
+
+
+def test_a_malformed_threshold_is_named_before_any_worker_starts():
+    with dask.config.set({"dasktf.local-cluster.malloc.mmap-threshold": "lots"}), \
+            pytest.raises(ValueError, match=r"dasktf\.local-cluster\.malloc\.mmap-threshold"), \
+            spawn_environment():
+        pass
 
 
 def _page_faults_of_reallocating(nbytes: int, times: int) -> int:

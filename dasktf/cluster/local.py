@@ -63,7 +63,11 @@ def malloc_env() -> dict[str, str | None]:
     out: dict[str, str | None] = {}
     for variable, key in MALLOC_ENV.items():
         value = config.get(f"local-cluster.malloc.{key}")
-        out[variable] = None if value is None else str(dask.utils.parse_bytes(value))
+        try:
+            out[variable] = None if value is None else str(dask.utils.parse_bytes(value))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"dasktf.local-cluster.malloc.{key} must be a size such "
+                             f"as '32MiB' (or null); got {value!r}.") from exc
     return out
 
 
