@@ -135,18 +135,21 @@ class RedundantShard(ShardOptimizer):
     def _apply_pending(self, p: Pending) -> tuple[np.ndarray, np.ndarray]:
         """Apply ``p`` to the backup and to the slice (under :attr:`lock`); the
         slice's new values and the backup's."""
-        import keras
-
         assert p.scales is not None
-        rate = self.optimizer.learning_rate  # a callback's or a warm-up's: the same
-        if isinstance(rate, keras.Variable):
-            self.backup.optimizer.learning_rate = rate
         new, copied = self._apply_both(p.chunk, p.relayed, np.float32(p.count), p.scales)
         self.pending, self.torn = None, True
         return np.asarray(new), np.asarray(copied)
 
     def _apply_both_body(self, chunk: Any, relayed: Any, count: Any, scales: Any) -> Any:
         """The backup's update and the slice's (a TF body): their new values."""
+        import keras
+
+        # The slice's learning rate is the one a callback or a warm-up sets: the
+        # backup takes it here, in the call (set eagerly, it cost r1's step 7% of
+        # its CPU: benchmarks/RESULTS.md)
+        rate, mirror = self.optimizer.learning_rate, self.backup.optimizer.learning_rate
+        if isinstance(rate, keras.Variable) and isinstance(mirror, keras.Variable):
+            mirror.assign(rate)
         copied = self.backup._apply_body(relayed, count, scales)
         return self._apply_body(chunk, count, scales), copied
 
