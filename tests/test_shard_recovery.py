@@ -264,10 +264,12 @@ def test_checkpoints_hold_the_whole_optimizer_and_resume_cuts_it_again(client, d
     _assert_same_state(_state(resumed.model), _state(full.model), 1e-6)
 
 
-def _held(dask_worker=None) -> list[tuple[int, str]]:
+def _held(dask_worker=None) -> list[tuple[int, str, bool]]:
     """Per live replica on this worker: the bytes of the optimizer variables it
-    holds (its slice's, and its backup's with redundancy=1; all of them unsharded)
-    and a digest of its weights."""
+    holds (its slice's, and its backup's with redundancy=1; all of them unsharded),
+    a digest of its weights, and whether its backup's optimizer has the slice's
+    variables and no other (one the backup tracked by mistake would be checkpointed
+    and counted)."""
     import hashlib
 
     from dasktf.runtime.replica import registered_replicas
@@ -282,7 +284,9 @@ def _held(dask_worker=None) -> list[tuple[int, str]]:
             0 if backup is None else nbytes(backup.optimizer.variables))
         digest = hashlib.sha1(b"".join(np.asarray(w, np.float32).tobytes()
                                        for w in r.model.get_weights())).hexdigest()
-        out.append((held, digest))
+        alike = backup is None or [v.path for v in backup.optimizer.variables] == [
+            v.path for v in r.model.optimizer.variables]
+        out.append((held, digest, alike))
     return out
 
 
@@ -306,8 +310,9 @@ def test_each_replica_holds_two_thirds_with_redundancy_1_and_sends_no_more(clien
         reader = _ReadHeld(client)
         history = _fit(client, digits, epochs=1, callbacks=[reader], **kw)
         assert reader.seen is not None and len(reader.seen) == 3, reader.seen
-        held[name] = [b for b, _ in reader.seen]
-        assert len({d for _, d in reader.seen}) == 1, f"{name}: replicas differ"
+        held[name] = [b for b, _, _ in reader.seen]
+        assert len({d for _, d, _ in reader.seen}) == 1, f"{name}: replicas differ"
+        assert all(alike for _, _, alike in reader.seen), f"{name}: a backup's variables"
         moved[name] = history.history["bytes_per_step"][0]
     print(f"optimizer bytes a worker, 3 workers: {held}; bytes a step: {moved}")
     slots = 2 * 7510 * 4  # Adam's two float32 slots of mnist-mlp on digits
@@ -359,7 +364,7 @@ def test_a_worker_joining_gets_its_slices_at_the_epoch_end(digits):
             assert len(history.workers) == 3
             states[shard_state] = _state(history.model)
             if shard_state is not None:
-                held = [b for b, _ in reader.seen]
+                held = [b for b, _, _ in reader.seen]
     slots = 2 * 7510 * 4
     assert held is not None and len(held) == 3
     assert all(slots * 2 / 3 - 16 <= b <= slots * 2 / 3 + 2 * 64 for b in held), held
