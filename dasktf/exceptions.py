@@ -82,3 +82,8 @@ class SecurityWarning(UserWarning):
 
 class EngineHint(UserWarning):
     """Another engine would likely have run this job faster; nothing was switched."""
+
+
+class WorkerEnvironmentWarning(UserWarning):
+    """A worker's process was started with settings that slow training (glibc's
+    malloc thresholds); nothing was changed."""

@@ -70,3 +70,62 @@ def test_a_worker_reuses_its_heap_for_a_tensor_sized_buffer(client):
     assert len(faults) == 3
     for worker, count in faults.items():
         assert count < 1_000, (worker, count)
+
+
+@pytest.mark.parametrize("environ, libc, found", [
+    ({"MALLOC_TRIM_THRESHOLD_": "65536"}, "glibc", "MALLOC_TRIM_THRESHOLD_=65536"),
+    ({"MALLOC_TOP_PAD_": "0", "MALLOC_MMAP_MAX_": "0"}, "glibc",
+     "MALLOC_TOP_PAD_=0, MALLOC_MMAP_MAX_=0"),
+    ({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=65536"}, "glibc",
+     "GLIBC_TUNABLES=glibc.malloc.trim_threshold=65536"),
+    # the threshold itself set: the user chose it
+    ({"MALLOC_TRIM_THRESHOLD_": "65536", "MALLOC_MMAP_THRESHOLD_": "131072"}, "glibc", None),
+    ({"MALLOC_TRIM_THRESHOLD_": "65536",
+      "GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=33554432"}, "glibc", None),
+    ({}, "glibc", None),
+    ({"MALLOC_TRIM_THRESHOLD_": "65536"}, "", None),  # not glibc: its variables mean nothing
+])
+def test_what_fixes_the_mmap_threshold_is_named(environ, libc, found):
+    from dasktf.cluster.malloc import fixed_mmap_threshold
+
+    assert fixed_mmap_threshold(environ, libc) == found
+
+
+def test_workers_not_spawned_by_dasktf_are_named_once_with_the_fix(monkeypatch, small_digits,
+                                                                  client):
+    """Workers a plain distributed LocalCluster spawns (as `dask worker` does: its
+    nanny sets MALLOC_TRIM_THRESHOLD_=65536) are named by the run, once per process,
+    with the variables to start them with; nothing is said of dasktf's own."""
+    import platform
+    import warnings
+
+    from distributed import Client, LocalCluster
+
+    import dasktf
+    from dasktf.exceptions import WorkerEnvironmentWarning
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("glibc's malloc only")
+    # (an earlier cluster of dasktf's left its values in this process's environment,
+    # which the nanny would pass on: distributed's own setting is what is tested)
+    for variable in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"):
+        monkeypatch.delenv(variable, raising=False)
+    x, y = small_digits
+    fit = dict(epochs=1, batch_size=64, verbose=0, seed=0)
+    with dask.config.set({KEY: {"MALLOC_TRIM_THRESHOLD_": 65536}}), \
+            LocalCluster(n_workers=1, threads_per_worker=1, processes=True,
+                         dashboard_address=":0", host="127.0.0.1") as cluster, \
+            Client(cluster) as plain:
+        plain.wait_for_workers(1, timeout=60)
+        with pytest.warns(WorkerEnvironmentWarning) as caught:
+            dasktf.fit("mnist-mlp", x, y, client=plain, n_workers=1, **fit)
+        (said,) = [str(w.message) for w in caught]
+        for worker in cluster.workers.values():
+            assert f"{worker.worker_address} (MALLOC_TRIM_THRESHOLD_=65536)" in said, said
+        assert "MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=67108864" in said
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", WorkerEnvironmentWarning)
+            dasktf.fit("mnist-mlp", x, y, client=plain, n_workers=1, **fit)  # said once
+    with warnings.catch_warnings():  # ``client``: the workers dasktf spawned
+        warnings.simplefilter("error", WorkerEnvironmentWarning)
+        dasktf.fit("mnist-mlp", x, y, client=client, n_workers=3, **fit)

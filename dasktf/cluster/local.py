@@ -34,6 +34,7 @@ from dasktf.cluster.devices import (
     select_gpus,
     split_gpu_workers,
 )
+from dasktf.cluster.malloc import malloc_env
 from dasktf.cluster.membership import described_workers
 from dasktf.exceptions import SchedulerUnreachableError, WorkerLostError
 
@@ -49,26 +50,6 @@ QUIET_TF_LOG_LEVEL = "1"
 def tf_log_level() -> str:
     """``TF_CPP_MIN_LOG_LEVEL`` for a process dasktf starts: the user's, if set."""
     return os.environ.get("TF_CPP_MIN_LOG_LEVEL", QUIET_TF_LOG_LEVEL)
-
-
-#: glibc's malloc variables and the ``dasktf.local-cluster.malloc`` keys they come from
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "mmap-threshold",
-              "MALLOC_TRIM_THRESHOLD_": "trim-threshold"}
-
-
-def malloc_env() -> dict[str, str | None]:
-    """glibc's malloc thresholds for the workers dasktf spawns, in bytes, from
-    ``dasktf.local-cluster.malloc`` (``None``: distributed's, see
-    :func:`spawn_environment`)."""
-    out: dict[str, str | None] = {}
-    for variable, key in MALLOC_ENV.items():
-        value = config.get(f"local-cluster.malloc.{key}")
-        try:
-            out[variable] = None if value is None else str(dask.utils.parse_bytes(value))
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"dasktf.local-cluster.malloc.{key} must be a size such "
-                             f"as '32MiB' (or null); got {value!r}.") from exc
-    return out
 
 
 @contextmanager

@@ -19,6 +19,7 @@ from dasktf.callbacks import (
 )
 from dasktf.cluster.calls import CallsPlugin, call_on_workers, tell_workers
 from dasktf.cluster.liveness import LivenessWatch
+from dasktf.cluster.malloc import warn_fixed_malloc
 from dasktf.cluster.membership import MembershipWatcher, alive_workers, listed_workers
 from dasktf.cluster.waits import RunContext, WatchedClient, wait_for
 from dasktf.data.base import PlacedData
@@ -254,6 +255,7 @@ class Run:
                   self.slow_workers.get(i, 1.0)))
              for i, w in enumerate(self.ctx.workers)],
             timeout_key="replica-timeout")
+        warn_fixed_malloc(self.replica_info)  # workers dasktf did not spawn
 
     # -- the epoch loop -----------------------------------------------------------------
     def _engine_inputs(self) -> EngineInputs:

@@ -14,6 +14,7 @@ import numpy as np
 from dasktf.cluster.devices import (
     placement_summary,
 )
+from dasktf.cluster.malloc import fixed_mmap_threshold
 from dasktf.data.shards import Shard
 from dasktf.runtime.channel import channel, receive, send
 from dasktf.runtime.manager import run_manager
@@ -70,6 +71,7 @@ def create_replica_task(
         "devices": [d.name for d in tf.config.get_visible_devices()],
         "intra_op_threads": tf.config.threading.get_intra_op_parallelism_threads(),
         "shard_size": len(shard),
+        "malloc": fixed_mmap_threshold(),
     }
 
 
