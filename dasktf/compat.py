@@ -74,6 +74,34 @@ def gather(client: Any, futures: list[Any]) -> Awaitable[Any]:
     return client.gather(futures, asynchronous=True)
 
 
+async def copy_on_worker(client: Any, worker: str, who_has: dict[str, list[str]]
+                         ) -> dict[str, Any]:
+    """Have ``worker`` copy each key of ``who_has`` from one of the workers listed
+    for it, and tell the scheduler it holds it: the worker's ``gather`` handler,
+    called over the client's ``rpc`` pool, as ``Scheduler.replicate`` calls it for
+    each copy (distributed). Its answer: ``{"status": "OK"}``, or
+    ``"partial-fail"`` with the keys it found nowhere. dasktf calls it instead of
+    ``replicate`` (``client.scatter(broadcast=True)``) because that holds one lock
+    of the scheduler's, for every replicate, while it waits on a lost worker for
+    distributed's connect timeout (:mod:`dasktf.cluster.broadcast`). Without it:
+    ``replicate`` (a lost worker may then hold the next copy for 30 s)."""
+    if not hasattr(client, "rpc"):
+        await client.replicate(list(who_has), workers=[worker], asynchronous=True)
+        return {"status": "OK"}
+    return await client.rpc(worker).gather(who_has=who_has)  # type: ignore[no-any-return]
+
+
+async def tell_scheduler_held(client: Any, key: str, workers: list[str], nbytes: int
+                              ) -> None:
+    """Tell the scheduler that ``workers`` hold ``key`` (``nbytes``), as
+    ``Client._scatter`` tells it of what it placed (``Scheduler.update_data``): a
+    worker's ``gather`` (:func:`copy_on_worker`) does not, and a copy the
+    scheduler does not know of is never freed."""
+    if workers:
+        await client.scheduler.update_data(who_has={key: workers}, nbytes={key: nbytes},
+                                           client=client.id)
+
+
 async def scatter_each(client: Any, values: list[Any], workers: list[str]) -> list[Any]:
     """Futures of ``values[i]`` placed on ``workers[i]`` (each under a fresh key),
     with one message to the scheduler for all of them.

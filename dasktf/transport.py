@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from dasktf.cluster.broadcast import broadcast
 from dasktf.compat import constructor_arguments, flatten_layers, keras_saving_lib
 from dasktf.models import custom_objects
 
@@ -362,11 +363,11 @@ def share_model(client: Client, package: ModelPackage,
 
     Tasks then take ``shared.ref`` (a key), never the package: the scheduler and
     the task graph see a few dozen bytes whatever the model's size. The client
-    sends it to one worker and the workers copy it among themselves (Dask's
-    ``replicate``): the package never passes through the scheduler.
+    sends it to one worker and the workers copy it among themselves
+    (:func:`dasktf.cluster.broadcast.broadcast`): the package never passes through
+    the scheduler.
     """
-    future = client.scatter(package, workers=workers, broadcast=True, direct=True,
-                            hash=False)
+    future = broadcast(client, package, workers)
     return SharedModel(package.ref(future.key), future, package.nbytes)
 
 

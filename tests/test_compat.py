@@ -125,6 +125,24 @@ def test_client_scatter_names():
         "distributed", "FutureState.finish(type=)")
 
 
+def test_worker_gather_handler():
+    """What :func:`dasktf.compat.copy_on_worker` calls: the worker's ``gather``
+    handler, as ``Scheduler.replicate`` calls it, telling the scheduler of the copy."""
+    import inspect
+
+    from distributed import Worker
+    from distributed.scheduler import Scheduler
+
+    assert "who_has" in inspect.signature(Worker.gather).parameters, gone(
+        "distributed", "Worker.gather(who_has=)")
+    assert '"gather": self.gather' in inspect.getsource(Worker.__init__), gone(
+        "distributed", "the worker's gather handler")
+    assert "self.update_data(data" in inspect.getsource(Worker.gather), gone(
+        "distributed", "Worker.gather reporting its copies")
+    assert "gather_on_worker" in inspect.getsource(Scheduler.replicate), gone(
+        "distributed", "Scheduler.replicate copying through the workers' gather")
+
+
 def test_spec_cluster_correct_state():
     from distributed import SpecCluster
 

@@ -330,9 +330,12 @@ def test_a_waiting_client_hears_of_its_workers_from_the_watcher_not_a_poll(clien
     # a poll would be hundreds (the fit takes seconds at 20 ms a poll: 630 before)
     assert calls.get("ncores", 0) <= 10, calls
     # the shards, the validation pieces, the model's package (sent by the client to
-    # a worker, which the others copy: never through the scheduler's ``scatter``)
-    assert calls.get("update_data", 0) == 3, calls
+    # a worker, which the others copy: never through the scheduler's ``scatter``),
+    # and the copies of the package (told, not made by the scheduler's
+    # ``replicate``: dasktf.cluster.broadcast)
+    assert calls.get("update_data", 0) == 4, calls
     assert calls.get("scatter", 0) == 0, calls
+    assert calls.get("replicate", 0) == 0, calls
     assert calls.get("ncores_running", 0) == 1, calls  # the package's scatter
     assert calls.get("register_worker_plugin", 0) >= 1, calls  # TensorFlow's, p2p's
     assert calls.get("register_scheduler_plugin", 0) >= 1, calls

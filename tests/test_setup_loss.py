@@ -258,7 +258,12 @@ def test_a_worker_frozen_while_setting_up_is_removed_and_the_run_goes_on(
         assert relative_error(got, expected) < 1e-5
     noticed = recovery["detected_at"] - freezer.frozen_at
     assert noticed < SETUP_LIVENESS + 5, noticed
-    print(f"\n{phase}: noticed {noticed:.2f}s after the freeze")
+    # set up again without waiting on the removed worker: a copy of the model's
+    # package to it (the scheduler's replicate, one lock for all) held the next
+    # one for distributed's connect timeout, 30 s (dasktf/cluster/broadcast.py)
+    assert recovery["resume_s"] < LIMIT, recovery
+    print(f"\n{phase}: noticed {noticed:.2f}s after the freeze, set up again "
+          f"{recovery['resume_s']:.2f}s later")
 
 
 def _bounded(recovery, killer):

@@ -15,13 +15,14 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from distributed import wait
 
 from dasktf import compat, config
+from dasktf.cluster.broadcast import copy_to_workers
 from dasktf.cluster.deadline import Deadline, poll_until
 from dasktf.cluster.membership import listed_workers
 from dasktf.exceptions import (
@@ -230,6 +231,13 @@ class WatchedClient:
         client = self.ctx.client
         return call_watched(
             self.ctx, lambda: compat.scatter_each(client, values, workers), self.what)
+
+    def broadcast(self, value: Any, workers: Sequence[str] | None = None) -> Any:
+        """A future of ``value`` on each of ``workers`` (default: the run's), copied
+        among them (:mod:`dasktf.cluster.broadcast`), watched as ``scatter``."""
+        client, targets = self.ctx.client, list(workers or self.ctx.workers)
+        return call_watched(
+            self.ctx, lambda: copy_to_workers(client, value, targets), self.what)
 
     def gather(self, futures: Any, **kwargs: Any) -> Any:
         try:

@@ -18,8 +18,9 @@ from typing import Any
 import numpy as np
 
 from dasktf.cluster.batch import TaskBatch
+from dasktf.cluster.broadcast import broadcast
 from dasktf.cluster.calls import call_on_workers
-from dasktf.cluster.waits import RunContext, wait_for
+from dasktf.cluster.waits import RunContext, WatchedClient, wait_for
 from dasktf.data.shards import Shard
 from dasktf.runtime.replica import get_replica, take_kept
 from dasktf.runtime.tasks import set_learning_rate_task
@@ -210,9 +211,9 @@ def read_state(ctx: RunContext, update: int | None = None, after: Any = None
 
 def load_state(ctx: RunContext, state: dict[str, Any]) -> None:
     """Load ``state`` (a checkpoint's, or the run's at a re-form) into every replica."""
-    big = ctx.client.scatter(state, broadcast=True, direct=True, hash=False)
-    on_every_worker(ctx, "loading the checkpoint into the replicas", set_state_task,
-                    ctx.run_id, big)
+    what = "loading the checkpoint into the replicas"
+    big = broadcast(WatchedClient(ctx, what), state)
+    on_every_worker(ctx, what, set_state_task, ctx.run_id, big)
 
 
 def applied_logs(ctx: RunContext) -> dict[int, list[int]]:

@@ -200,10 +200,11 @@ class CollectiveEngine(Engine):
 
     def load_state(self, state: dict[str, Any]) -> None:
         """Load a checkpoint (of either engine) into every child."""
-        from dasktf.cluster.waits import wait_for
+        from dasktf.cluster.broadcast import broadcast
+        from dasktf.cluster.waits import WatchedClient, wait_for
 
         client = self.ctx.client
-        big = client.scatter(state, broadcast=True, direct=True, hash=False)
+        big = broadcast(WatchedClient(self.ctx, "loading the checkpoint"), state)
         futures = [client.submit(collective_load_task, self.ctx.run_id, big,
                                  key=f"dasktf-collective-load-{self.ctx.run_id}-{i}",
                                  workers=[w], allow_other_workers=False)

@@ -41,7 +41,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from distributed import Future
 
-from dasktf.cluster.waits import RunContext, wait_for
+from dasktf.cluster.broadcast import broadcast
+from dasktf.cluster.waits import RunContext, WatchedClient, wait_for
 from dasktf.engines.base import Capabilities, RunHooks
 from dasktf.engines.graph.steps import SyncEngine
 from dasktf.exceptions import WorkerLostError
@@ -144,7 +145,7 @@ class ElasticSyncEngine(SyncEngine):
     def _rewind(self, lost: list[str], reached: int) -> tuple[int, int, str]:
         """Sharded servers: every survivor and a new set of servers on them go back
         to the restore point (see the module)."""
-        client, ctx = self.ctx.client, self.ctx
+        ctx = self.ctx
         restore = self.rewind_point()
         if restore is None:
             raise WorkerLostError(
@@ -153,9 +154,9 @@ class ElasticSyncEngine(SyncEngine):
             )
         self.servers = server_workers(ctx.workers, self.spec.num_ps)
         self.load_servers(restore)
-        state = client.scatter(restore, broadcast=True, direct=True, hash=False)
-        reconcile.on_every_worker(ctx, "rewinding the surviving replicas to the restore "
-                                  "point", set_state_task, ctx.run_id, state, True, True)
+        what = "rewinding the surviving replicas to the restore point"
+        state = broadcast(WatchedClient(ctx, what), restore)
+        reconcile.on_every_worker(ctx, what, set_state_task, ctx.run_id, state, True, True)
         return self.rewound(reached, f"servers on {', '.join(self.servers)}")
 
     def state(self) -> dict[str, Any]:

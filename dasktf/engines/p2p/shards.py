@@ -13,7 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from dasktf.cluster.waits import RunContext, wait_for
+from dasktf.cluster.broadcast import broadcast
+from dasktf.cluster.waits import RunContext, WatchedClient, wait_for
 from dasktf.exceptions import ShardingError
 from dasktf.runtime.p2p.redundancy import recovered_state, reshard_task, slices_task
 from dasktf.runtime.p2p.sharding import assemble_optimizer, shard_state_task
@@ -61,13 +62,12 @@ def load_whole(ctx: RunContext, workers: list[str], state: dict[str, Any],
     step cuts it over them (:func:`~dasktf.runtime.p2p.redundancy.reshard_task`);
     ``rewind``: an older state than theirs (a restore point), the updates after it
     forgotten."""
-    client = ctx.client
-    big = client.scatter(state, broadcast=True, hash=False)
-    flat_f = None if flat is None else client.scatter(flat, broadcast=True, hash=False)
-    _on_each(ctx, workers, reshard_task,
-             "rewinding the replicas to the restore point" if rewind
-             else "loading the state into the replicas", ctx.run_id, big, flat_f, True,
-             rewind)
+    what = ("rewinding the replicas to the restore point" if rewind
+            else "loading the state into the replicas")
+    client = WatchedClient(ctx, what)
+    big = broadcast(client, state, workers)
+    flat_f = None if flat is None else broadcast(client, flat, workers)
+    _on_each(ctx, workers, reshard_task, what, ctx.run_id, big, flat_f, True, rewind)
 
 
 def lost_slices(lost: list[str], shard_state: str, checkpoint: str | None
