@@ -11,8 +11,12 @@ workers during the run, what TensorFlow holds), the bytes a worker moves a step,
 and the load average before and after (on a shared 2-core machine the workers
 share the cores).
 
+``--free-apply`` adds a fourth run, ``redundancy=0`` with every slice's apply made free
+(no TensorFlow call, no optimizer; training wrong): the floor of a sharded step, its
+messages and its gradient call alone.
+
 Usage: ``python benchmarks/shard_redundancy.py [--model mnist-mlp|cnn] [--workers 3] [--rows 15360]
-[--epochs 3] [--repeats 2] [--data /work/shared/data/mnist.npz]``.
+[--epochs 3] [--repeats 2] [--free-apply] [--data /work/shared/data/mnist.npz]``.
 """
 
 from __future__ import annotations
@@ -32,6 +36,29 @@ RUNS: dict[str, dict[str, Any]] = {
     "redundancy=0": {"shard_state": "optimizer", "redundancy": 0},
     "redundancy=1": {"shard_state": "optimizer", "redundancy": 1},
 }
+
+
+#: ``--free-apply``: the step's floor, ``redundancy=0`` with the slice's apply costing
+#: nothing (no TensorFlow call, no optimizer: the slice's values as they were)
+FREE_APPLY = "free apply"
+
+
+def _free_apply(on: bool, dask_worker: Any = None) -> None:
+    """Make every slice's apply (``ShardOptimizer.apply_scaled``) return the slice's
+    first values at no cost, or put the real one back. Training is then wrong; the
+    step's time is what its messages and its one gradient call cost alone."""
+    from dasktf.runtime.p2p.sharding import ShardOptimizer
+
+    real = ShardOptimizer.__dict__.get("real_apply_scaled", ShardOptimizer.apply_scaled)
+
+    def free(self: Any, chunk: np.ndarray, count: float, scales: np.ndarray) -> np.ndarray:
+        frozen = self.__dict__.get("frozen_values")
+        if frozen is None:
+            frozen = self.__dict__["frozen_values"] = self.own_values()
+        return frozen
+
+    ShardOptimizer.real_apply_scaled = real  # type: ignore[attr-defined]
+    ShardOptimizer.apply_scaled = free if on else real  # type: ignore[method-assign]
 
 
 def _held_bytes(dask_worker: Any = None) -> list[int]:
@@ -83,7 +110,13 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--data", default=DATA)
+    parser.add_argument("--free-apply", action="store_true",
+                        help="also time redundancy=0 with an apply that costs nothing "
+                             "(the floor of the sharded step: its messages alone)")
     args = parser.parse_args()
+    runs = dict(RUNS)
+    if args.free_apply:
+        runs[FREE_APPLY] = RUNS["redundancy=0"]
     from distributed import Client
 
     import dasktf
@@ -95,21 +128,23 @@ def main() -> None:
         x = x.reshape(-1, 784)
     n = args.workers
     load_before = open("/proc/loadavg").read().split()[:3]
-    times: dict[str, list[float]] = {name: [] for name in RUNS}
+    times: dict[str, list[float]] = {name: [] for name in runs}
     held: dict[str, list[int]] = {}
     moved: dict[str, float] = {}
     with dasktf.make_local_cluster(n, tf_threads=1) as cluster, Client(cluster) as client:
         client.wait_for_workers(n, timeout=120)
         for _ in range(args.repeats):
-            for name, options in RUNS.items():
+            for name, options in runs.items():
+                client.run(_free_apply, name == FREE_APPLY)
                 seconds, held[name], moved[name] = run(args.model, client, x, y, n,
                                                        args.epochs, options)
                 times[name] += seconds
+            client.run(_free_apply, False)
     load_after = open("/proc/loadavg").read().split()[:3]
     base = statistics.median(times["unsharded"])
     print(f"{args.model}, Adam, {n} workers, batch 256, {args.rows} rows, {args.epochs} "
           f"epochs x {args.repeats} repeats (medians of the epochs after the first)")
-    for name in RUNS:
+    for name in runs:
         step = statistics.median(times[name])
         print(f"  {name:13s} {step * 1e3:7.2f} ms/step ({step / base:.2f}x)   optimizer "
               f"bytes per replica {held[name]} "
