@@ -58,3 +58,18 @@ def test_every_worker_holds_the_value_the_scheduler_knows_and_frees_it(
 def test_to_no_worker_is_refused(client):
     with pytest.raises(ValueError, match="no worker"):
         client.sync(copy_to_workers, client, 1, [])
+
+
+def test_a_plain_clients_broadcast_leaves_out_a_worker_a_copy_failed_on(no_memory_manager):
+    """For a plain client's inference the others hold the value and the scheduler
+    knows of them only (a run's watched broadcast raises instead, for its watch to
+    name the lost worker). The scheduler's address stands for a worker that
+    answers the copy with an error."""
+    client = no_memory_manager
+    workers = alive_workers(client)[:2]
+    not_a_worker = client.scheduler.address
+    future = client.sync(copy_to_workers, client, np.ones(10), [*workers, not_a_worker],
+                         strict=False)
+    assert sorted(client.who_has([future])[future.key]) == sorted(workers)
+    with pytest.raises(Exception):  # noqa: B017 (whatever the scheduler answers)
+        client.sync(copy_to_workers, client, np.ones(10), [*workers, not_a_worker])
