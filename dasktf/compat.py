@@ -77,9 +77,10 @@ def gather(client: Any, futures: list[Any]) -> Awaitable[Any]:
 async def copy_on_worker(client: Any, worker: str, who_has: dict[str, list[str]]
                          ) -> dict[str, Any]:
     """Have ``worker`` copy each key of ``who_has`` from one of the workers listed
-    for it, and tell the scheduler it holds it: the worker's ``gather`` handler,
-    called over the client's ``rpc`` pool, as ``Scheduler.replicate`` calls it for
-    each copy (distributed). Its answer: ``{"status": "OK"}``, or
+    for it: the worker's ``gather`` handler, called over the client's ``rpc`` pool,
+    as ``Scheduler.replicate`` calls it for each copy (distributed; the worker does
+    not tell the scheduler of the copy: :func:`tell_scheduler_held`). Its answer:
+    ``{"status": "OK"}``, or
     ``"partial-fail"`` with the keys it found nowhere. dasktf calls it instead of
     ``replicate`` (``client.scatter(broadcast=True)``) because that holds one lock
     of the scheduler's, for every replicate, while it waits on a lost worker for

@@ -48,8 +48,8 @@ async def copy_to_workers(client: Any, value: Any, workers: Sequence[str],
         failed = [w for w, a in zip(now, answers, strict=True)
                   if not isinstance(a, dict) or a.get("status") != "OK"]
         if failed and strict:
-            raise OSError(f"{future.key} could not be copied to {failed}: the workers "
-                          f"holding it, {holders}, answered no one")
+            raise OSError(f"{future.key} could not be copied to {failed} from the "
+                          f"workers holding it, {holders}")
         holders += [w for w in now if w not in failed]
     nbytes = sizeof(value)
     try:
